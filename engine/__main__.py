@@ -1,0 +1,20 @@
+"""`python -m engine <command>`: generate, bench, train-builtin, eval-builtin."""
+import sys
+
+
+def main() -> int:
+    commands = {
+        "generate": "engine.cli",
+        "train-builtin": "engine.train_builtin",
+        "eval-builtin": "engine.builtin_eval",
+    }
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(f"usage: python -m engine {{{','.join(commands)}}} [options]  (--help on each)", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(commands[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

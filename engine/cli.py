@@ -1,0 +1,207 @@
+"""`python -m engine generate`: decode one prompt speculatively from the command line, with its baseline.
+
+Bad input (empty prompt, bad K or sampling settings, a model that cannot be loaded, mismatched
+tokenizers, a prompt too long for the context) prints one `error: ...` line to stderr and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import KVPoolExhausted
+from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
+from engine.models import BUILTIN, LoadedModel, ModelLoadError, default_devices, load_model
+from engine.records import RunSummary
+from engine.sampling import SamplingParams
+from engine.speculative import PromptError
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+class UsageError(ValueError):
+    """Bad command-line input; main() prints it as one `error:` line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so main() owns the error format."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m engine generate",
+                description="Generate a continuation of a prompt with speculative decoding, and (unless "
+                            "--no-compare) with plain target-only decoding interleaved on the same hardware.")
+    p.add_argument("--prompt", required=True, help="the text to continue (the built-in pair knows Python code)")
+    p.add_argument("--target", default=BUILTIN, help="target model: 'builtin', a Hugging Face id or a local path "
+                                                     "(default: builtin)")
+    p.add_argument("--draft", default=BUILTIN, help="draft model for --drafter model: 'builtin', a Hugging Face id "
+                                                    "or a local path; must share the target's tokenizer (default: builtin)")
+    p.add_argument("--drafter", choices=[d.value for d in DrafterKind], default="model",
+                   help="model: a small draft LM proposes tokens; ngram: prompt lookup, no draft model (default: model)")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default="v2",
+                   help="v2: one target forward per round, rejected KV rolled back; v1: the seed system's "
+                        "read-only verify plus a commit forward; target: target-only decoding (default: v2)")
+    p.add_argument("--k", type=int, default=4, help=f"draft tokens per round, 1..{K_BOUND} (default: 4)")
+    p.add_argument("--k-schedule", choices=[s.value for s in KSchedule], default="constant",
+                   help="constant K, or heuristic: K+2 after a fully accepted round, K-1 otherwise (default: constant)")
+    p.add_argument("--k-min", type=int, default=1, help="lower bound for the heuristic schedule (default: 1)")
+    p.add_argument("--k-max", type=int, default=8, help="upper bound for the heuristic schedule (default: 8)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); otherwise sample")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="seed for drafting and verification draws (default: 0)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    p.add_argument("--trace", type=Path, default=None, metavar="OUT.jsonl",
+                   help="write a JSON Lines trace of every round (open it in the playground)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, metrics, baseline metrics) instead of text")
+    p.add_argument("--draft-device", default=None, help="device for the draft model (default: cuda:0 if present, else cpu)")
+    p.add_argument("--target-device", default=None,
+                   help="device for the target (default: cuda:1 with 2+ GPUs, cuda:0 with one, else cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype; auto = fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow Hub models that ship their own modelling code (runs that code)")
+    p.add_argument("--no-compare", action="store_true", help="skip the interleaved target-only baseline")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks per model pool (default: enough for the prompt plus max-new-tokens)")
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """What one `generate` run produced, ready to print."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    metrics: RunSummary
+    baseline: RunSummary | None
+    identical_to_baseline: bool | None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.baseline is None or self.baseline.tokens_per_s <= 0:
+            return None
+        return self.metrics.tokens_per_s / self.baseline.tokens_per_s
+
+
+def config_from_args(args: argparse.Namespace) -> SpecConfig:
+    """The run's SpecConfig; SamplingParams' and SpecConfig's ValueErrors become UsageErrors."""
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        return SpecConfig(mode=args.mode, drafter=args.drafter, k=args.k, k_schedule=args.k_schedule,
+                          k_min=args.k_min, k_max=args.k_max, sampling=sampling, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def check_device(spec: str) -> torch.device:
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UsageError(f"unknown device {spec!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if (device.index or 0) >= count:
+            raise UsageError(f"device {spec} is not available ({count} CUDA device(s) visible)")
+    elif device.type != "cpu":
+        raise UsageError(f"unsupported device {spec!r}; use cpu or cuda:N")
+    return device
+
+
+def load_models(args: argparse.Namespace, config: SpecConfig) -> tuple[LoadedModel, LoadedModel | None]:
+    """(target, draft); the draft is loaded only for the model drafter outside target mode."""
+    for spec in (args.draft_device, args.target_device):
+        if spec is not None:
+            check_device(spec)
+    draft_dev, target_dev = default_devices(args.draft_device, args.target_device)
+    target = load_model(args.target, "target", device=target_dev, dtype=args.dtype,
+                        trust_remote_code=args.trust_remote_code)
+    if config.mode is Mode.TARGET or config.drafter is DrafterKind.NGRAM:
+        return target, None
+    draft = load_model(args.draft, "draft", device=draft_dev, dtype=args.dtype,
+                       trust_remote_code=args.trust_remote_code)
+    return target, draft
+
+
+def generate(args: argparse.Namespace) -> GenerateResult:
+    from engine.session import ComparedRun
+
+    config = config_from_args(args)
+    if args.kv_blocks is not None and args.kv_blocks < 1:
+        raise UsageError(f"--kv-blocks must be >= 1, got {args.kv_blocks}")
+    target, draft = load_models(args, config)
+    run = ComparedRun(target, draft, args.prompt, config, compare=not args.no_compare,
+                      trace_path=args.trace, kv_blocks=args.kv_blocks)
+    try:
+        run.run_to_end()
+        spec, base = run.summaries()
+        return GenerateResult(text=target.tokenizer.decode(run.spec.generated), token_ids=list(run.spec.generated),
+                       prompt_ids=list(run.spec.prompt), metrics=spec, baseline=base,
+                       identical_to_baseline=run.identical_to_baseline())
+    finally:
+        run.close()
+
+
+def to_json(outcome: GenerateResult) -> str:
+    from engine.trace import summary_to_dict
+
+    return json.dumps({
+        "text": outcome.text, "token_ids": outcome.token_ids, "prompt_ids": outcome.prompt_ids,
+        "metrics": summary_to_dict(outcome.metrics),
+        "baseline_metrics": summary_to_dict(outcome.baseline) if outcome.baseline else None,
+        "speedup": outcome.speedup, "identical_to_baseline": outcome.identical_to_baseline,
+    }, allow_nan=False, ensure_ascii=False)
+
+
+def to_text(outcome: GenerateResult, args: argparse.Namespace) -> str:
+    m = outcome.metrics
+    lines = [outcome.text, "", f"--- {m.mode} / {m.drafter}: {m.tokens} tokens in {m.rounds} rounds, "
+                               f"{m.elapsed_s:.2f} s"]
+    if m.drafted:
+        lines.append(f"acceptance {m.acceptance_rate:.1%} ({m.accepted}/{m.drafted} drafted), "
+                     f"mean accepted length {m.mean_accepted_length:.2f} tokens/round")
+    lines.append(f"{m.tokens_per_s:.1f} tokens/s, {m.target_forwards_per_token:.2f} target forwards/token")
+    if outcome.baseline is not None:
+        speedup = f"{outcome.speedup:.2f}x" if outcome.speedup is not None else "n/a"
+        lines.append(f"baseline (target-only, same process): {outcome.baseline.tokens_per_s:.1f} tokens/s, "
+                     f"speed-up {speedup}")
+        same = "yes" if outcome.identical_to_baseline else "no"
+        note = "" if args.temperature == 0 else " (sampled: the runs draw differently, so no match is expected)"
+        lines.append(f"identical to baseline: {same}{note}")
+    if args.trace:
+        lines.append(f"trace written to {args.trace}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `generate` with argv (default sys.argv[1:]); 0 on success, 2 on bad input."""
+    try:
+        args = build_parser().parse_args(argv)
+        outcome = generate(args)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except (UsageError, PromptError, ModelLoadError, KVPoolExhausted) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the trace file cannot be written
+        print(f"error: cannot write {exc.filename or args.trace}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(to_json(outcome) if args.json else to_text(outcome, args))
+    return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

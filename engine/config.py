@@ -1,0 +1,76 @@
+"""Run configuration: the modes, drafters and K schedules, and one validated config record."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling import SamplingParams
+
+K_BOUND = 16  # the largest K the engine accepts; verify rows and UI charts are sized for it
+
+
+class Mode(str, Enum):
+    V2 = "v2"          # one target forward writes K+1 slots; rejected slots are rolled back
+    V1 = "v1"          # the seed system: verify without a KV write, then a second forward commits
+    TARGET = "target"  # plain target-only decoding: the baseline
+
+
+class DrafterKind(str, Enum):
+    MODEL = "model"    # a small draft model with its own paged cache
+    NGRAM = "ngram"    # prompt lookup: copy what followed the last matching n-gram
+
+
+class KSchedule(str, Enum):
+    CONSTANT = "constant"
+    HEURISTIC = "heuristic"  # K+2 after a fully accepted round, K-1 otherwise, within [k_min, k_max]
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Everything that decides a run's tokens and its cost, apart from the models and prompt."""
+
+    mode: Mode = Mode.V2
+    drafter: DrafterKind = DrafterKind.MODEL
+    k: int = 4
+    k_schedule: KSchedule = KSchedule.CONSTANT
+    k_min: int = 1
+    k_max: int = 8
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    max_new_tokens: int = 64
+    stop_at_eos: bool = True
+    top_n: int = 8          # candidates kept per position in round records
+    record: bool = True     # build per-position candidate lists and token texts (the UI); off for benches
+    ngram_max: int = 4
+    ngram_min: int = 1
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name, enum in (("mode", Mode), ("drafter", DrafterKind), ("k_schedule", KSchedule)):
+            value = getattr(self, name)
+            if not isinstance(value, enum):
+                try:
+                    object.__setattr__(self, name, enum(value))
+                except ValueError:
+                    raise ValueError(f"{name} must be one of {[e.value for e in enum]}, not {value!r}") from None
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError("sampling must be a SamplingParams")
+        if not (1 <= self.k_min <= self.k_max <= K_BOUND):
+            raise ValueError(f"need 1 <= k_min <= k_max <= {K_BOUND}, got k_min={self.k_min}, k_max={self.k_max}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= K_BOUND:
+            raise ValueError(f"K must be an integer between 1 and {K_BOUND}, got {self.k!r}")
+        if self.k_schedule is KSchedule.HEURISTIC and not self.k_min <= self.k <= self.k_max:
+            raise ValueError(f"K={self.k} lies outside the heuristic schedule's bounds [{self.k_min}, {self.k_max}]")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.top_n < 1:
+            raise ValueError(f"top_n must be >= 1, got {self.top_n}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def next_k(self, k: int, fully_accepted: bool) -> int:
+        if self.k_schedule is KSchedule.CONSTANT:
+            return k
+        return min(self.k_max, k + 2) if fully_accepted else max(self.k_min, k - 1)

@@ -1,0 +1,155 @@
+"""Sampling: turning logits into the processed distributions the engine samples from, and sampling them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Uniforms are drawn in float64: the accept test `u < alpha` and inverse-CDF sampling then have
+# ~1e-16 resolution, so tiny acceptance probabilities and tiny token masses are still honoured.
+UNIFORM_DTYPE = torch.float64
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How logits become a distribution.
+
+    temperature: 0 means greedy (one-hot on the argmax); otherwise logits are divided by it.
+    top_k: keep only the k most likely tokens (0 = off).
+    top_p: nucleus sampling; keep the smallest top set with mass >= top_p (1.0 = off).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Processed distribution per row: Tensor[N, V] logits -> Tensor[N, V] float32, rows sum to 1.
+
+    Greedy (temperature 0): one-hot on the argmax, ties going to the lowest token id.
+    Otherwise: logits / temperature, then top-k (the k largest logits; among equal logits the
+    lower ids win, so the kept set is deterministic), then top-p over the top-k-renormalised
+    distribution (the smallest set of most likely tokens whose mass reaches top_p, at least one
+    token), then renormalise. -inf logits (e.g. padded vocabulary ids) get probability 0.
+
+    The same function processes draft and target rows. Speculative sampling is lossless with
+    respect to this *processed* target distribution: the output is distributed as
+    logits_to_probs(target_logits, params), not as the raw softmax of the target logits.
+    """
+    _check_logits(logits)
+    if params.greedy:
+        return _one_hot_argmax(logits)
+    scaled = logits.float() / params.temperature
+    keep = _top_k_top_p_mask(scaled, params)
+    probs = torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
+    return probs
+
+
+def _check_logits(logits: Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits have an empty vocabulary (V = 0)")
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise ValueError("logits contain NaN or +inf")
+    if not torch.isfinite(logits).any(dim=-1).all():
+        raise ValueError("a logits row is entirely -inf: no token can be sampled")
+
+
+def _one_hot_argmax(logits: Tensor) -> Tensor:
+    """One-hot on the row maximum; explicit lowest-id tie-break rather than relying on argmax."""
+    n, v = logits.shape
+    is_max = logits == logits.max(dim=-1, keepdim=True).values
+    ids = torch.arange(v, device=logits.device).expand(n, v)
+    first = torch.where(is_max, ids, v).min(dim=-1).values
+    return torch.nn.functional.one_hot(first, v).to(torch.float32)
+
+
+def _top_k_top_p_mask(scaled: Tensor, params: SamplingParams) -> Tensor:
+    """Bool Tensor[N, V]: which tokens survive top-k then top-p (all True when both are off)."""
+    v = scaled.shape[1]
+    use_k = 0 < params.top_k < v
+    if not use_k and params.top_p >= 1.0:
+        return torch.ones_like(scaled, dtype=torch.bool)
+    # A stable descending sort puts equal logits in ascending id order: ties keep the lower ids.
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        keep_sorted[:, params.top_k :] = False
+    if params.top_p < 1.0:
+        probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
+        # Keep token j iff the mass strictly before it is < top_p: this is the smallest prefix
+        # whose cumulative mass reaches top_p, and j = 0 (mass before = 0) is always kept.
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep_sorted &= mass_before < params.top_p
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+
+def sample_from(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:
+    """Inverse-CDF sampling: Tensor[N, V] (non-negative, any positive total) and uniforms
+    Tensor[N] in [0, 1) -> token ids Tensor[N] long, one per row.
+
+    Row n returns the first token whose cumulative mass exceeds u[n] * total[n]. Rows need not
+    be normalised. The result always has nonzero probability: zero-mass tokens never strictly
+    raise the CDF, and the rounding edge u * total == total is clamped to the row's last
+    nonzero token. Passing the uniforms explicitly makes every path reproducible from the
+    generator state. check_mass=True raises ValueError for a row with no positive mass (one
+    host sync); with False such a row silently returns its last token.
+    """
+    if u.dim() != 1 or (probs.dim() == 2 and u.shape[0] != probs.shape[0]):
+        raise ValueError(f"u must have shape [N] = [{probs.shape[0]}], got {tuple(u.shape)}")
+    return sample_many(probs, u.unsqueeze(-1), check_mass=check_mass).squeeze(-1)
+
+
+def sample_many(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:
+    """T independent inverse-CDF samples per row: Tensor[N, V] and uniforms Tensor[N, T] ->
+    Tensor[N, T] long. Same rule and guarantees as `sample_from` (which is the T = 1 case).
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be 2-D [N, V], got shape {tuple(probs.shape)}")
+    if u.dim() != 2 or u.shape[0] != probs.shape[0]:
+        raise ValueError(f"u must have shape [{probs.shape[0]}, T], got {tuple(u.shape)}")
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    total = cdf[:, -1:]
+    if check_mass and not bool((total > 0).all()):
+        raise ValueError("a probability row has no positive mass; nothing can be sampled")
+    target = u.to(device=cdf.device, dtype=torch.float64) * total
+    ids = torch.searchsorted(cdf, target, right=True)
+    return torch.minimum(ids, _last_nonzero(probs).unsqueeze(-1))
+
+
+def _last_nonzero(probs: Tensor) -> Tensor:
+    """Tensor[N] long: the highest id with positive probability in each row (V-1 if none)."""
+    v = probs.shape[1]
+    return v - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.uint8), dim=-1)
+
+
+def draw_uniform(n: int, generator: torch.Generator | None, device: torch.device | str | None = None) -> Tensor:
+    """Tensor[n] float64 of uniforms in [0, 1) from `generator` (which must live on `device`).
+
+    Consumes exactly n draws, so callers can keep different code paths in random lockstep.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return torch.rand(n, generator=generator, device=device, dtype=UNIFORM_DTYPE)

@@ -1,0 +1,87 @@
+"""A speculative run and its target-only baseline, interleaved on the same hardware, optionally traced."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from engine.config import Mode, SpecConfig
+from engine.models import LoadedModel
+from engine.records import RoundRecord, RunSummary
+from engine.speculative import SpeculativeEngine, encode_prompt
+
+
+class ComparedRun:
+    """Drives a speculative engine one round at a time, with a target-only engine beside it.
+
+    After each speculative round the baseline decodes until it has produced as many tokens (or
+    finished), so the two curves of tokens against time are measured on the same prompt,
+    settings and hardware, never estimated. Each engine's clock counts only its own work.
+    With `trace_path`, every round is appended to a JSON Lines trace as it happens.
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, prompt: str, config: SpecConfig,
+                 *, compare: bool = True, trace_path: str | Path | None = None, kv_blocks: int | None = None) -> None:
+        from engine import trace
+
+        self.prompt = prompt
+        prompt_ids = encode_prompt(target.tokenizer, prompt)
+        self.config = config
+        self.spec = SpeculativeEngine(target, draft, prompt_ids, config, kv_blocks=kv_blocks)
+        self.baseline: SpeculativeEngine | None = None
+        if compare and config.mode is not Mode.TARGET:
+            base_cfg = replace(config, mode=Mode.TARGET)
+            self.baseline = SpeculativeEngine(target, None, prompt_ids, base_cfg, kv_blocks=kv_blocks)
+        self.writer = None
+        if trace_path is not None:
+            header = trace.make_header(prompt, prompt_ids, config, target, draft)
+            self.writer = trace.TraceWriter(trace_path, header)
+
+    @property
+    def finished(self) -> bool:
+        return self.spec.finished
+
+    def step(self) -> RoundRecord:
+        record = self.spec.step()
+        if self.writer:
+            self.writer.write_round(record, stream="spec")
+        base = self.baseline
+        while base is not None and not base.finished and len(base.generated) < len(self.spec.generated):
+            b = base.step()
+            if self.writer:
+                self.writer.write_round(b, stream="baseline")
+        if self.finished:
+            self._finish()
+        return record
+
+    def run_to_end(self) -> list[RoundRecord]:
+        while not self.finished:
+            self.step()
+        return self.spec.rounds
+
+    def identical_to_baseline(self) -> bool | None:
+        """Greedy runs must match target-only token for token; None when there is nothing to compare."""
+        if self.baseline is None:
+            return None
+        n = min(len(self.spec.generated), len(self.baseline.generated))
+        return self.spec.generated[:n] == self.baseline.generated[:n]
+
+    def summaries(self) -> tuple[RunSummary, RunSummary | None]:
+        base = self.baseline.summary() if self.baseline and self.baseline.rounds else None
+        return self.spec.summary(), base
+
+    def _finish(self) -> None:
+        if self.writer:
+            spec, base = self.summaries()
+            self.writer.write_summary(spec, stream="spec")
+            if base is not None:
+                self.writer.write_summary(base, stream="baseline")
+            self.writer.close()
+            self.writer = None
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+            self.writer = None
+        self.spec.close()
+        if self.baseline:
+            self.baseline.close()

@@ -1,0 +1,464 @@
+"""Run traces as JSON Lines: a header, one line per round (spec and baseline streams), and summaries.
+
+A trace is written while the run happens, one flushed line per event, so an interrupted run still
+leaves a readable file: `load_trace` tolerates a truncated last line and reports complete=False.
+
+Line format: {"type": "header" | "round" | "summary", "stream": "spec" | "baseline" | null,
+"data": {...}}. The first line is the header. Loading never evaluates anything: every line is
+parsed with `json.loads` and checked against the record dataclasses' own type hints (required
+and unknown keys, types, Outcome values, finite numbers, bounded lists) before a record is built.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import types
+import typing
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from datetime import datetime, timezone
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable
+
+from engine.config import K_BOUND, DrafterKind, Mode, SpecConfig
+from engine.models import LoadedModel
+from engine.records import RoundRecord, RunSummary
+from engine.sampling import SamplingParams
+from engine.verify import Outcome
+
+TRACE_VERSION = 1
+MAX_TRACE_BYTES = 64 * 2**20
+MAX_LIST_LEN = 1 << 20          # no list in a sane trace comes near this; a bound keeps a hostile file cheap
+STREAMS = ("spec", "baseline")
+LINE_TYPES = ("header", "round", "summary")
+
+
+class TraceError(ValueError):
+    """A trace file cannot be read: the message says which line and what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceHeader:
+    """What produced a trace: prompt, settings, models, placement and software versions."""
+
+    version: int
+    created: str                 # ISO 8601, UTC
+    prompt: str
+    prompt_ids: list[int]
+    config: dict                 # SpecConfig as JSON (enums as values, sampling nested)
+    target: str
+    draft: str | None            # None when no draft model was used (target-only or n-gram runs)
+    devices: dict[str, str]      # role ("target", "draft") -> device
+    dtypes: dict[str, str]       # role -> dtype
+    versions: dict[str, str]     # python, torch, transformers, specplay
+    seed: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A loaded trace. complete is True when the spec stream's summary was written."""
+
+    header: TraceHeader
+    rounds: list[RoundRecord]
+    baseline: list[RoundRecord]
+    summary: RunSummary | None
+    baseline_summary: RunSummary | None
+    complete: bool
+
+
+# ---------------------------------------------------------------------------- header
+
+def config_to_dict(config: SpecConfig) -> dict:
+    """SpecConfig -> JSON-ready dict: enums become their values, sampling a nested dict."""
+    out = {f.name: getattr(config, f.name) for f in fields(config)}
+    for name, value in out.items():
+        if isinstance(value, Enum):
+            out[name] = value.value
+    out["sampling"] = asdict(config.sampling)
+    return out
+
+
+def config_from_dict(data: dict) -> SpecConfig:
+    """Inverse of `config_to_dict`; SpecConfig's own validation applies. Raises TraceError."""
+    if not isinstance(data, dict) or not isinstance(data.get("sampling"), dict):
+        raise TraceError("config must be an object with a nested sampling object")
+    try:
+        sampling = SamplingParams(**data["sampling"])
+        return SpecConfig(**{**data, "sampling": sampling})
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"config is not a valid SpecConfig: {exc}") from None
+
+
+def _uses_draft_model(config: SpecConfig) -> bool:
+    return config.mode is not Mode.TARGET and config.drafter is DrafterKind.MODEL
+
+
+def _specplay_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("specplay")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: LoadedModel,
+                draft: LoadedModel | None) -> TraceHeader:
+    """The header for a run. The draft is recorded only if the run uses it (model drafter, not target mode)."""
+    import torch
+    import transformers
+
+    used = draft if draft is not None and _uses_draft_model(config) else None
+    roles = {"target": target} | ({"draft": used} if used is not None else {})
+    return TraceHeader(
+        version=TRACE_VERSION, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        prompt=prompt, prompt_ids=[int(t) for t in prompt_ids], config=config_to_dict(config),
+        target=target.name, draft=used.name if used is not None else None,
+        devices={role: str(m.device) for role, m in roles.items()},
+        dtypes={role: str(m.dtype).replace("torch.", "") for role, m in roles.items()},
+        versions={"python": platform.python_version(), "torch": torch.__version__,
+                  "transformers": transformers.__version__, "specplay": _specplay_version()},
+        seed=config.seed)
+
+
+# ---------------------------------------------------------------------------- records <-> dicts
+
+def _to_json(value: Any) -> Any:
+    """Dataclasses -> dicts, enums -> values, recursively (asdict would keep the enums)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_json(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    return value
+
+
+def round_to_dict(record: RoundRecord) -> dict:
+    """RoundRecord -> JSON-ready dict (nested dataclasses as dicts, Outcome as its string)."""
+    return _to_json(record)
+
+
+def summary_to_dict(summary: RunSummary) -> dict:
+    """RunSummary -> strict-JSON dict: a NaN per-position rate (position never checked) becomes null."""
+    out = _to_json(summary)
+    out["per_position_acceptance"] = [None if math.isnan(r) else r for r in summary.per_position_acceptance]
+    return out
+
+
+def round_from_dict(data: dict) -> RoundRecord:
+    """Validate a dict (as written by `round_to_dict`) and rebuild the RoundRecord. Raises TraceError."""
+    record = _decode(RoundRecord, data, "round")
+    _check_round(record)
+    return record
+
+
+def summary_from_dict(data: dict) -> RunSummary:
+    """Validate a dict (as written by `summary_to_dict`) and rebuild the RunSummary. Raises TraceError."""
+    return _decode(RunSummary, data, "summary")
+
+
+def _decode_rates(value: Any, where: str) -> list[float]:
+    """per_position_acceptance: rates in [0, 1], null standing for NaN (a position never checked)."""
+    rates = _decode(list[float | None], value, where)
+    if any(r is not None and not 0.0 <= r <= 1.0 for r in rates):
+        raise TraceError(f"{where}: acceptance rates must lie in [0, 1]")
+    return [math.nan if r is None else r for r in rates]
+
+
+# Fields whose JSON form needs more than their type hint says. Read-only mapping, not a registry.
+_FIELD_DECODERS: types.MappingProxyType[tuple[type, str], Callable[[Any, str], Any]] = types.MappingProxyType(
+    {(RunSummary, "per_position_acceptance"): _decode_rates})
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _decode(tp: Any, value: Any, where: str) -> Any:
+    """Check `value` (parsed JSON) against type hint `tp` and build it. `where` names the field in errors."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(tp)):
+            return None
+        return _decode(options[0], value, where)
+    if origin is list:
+        return _decode_list(typing.get_args(tp)[0], value, where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TraceError(f"{where}: expected an object, got {_type_name(value)}")
+        return {k: _decode(typing.get_args(tp)[1], v, f"{where}.{k}") for k, v in value.items()}
+    if is_dataclass(tp):
+        return _decode_dataclass(tp, value, where)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        allowed = [e.value for e in tp]
+        if value not in allowed:
+            raise TraceError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
+        return tp(value)
+    return _decode_scalar(tp, value, where)
+
+
+def _decode_list(item: Any, value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise TraceError(f"{where}: expected a list, got {_type_name(value)}")
+    if len(value) > MAX_LIST_LEN:
+        raise TraceError(f"{where}: list of {len(value)} items exceeds the limit of {MAX_LIST_LEN}")
+    return [_decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _decode_dataclass(cls: type, value: Any, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise TraceError(f"{where}: expected an object, got {_type_name(value)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    missing = [n for n in names if n not in value]
+    if missing:
+        raise TraceError(f"{where}: missing key(s) {', '.join(missing)}")
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise TraceError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    kwargs = {}
+    for name in names:
+        decode = _FIELD_DECODERS.get((cls, name))
+        sub = f"{where}.{name}"
+        kwargs[name] = decode(value[name], sub) if decode else _decode(hints[name], value[name], sub)
+    return cls(**kwargs)
+
+
+def _decode_scalar(tp: Any, value: Any, where: str) -> Any:
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TraceError(f"{where}: expected true or false, got {_type_name(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TraceError(f"{where}: expected an integer, got {_type_name(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TraceError(f"{where}: expected a number, got {_type_name(value)}")
+        if not math.isfinite(value):
+            raise TraceError(f"{where}: {value} is not a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise TraceError(f"{where}: expected a string, got {_type_name(value)}")
+        return value
+    if tp is dict:  # an untyped dict field (the header's config): checked separately
+        if not isinstance(value, dict):
+            raise TraceError(f"{where}: expected an object, got {_type_name(value)}")
+        return value
+    raise TypeError(f"no decoder for {tp!r} at {where}")  # a new record field type: extend _decode
+
+
+def _check_round(r: RoundRecord) -> None:
+    """Cross-field sanity: the counts a renderer relies on agree with each other."""
+    if not 0 <= r.k <= K_BOUND:
+        raise TraceError(f"round.k: {r.k} is outside [0, {K_BOUND}]")
+    if len(r.positions) != r.k:
+        raise TraceError(f"round.positions: {len(r.positions)} positions for k={r.k}")
+    if not 0 <= r.accepted <= r.k:
+        raise TraceError(f"round.accepted: {r.accepted} is outside [0, k={r.k}]")
+    if not 1 <= len(r.emitted) <= r.k + 1:
+        raise TraceError(f"round.emitted: {len(r.emitted)} tokens for k={r.k} (expected 1..k+1)")
+    if r.final.outcome not in (Outcome.CORRECTED, Outcome.BONUS):
+        raise TraceError(f"round.final.outcome: {r.final.outcome.value!r} (expected corrected or bonus)")
+    if min(r.emitted) < 0 or r.tokens_total < 0 or r.index < 0:
+        raise TraceError("round: token ids, index and tokens_total must be non-negative")
+
+
+def header_from_dict(data: dict) -> TraceHeader:
+    """Validate and build the header; the version must be TRACE_VERSION. Raises TraceError."""
+    if isinstance(data, dict) and data.get("version") != TRACE_VERSION:
+        raise TraceError(f"trace version {data.get('version')!r} is not supported (this build reads "
+                         f"version {TRACE_VERSION})")
+    header = _decode(TraceHeader, data, "header")
+    config_from_dict(header.config)
+    return header
+
+
+# ---------------------------------------------------------------------------- writing
+
+class TraceWriter:
+    """Appends a run to a JSON Lines file: the header at once, then rounds and summaries as they come.
+
+    Every line is flushed as it is written (and fsynced with fsync=True), so a killed run leaves a
+    file `load_trace` can read. Strict JSON: a non-finite number is a bug and raises ValueError.
+    """
+
+    def __init__(self, path: str | Path, header: TraceHeader, *, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self._fsync = fsync
+        self._file = self.path.open("w", encoding="utf-8", newline="\n")
+        self._write("header", None, _to_json(header))
+
+    def write_round(self, record: RoundRecord, stream: str) -> None:
+        self._write("round", stream, round_to_dict(record))
+
+    def write_summary(self, summary: RunSummary, stream: str) -> None:
+        self._write("summary", stream, summary_to_dict(summary))
+
+    def _write(self, kind: str, stream: str | None, data: dict) -> None:
+        if self._file is None:
+            raise ValueError(f"trace {self.path} is closed")
+        if kind != "header" and stream not in STREAMS:
+            raise ValueError(f"stream must be one of {STREAMS}, not {stream!r}")
+        line = json.dumps({"type": kind, "stream": stream, "data": data}, allow_nan=False, ensure_ascii=False)
+        self._file.write(line + "\n")
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+
+    @property
+    def closed(self) -> bool:
+        return self._file is None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- loading
+
+def _read_bytes(source: str | Path | bytes) -> bytes:
+    if isinstance(source, (bytes, bytearray)):
+        if len(source) > MAX_TRACE_BYTES:
+            raise TraceError(f"trace is {len(source):,} bytes, over the {MAX_TRACE_BYTES:,}-byte limit")
+        return bytes(source)
+    path = Path(source)
+    try:
+        size = path.stat().st_size
+        if size > MAX_TRACE_BYTES:
+            raise TraceError(f"{path} is {size:,} bytes, over the {MAX_TRACE_BYTES:,}-byte trace limit")
+        with path.open("rb") as f:
+            data = f.read(MAX_TRACE_BYTES + 1)  # the file may grow while we read it
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_TRACE_BYTES:
+        raise TraceError(f"{path} is over the {MAX_TRACE_BYTES:,}-byte trace limit")
+    return data
+
+
+def _parse_lines(data: bytes) -> tuple[list[tuple[int, dict]], bool]:
+    """(line number, parsed object) for each non-blank line, and whether a truncated last line was dropped.
+
+    Only the last line may be cut short, and only if it has no newline: that is what an
+    interrupted writer leaves. Any other unparsable line is an error.
+    """
+    raw = data.split(b"\n")
+    out, truncated = [], False
+    for number, line in enumerate(raw, start=1):
+        if not line.strip():
+            continue
+        last_unterminated = number == len(raw)  # after the final "\n" the split leaves b""
+        try:
+            obj = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, json.JSONDecodeError, TraceError) as exc:
+            if last_unterminated and not isinstance(exc, TraceError):
+                truncated = True
+                break
+            raise TraceError(f"line {number}: not valid JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise TraceError(f"line {number}: expected a JSON object, got {_type_name(obj)}")
+        out.append((number, obj))
+    return out, truncated
+
+
+def _reject_constant(name: str) -> None:
+    raise TraceError(f"{name} is not allowed (numbers must be finite)")
+
+
+def _line_fields(number: int, obj: dict) -> tuple[str, str | None, Any]:
+    kind, stream = obj.get("type"), obj.get("stream")
+    if kind not in LINE_TYPES:
+        raise TraceError(f"line {number}: unknown line type {kind!r}; expected one of {', '.join(LINE_TYPES)}")
+    if kind != "header" and stream not in STREAMS:
+        raise TraceError(f"line {number}: stream must be one of {', '.join(STREAMS)}, got {stream!r}")
+    if "data" not in obj:
+        raise TraceError(f"line {number}: missing key 'data'")
+    return kind, stream, obj["data"]
+
+
+def load_trace(source: str | Path | bytes) -> Trace:
+    """Read and validate a trace from a path (str or Path) or the file's bytes.
+
+    Raises TraceError (with the line number) for: files over MAX_TRACE_BYTES, lines that are not
+    JSON objects, unknown line types or streams, a missing or repeated header, an unsupported
+    version, and any record that fails validation. A truncated last line is dropped and the
+    trace loads with complete=False; complete is True only if the spec summary is present.
+    """
+    lines, truncated = _parse_lines(_read_bytes(source))
+    if not lines:
+        raise TraceError("line 1: no complete header line (the file ends mid-line)" if truncated
+                         else "the trace is empty: no header line")
+    number, first = lines[0]
+    if first.get("type") != "header":
+        raise TraceError(f"line {number}: the first line must be the header, got type {first.get('type')!r}")
+    header = _at_line(number, header_from_dict, _line_fields(number, first)[2])
+    rounds: dict[str, list[RoundRecord]] = {s: [] for s in STREAMS}
+    summaries: dict[str, RunSummary] = {}
+    for number, obj in lines[1:]:
+        kind, stream, data = _line_fields(number, obj)
+        if kind == "header":
+            raise TraceError(f"line {number}: a second header; a trace holds one run")
+        if kind == "round":
+            rounds[stream].append(_at_line(number, round_from_dict, data))
+        elif stream in summaries:
+            raise TraceError(f"line {number}: a second {stream} summary")
+        else:
+            summaries[stream] = _at_line(number, summary_from_dict, data)
+    return Trace(header, rounds["spec"], rounds["baseline"], summaries.get("spec"),
+                 summaries.get("baseline"), complete="spec" in summaries)
+
+
+def _at_line(number: int, build: Callable[[Any], Any], data: Any) -> Any:
+    try:
+        return build(data)
+    except TraceError as exc:
+        raise TraceError(f"line {number}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- tables
+
+ROUND_COLUMNS = ("index", "mode", "drafter", "k", "accepted", "emitted", "emitted_text", "final_token",
+                 "final_outcome", "prefill_ms", "draft_ms", "verify_ms", "commit_ms", "other_ms", "total_ms",
+                 "target_forwards", "draft_forwards", "tokens_total", "elapsed_s", "finished")
+
+
+def _round_row(r: RoundRecord) -> dict:
+    t = r.timings
+    return {"index": r.index, "mode": r.mode, "drafter": r.drafter, "k": r.k, "accepted": r.accepted,
+            "emitted": len(r.emitted), "emitted_text": r.emitted_text, "final_token": r.final.token,
+            "final_outcome": r.final.outcome.value, "prefill_ms": t.prefill_ms, "draft_ms": t.draft_ms,
+            "verify_ms": t.verify_ms, "commit_ms": t.commit_ms, "other_ms": t.other_ms, "total_ms": t.total_ms,
+            "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
+            "tokens_total": r.tokens_total, "elapsed_s": r.elapsed_s, "finished": r.finished}
+
+
+def rounds_dataframe(rounds: list[RoundRecord]):
+    """One row per round, columns ROUND_COLUMNS ("emitted" is the count of tokens emitted that round).
+
+    Returns a pandas.DataFrame (pandas is imported here, not at module import).
+    """
+    import pandas as pd
+
+    return pd.DataFrame([_round_row(r) for r in rounds], columns=list(ROUND_COLUMNS))
+
+
+def export_csv(rounds: list[RoundRecord], path: str | Path) -> Path:
+    """Write `rounds_dataframe(rounds)` as CSV (no index column) and return the path."""
+    path = Path(path)
+    rounds_dataframe(rounds).to_csv(path, index=False)
+    return path

@@ -1,0 +1,146 @@
+"""Live charts, redrawn every round from the records: acceptance, accepted lengths, time, speed-up."""
+from __future__ import annotations
+
+import html
+import math
+from collections import Counter
+
+import plotly.graph_objects as go
+
+from playground import measure
+from playground.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR
+from playground.view import RunView
+
+HEIGHT = 300
+
+
+def _figure(traces: list, title: str, xtitle: str, ytitle: str, **layout) -> go.Figure:
+    fig = go.Figure(traces)
+    fig.update_layout(title=dict(text=title, font=dict(size=14)), height=HEIGHT, template="plotly_white",
+                      margin=dict(l=50, r=20, t=50, b=45), xaxis=dict(title=xtitle), yaxis=dict(title=ytitle),
+                      legend=dict(orientation="h", y=-0.3), **layout)
+    return fig
+
+
+def empty_figure(message: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(height=HEIGHT, template="plotly_white", xaxis=dict(visible=False), yaxis=dict(visible=False))
+    return fig
+
+
+def _no_drafts(view: RunView) -> str | None:
+    if not view.rounds:
+        return "No rounds yet."
+    if not measure.drafted_rounds(view.rounds):
+        return "Nothing drafted (target-only, or no n-gram match yet)."
+    return None
+
+
+def acceptance_figure(view: RunView) -> go.Figure:
+    """Per-round acceptance (bars) and cumulative acceptance (line)."""
+    if (msg := _no_drafts(view)) is not None:
+        return empty_figure(msg)
+    xs, per_round, cumulative = [], [], []
+    for r in view.rounds:
+        xs.append(r.index + 1)
+        per_round.append(r.accepted / r.k if r.k else None)
+        cumulative.append(measure.acceptance(view.rounds[: r.index + 1]))
+    return _figure([go.Bar(x=xs, y=per_round, name="this round", marker_color=GREEN, opacity=0.7),
+                    go.Scatter(x=xs, y=cumulative, name="cumulative", mode="lines+markers", line=dict(color="#000"))],
+                   "Acceptance rate", "round", "accepted / drafted", yaxis_range=[0, 1.05])
+
+
+def per_position_figure(view: RunView) -> go.Figure:
+    """Acceptance at draft position i, over the rounds that reached position i."""
+    if (msg := _no_drafts(view)) is not None:
+        return empty_figure(msg)
+    rates = measure.per_position(view.rounds)
+    ys = [None if math.isnan(r) else r for r in rates]
+    return _figure([go.Bar(x=list(range(1, len(rates) + 1)), y=ys, name="acceptance", marker_color=SPEC_COLOUR)],
+                   "Per-position acceptance", "draft position", "accepted / checked", yaxis_range=[0, 1.05])
+
+
+def accepted_length_figure(view: RunView) -> go.Figure:
+    """How many drafts each round accepted."""
+    if (msg := _no_drafts(view)) is not None:
+        return empty_figure(msg)
+    drafted = measure.drafted_rounds(view.rounds)
+    counts = Counter(r.accepted for r in drafted)
+    xs = list(range(0, max(r.k for r in drafted) + 1))
+    return _figure([go.Bar(x=xs, y=[counts.get(x, 0) for x in xs], name="rounds", marker_color=SPEC_COLOUR)],
+                   "Accepted drafts per round", "accepted drafts", "rounds", xaxis_dtick=1)
+
+
+def tokens_time_figure(view: RunView) -> go.Figure:
+    """Cumulative tokens against decode time, speculative and target-only, both measured."""
+    if not view.rounds:
+        return empty_figure("No rounds yet.")
+    traces = [go.Scatter(x=[0] + [r.elapsed_s for r in view.rounds], y=[0] + [r.tokens_total for r in view.rounds],
+                         name=f"speculative ({view.info.config.mode.value})", mode="lines+markers",
+                         line=dict(color=SPEC_COLOUR, shape="hv"))]
+    if view.baseline:
+        traces.append(go.Scatter(x=[0] + [b.elapsed_s for b in view.baseline],
+                                 y=[0] + [b.tokens_total for b in view.baseline], name="target-only (measured)",
+                                 mode="lines", line=dict(color=BASELINE_COLOUR, dash="dash", shape="hv")))
+    return _figure(traces, "Tokens vs decode time (prefill included)", "seconds", "tokens generated")
+
+
+def speedup_figure(view: RunView) -> go.Figure:
+    """Measured speed-up after each round, beside Leviathan's prediction from the measured α and c."""
+    if not view.rounds or not view.baseline:
+        return empty_figure("Needs a target-only baseline (not recorded in target-only mode).")
+    xs, measured, predicted = measure.speedup_series(view)
+    fig = _figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
+                   go.Scatter(x=xs, y=predicted, name="Leviathan: E[tokens]/(cK+1), α and c measured here",
+                              mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot"))],
+                  "Speed-up over target-only", "round", "× target-only")
+    fig.add_hline(y=1.0, line=dict(color=GREY, width=1))
+    return fig
+
+
+def identity_badge(view: RunView | None) -> str:
+    """Greedy runs must reproduce target-only token for token; sampled runs need not."""
+    if view is None or not view.rounds:
+        return '<span class="badge na">no tokens yet</span>'
+    if not view.info.greedy:
+        return '<span class="badge na">sampling (T &gt; 0): identical output is not expected</span>'
+    same = view.identical_to_baseline()
+    if same is None:
+        return '<span class="badge na">no target-only baseline to compare</span>'
+    n = min(len(view.spec_tokens), len(view.baseline_tokens))
+    if same:
+        return f'<span class="badge ok">✓ greedy output identical to target-only ({n} tokens)</span>'
+    return f'<span class="badge bad">✗ greedy output differs from target-only within {n} tokens</span>'
+
+
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "—" if not measure.finite(x) else f"{x:{spec}}{suffix}"
+
+
+def summary_html(view: RunView | None) -> str:
+    """The headline numbers, each labelled with where it comes from."""
+    if view is None or not view.rounds:
+        return ""
+    last = view.rounds[-1]
+    ratio = measure.cost_ratio(view)
+    c_text = "—" if ratio is None else (
+        "0 (n-gram: no draft forwards)" if ratio.draft_forward_ms is None else
+        f"{ratio.c:.3f} = {ratio.draft_forward_ms:.2f} ms per draft forward / {ratio.target_step_ms:.2f} ms per target step")
+    base_tps = (view.baseline[-1].tokens_total / view.baseline[-1].elapsed_s
+                if view.baseline and view.baseline[-1].elapsed_s > 0 else None)
+    rows = [
+        ("run", f"{view.info.label()} · {view.source}"),
+        ("tokens / rounds", f"{last.tokens_total} / {len(view.rounds)}" + (" (finished)" if last.finished else "")),
+        ("acceptance α (measured)", _fmt(measure.acceptance(view.rounds), ".3f")),
+        ("tokens per round", _fmt(last.tokens_total / len(view.rounds))),
+        ("c, measured from this run", c_text),
+        ("speed-up: measured / predicted", f"{_fmt(measure.measured_speedup(view), suffix='×')} / "
+                                           f"{_fmt(measure.predicted_speedup(view), suffix='×')}"),
+        ("tokens/s: speculative / target-only", f"{_fmt(last.tokens_total / last.elapsed_s if last.elapsed_s else None, '.1f')}"
+                                                f" / {_fmt(base_tps, '.1f')}"),
+        ("target forwards: speculative / target-only", f"{sum(r.target_forwards for r in view.rounds)} / "
+                                                       f"{sum(b.target_forwards for b in view.baseline)}"),
+    ]
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f'<table class="kv-table">{body}</table>'

@@ -1,0 +1,88 @@
+"""Colours and non-colour cues for outcomes and KV slot states (Okabe-Ito, colour-blind safe)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+
+from engine.verify import Outcome
+
+# Okabe & Ito (2008): distinguishable under the common colour-vision deficiencies.
+ORANGE, SKY, GREEN, YELLOW, BLUE, VERMILLION, PURPLE, GREY = (
+    "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999")
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeStyle:
+    colour: str
+    icon: str       # a non-colour cue shown after the token
+    border: str     # CSS border style: a second non-colour cue
+    meaning: str    # the legend's sentence
+
+
+OUTCOME_STYLES: MappingProxyType[Outcome, OutcomeStyle] = MappingProxyType({
+    Outcome.ACCEPTED: OutcomeStyle(GREEN, "✓", "solid", "draft accepted by the target (u < α)"),
+    Outcome.REJECTED: OutcomeStyle(VERMILLION, "✗", "dashed", "draft rejected (struck through); later drafts are discarded unchecked"),
+    Outcome.CORRECTED: OutcomeStyle(BLUE, "↻", "double", "correction sampled from the residual max(0, p − q)"),
+    Outcome.BONUS: OutcomeStyle(PURPLE, "★", "solid", "bonus token from the target's extra row (every draft accepted, or target-only)"),
+    Outcome.PENDING: OutcomeStyle(GREY, "?", "dotted", "drafted, not yet verified"),
+})
+
+
+def chip_class(outcome: Outcome) -> str:
+    """The CSS class of a token chip with this outcome: the one place the class name is formed."""
+    return f"chip-{outcome.value}"
+
+
+class SlotState(int, Enum):
+    """What a physical KV slot holds after a round; the value is the heatmap's z."""
+
+    FREE = 0
+    PROMPT = 1
+    COMMITTED = 2
+    WRITTEN = 3       # written this round and kept (speculative slots that survived verification)
+    ROLLED_BACK = 4   # written this round, then rolled back with the rejected drafts
+
+
+SLOT_COLOURS: MappingProxyType[SlotState, str] = MappingProxyType({
+    SlotState.FREE: "#F2F2F2", SlotState.PROMPT: GREY, SlotState.COMMITTED: SKY,
+    SlotState.WRITTEN: ORANGE, SlotState.ROLLED_BACK: VERMILLION})
+SLOT_MARKS: MappingProxyType[SlotState, str] = MappingProxyType({
+    SlotState.FREE: "", SlotState.PROMPT: "P", SlotState.COMMITTED: "C",
+    SlotState.WRITTEN: "W", SlotState.ROLLED_BACK: "✗"})
+SLOT_LABELS: MappingProxyType[SlotState, str] = MappingProxyType({
+    SlotState.FREE: "free", SlotState.PROMPT: "prompt", SlotState.COMMITTED: "committed",
+    SlotState.WRITTEN: "written this round (kept)", SlotState.ROLLED_BACK: "rolled back this round"})
+
+SPEC_COLOUR, BASELINE_COLOUR, PREDICTED_COLOUR = BLUE, GREY, ORANGE
+
+
+def _chip_rule(outcome: Outcome) -> str:
+    s = OUTCOME_STYLES[outcome]
+    return (f".chip.{chip_class(outcome)} {{ border: 2px {s.border} {s.colour}; background: {s.colour}22; }}\n"
+            f".chip.{chip_class(outcome)}::after {{ content: '{s.icon}'; color: {s.colour}; }}\n")
+
+
+def stylesheet() -> str:
+    """The app's CSS: chips, legend, badges. Passed to `launch(css=...)` (Gradio 6 takes CSS there)."""
+    rules = "".join(_chip_rule(o) for o in Outcome)
+    return rules + """
+.stream { font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 15px; line-height: 2.1; }
+.stream .prompt { color: #666; white-space: pre-wrap; }
+.chip { display: inline-block; padding: 0 3px; margin: 1px 1px; border-radius: 4px; cursor: pointer;
+        white-space: pre; color: inherit; }
+.chip::after { font-size: 10px; vertical-align: super; margin-left: 1px; }
+.chip.chip-rejected { text-decoration: line-through; text-decoration-thickness: 2px; }
+.chip.unchecked { opacity: 0.55; }
+.chip.selected { outline: 3px solid #000; outline-offset: 1px; }
+.round-sep { display: inline-block; width: 1px; height: 1.2em; background: #bbb; margin: 0 3px;
+             vertical-align: middle; }
+.legend { display: flex; flex-wrap: wrap; gap: 10px 18px; font-size: 13px; margin: 4px 0; }
+.legend .chip { cursor: default; }
+.badge { display: inline-block; padding: 3px 10px; border-radius: 12px; font-weight: 600; }
+.badge.ok { background: #009E7333; border: 2px solid #009E73; }
+.badge.bad { background: #D55E0033; border: 2px solid #D55E00; }
+.badge.na { background: #99999933; border: 2px dotted #999999; }
+.kv-table { border-collapse: collapse; font-size: 13px; }
+.kv-table td, .kv-table th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
+"""

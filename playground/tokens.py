@@ -1,0 +1,111 @@
+"""The token stream: every emitted and drafted token as a chip coloured (and marked) by its outcome."""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from engine.records import FinalRecord, PositionRecord, RoundRecord
+from engine.verify import Outcome
+from playground.palette import OUTCOME_STYLES, chip_class
+from playground.view import Cursor, RunView
+
+# Visible stand-ins: the built-in pair writes code, where spaces and newlines are the content.
+WHITESPACE = str.maketrans({" ": "·", "\n": "↵", "\t": "→", "\r": "␍"})
+
+# Chip clicks reach Python as a "click" event carrying the chip's round and position.
+CHIP_CLICK_JS = """
+element.addEventListener('click', (e) => {
+  const chip = e.target.closest('[data-round]');
+  if (chip) trigger('click', {round: Number(chip.dataset.round), position: Number(chip.dataset.pos)});
+});
+"""
+
+
+def visible(text: str) -> str:
+    """Token text with whitespace made visible (· space, ↵ newline, → tab)."""
+    return text.translate(WHITESPACE) if text else "∅"
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+@dataclass(frozen=True, slots=True)
+class Chip:
+    """One token as the stream shows it."""
+
+    text: str
+    outcome: Outcome
+    title: str
+    round: int
+    position: int
+    unchecked: bool = False
+
+    def html(self, selected: bool) -> str:
+        classes = ["chip", chip_class(self.outcome)] + (["unchecked"] if self.unchecked else []) + (
+            ["selected"] if selected else [])
+        body = html.escape(visible(self.text))
+        tail = "<br>" if self.text.endswith("\n") else ""
+        return (f'<span class="{" ".join(classes)}" data-round="{self.round}" data-pos="{self.position}" '
+                f'data-outcome="{self.outcome.value}" title="{html.escape(self.title, quote=True)}">{body}</span>{tail}')
+
+
+def position_chip(r: RoundRecord, p: PositionRecord, revealed: bool) -> Chip:
+    if not revealed:
+        return Chip(p.text, Outcome.PENDING, f"drafted #{p.index + 1}: q={_num(p.q_draft)} · not yet verified",
+                    r.index, p.index)
+    if not p.checked:
+        return Chip(p.text, Outcome.REJECTED, f"drafted #{p.index + 1}: q={_num(p.q_draft)} · discarded "
+                    "unchecked (an earlier draft was rejected)", r.index, p.index, unchecked=True)
+    verdict = "u < α: accepted" if p.outcome is Outcome.ACCEPTED else "u ≥ α: rejected"
+    title = (f"drafted #{p.index + 1}: p={_num(p.p_target)} q={_num(p.q_draft)} "
+             f"α=min(1,p/q)={_num(p.alpha)} u={_num(p.u)} · {verdict}")
+    return Chip(p.text, p.outcome, title, r.index, p.index)
+
+
+def final_chip(r: RoundRecord, f: FinalRecord) -> Chip:
+    if f.outcome is Outcome.CORRECTED:
+        how = f"correction sampled from the residual norm(max(0, p−q)) at row {f.row}"
+    elif r.k:
+        how = f"bonus sampled from the target's row {f.row} (all {r.k} drafts accepted)"
+    else:
+        how = "sampled from the target alone (no drafts this round)"
+    return Chip(f.text, f.outcome, f"{how}: p={_num(f.p_target)} u={_num(f.u)}", r.index, r.k)
+
+
+def round_chips(r: RoundRecord, revealed: bool = True) -> list[Chip]:
+    """Accepted drafts, then the rejected and discarded ones (struck), then the final token.
+
+    Unrevealed, only the drafts show, all pending. Tokens cut by EOS or max_new_tokens are not shown.
+    """
+    if not revealed:
+        return [position_chip(r, p, False) for p in r.positions]
+    chips = [position_chip(r, p, True) for p in r.positions[: r.accepted]]
+    chips += [position_chip(r, p, True) for p in r.positions[r.accepted:] if p.outcome is not Outcome.ACCEPTED]
+    if len(r.emitted) > r.accepted:
+        chips.append(final_chip(r, r.final))
+    return chips
+
+
+def stream_html(view: RunView | None, cursor: Cursor) -> str:
+    """The prompt, then one group of chips per shown round; the selected token is outlined."""
+    if view is None:
+        return '<div class="stream"><em>Press Step to decode the first round, or load a trace.</em></div>'
+    selection = cursor.selection(view)
+    parts = [f'<span class="prompt" title="prompt">{html.escape(view.info.prompt)}</span>']
+    shown = view.rounds[: cursor.shown]
+    for r in shown:
+        revealed = cursor.revealed or r.index != shown[-1].index
+        parts.append(f'<span class="round-sep" title="round {r.index + 1}"></span>')
+        parts += [c.html(selection == (c.round, c.position)) for c in round_chips(r, revealed)]
+    return f'<div class="stream">{"".join(parts)}</div>'
+
+
+def legend_html() -> str:
+    """One sample chip per outcome, with what it means."""
+    items = []
+    for outcome, style in OUTCOME_STYLES.items():
+        items.append(f'<span><span class="chip {chip_class(outcome)}">{outcome.value}</span> {html.escape(style.meaning)}</span>')
+    items.append('<span><span class="chip chip-rejected unchecked">discarded</span> drafted after a rejection, never checked</span>')
+    items.append("<span>· space &nbsp; ↵ newline &nbsp; → tab &nbsp;│ round boundary</span>")
+    return f'<div class="legend">{"".join(items)}</div>'

@@ -1,0 +1,128 @@
+"""What every page renders: a run's records, live or replayed from a trace, and a cursor into them.
+
+Renderers never see a model or an engine: a `RunView` is built from a `ComparedRun` or from a
+loaded `Trace`, so a replayed GPU run and a live CPU run draw exactly the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.config import Mode, SpecConfig
+from engine.records import RoundRecord
+from engine.models import LoadedModel
+from engine.session import ComparedRun
+from engine.trace import Trace, TraceHeader, config_from_dict, make_header
+from engine.verify import Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """Who produced the rounds and with which settings."""
+
+    prompt: str
+    prompt_tokens: int
+    config: SpecConfig
+    target: str
+    draft: str | None
+    devices: dict[str, str]    # role -> device
+    dtypes: dict[str, str]     # role -> dtype
+
+    @property
+    def greedy(self) -> bool:
+        return self.config.sampling.greedy
+
+    def label(self) -> str:
+        c = self.config
+        if c.mode is Mode.TARGET:
+            return f"target-only · T={c.sampling.temperature:g}"
+        k = f"K={c.k}" if c.k_schedule.value == "constant" else f"K={c.k} ({c.k_min}..{c.k_max}, heuristic)"
+        return f"{c.mode.value} · {c.drafter.value} drafter · {k} · T={c.sampling.temperature:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """The speculative rounds and the target-only baseline rounds measured beside them."""
+
+    info: RunInfo
+    rounds: tuple[RoundRecord, ...]
+    baseline: tuple[RoundRecord, ...]
+    complete: bool
+    source: str    # "live" or the trace's name
+
+    def upto(self, shown: int) -> "RunView":
+        """The first `shown` spec rounds, and the baseline rounds run by then (it catches up to the
+        spec's token count after every spec round, one token per round)."""
+        rounds = self.rounds[:shown]
+        tokens = rounds[-1].tokens_total if rounds else 0
+        baseline = tuple(b for b in self.baseline if b.tokens_total <= tokens)
+        return replace(self, rounds=rounds, baseline=baseline, complete=self.complete and shown >= len(self.rounds))
+
+    @property
+    def spec_tokens(self) -> list[int]:
+        return [t for r in self.rounds for t in r.emitted]
+
+    @property
+    def baseline_tokens(self) -> list[int]:
+        return [t for r in self.baseline for t in r.emitted]
+
+    def identical_to_baseline(self) -> bool | None:
+        """Token-for-token agreement over the common prefix; None without a baseline to compare."""
+        spec, base = self.spec_tokens, self.baseline_tokens
+        if not self.baseline or not spec:
+            return None
+        n = min(len(spec), len(base))
+        return spec[:n] == base[:n]
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    """Where the viewer stands: how many rounds are shown, and which token is selected for detail.
+
+    revealed=False shows the last shown round's drafts as pending (drafted, not yet verified):
+    the lecturer's "reveal" sub-step. position == round.k selects the round's final token.
+    """
+
+    shown: int = 0
+    revealed: bool = True
+    round: int | None = None
+    position: int | None = None
+
+    def selection(self, view: RunView) -> tuple[int, int] | None:
+        """(round index, position) of the token the detail plots show, defaulting to the last shown
+        round's most interesting token: its rejection, else its final token."""
+        if self.shown == 0 or not view.rounds:
+            return None
+        shown = min(self.shown, len(view.rounds))
+        index = self.round if self.round is not None and self.round < shown else shown - 1
+        record = view.rounds[index]
+        if self.position is not None and self.round == index and 0 <= self.position <= record.k:
+            return index, self.position
+        return index, default_position(record)
+
+
+def default_position(record: RoundRecord) -> int:
+    """The rejected position if there was one, else the final token (position k)."""
+    for p in record.positions:
+        if p.checked and p.outcome is Outcome.REJECTED:
+            return p.index
+    return record.k
+
+
+def info_from_header(h: TraceHeader) -> RunInfo:
+    return RunInfo(prompt=h.prompt, prompt_tokens=len(h.prompt_ids), config=config_from_dict(h.config),
+                   target=h.target, draft=h.draft, devices=dict(h.devices), dtypes=dict(h.dtypes))
+
+
+def view_from_trace(trace: Trace, name: str) -> RunView:
+    return RunView(info_from_header(trace.header), tuple(trace.rounds), tuple(trace.baseline), trace.complete, name)
+
+
+def info_for_run(run: ComparedRun, target: LoadedModel, draft: LoadedModel | None) -> RunInfo:
+    """A live run's info, built exactly as its trace header is."""
+    return info_from_header(make_header(run.prompt, run.spec.prompt, run.config, target, draft))
+
+
+def view_from_run(run: ComparedRun, info: RunInfo) -> RunView:
+    """A live run's rounds so far."""
+    baseline = tuple(run.baseline.rounds) if run.baseline is not None else ()
+    return RunView(info, tuple(run.spec.rounds), baseline, run.finished, "live")

@@ -1,0 +1,44 @@
+"""Shared fixtures: the built-in pair (loaded once) and tiny random pairs built in the test."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import BUILTIN, LoadedModel, load_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def builtin_pair() -> tuple[LoadedModel, LoadedModel]:
+    """(draft, target) from assets/builtin, fp32 on CPU."""
+    return load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
+
+
+def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: int = 64,
+               dtype: torch.dtype = torch.float32, max_positions: int = 512) -> LoadedModel:
+    """A random Llama with the built-in tokenizer; different seeds give different distributions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=max_positions,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    return LoadedModel(f"tiny-{layers}x{hidden}-seed{seed}", model, tokenizer, torch.device("cpu"), dtype,
+                       vocab, max_positions)
+
+
+@pytest.fixture(scope="session")
+def builtin_tokenizer():
+    from transformers import AutoTokenizer
+
+    from engine.models import BUILTIN_DIR
+
+    return AutoTokenizer.from_pretrained(str(BUILTIN_DIR / "target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(builtin_tokenizer) -> tuple[LoadedModel, LoadedModel]:
+    """(draft, target): random 1-layer draft and 2-layer target sharing the built-in tokenizer."""
+    return (tiny_model(builtin_tokenizer, layers=1, seed=1), tiny_model(builtin_tokenizer, layers=2, seed=0))

@@ -1,0 +1,181 @@
+"""Tests for engine.sampling: logits processing, inverse-CDF sampling, uniforms."""
+import math
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from, sample_many
+
+
+def probs_logits(*probs: float) -> torch.Tensor:
+    """A [1, V] logits row whose softmax is exactly the given distribution (up to rounding)."""
+    return torch.tensor([probs]).log()
+
+
+# --- SamplingParams -------------------------------------------------------------------------
+
+
+def test_defaults_are_greedy():
+    assert SamplingParams().greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.2}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+    ],
+)
+def test_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+# --- logits_to_probs ------------------------------------------------------------------------
+
+
+def test_greedy_is_one_hot_with_ties_to_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-math.inf, 2.0, -math.inf, 2.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    expected = torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0]])
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs, expected)
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0], [3.0, 1.0, 1.0, -2.0]])
+    for t in (0.5, 1.0, 2.0):
+        probs = logits_to_probs(logits, SamplingParams(temperature=t))
+        torch.testing.assert_close(probs, torch.softmax(logits / t, dim=-1))
+    # Lower temperature sharpens: the top token's mass grows.
+    cold = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    hot = logits_to_probs(logits, SamplingParams(temperature=2.0))
+    assert bool((cold.max(-1).values > hot.max(-1).values).all())
+
+
+def test_minus_inf_logits_get_zero_probability():
+    logits = torch.tensor([[1.0, -math.inf, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0))
+    assert probs[0, 1].item() == 0.0
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1))
+
+
+def test_top_k_keeps_exactly_k_largest_renormalised():
+    logits = torch.randn(5, 10, generator=torch.Generator().manual_seed(1))
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    top3 = logits.topk(3, dim=-1).indices
+    assert torch.equal((probs > 0).sum(-1), torch.full((5,), 3))
+    assert bool(probs.gather(1, top3).gt(0).all())
+    masked = torch.full_like(logits, -math.inf).scatter(1, top3, logits.gather(1, top3))
+    torch.testing.assert_close(probs, torch.softmax(masked, dim=-1))
+
+
+def test_top_k_ties_keep_lowest_ids_and_k_at_least_v_is_off():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.equal(probs, torch.tensor([[0.5, 0.5, 0.0, 0.0, 0.0]]))
+    everything = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=9))
+    torch.testing.assert_close(everything, torch.softmax(logits, -1))
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [(1e-9, [0]), (0.4, [0]), (0.75, [0, 1]), (0.85, [0, 1, 2]), (0.99, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
+)
+def test_top_p_keeps_minimal_nucleus(top_p, kept):
+    # Shuffled order so the nucleus is found by sorting, not by position.
+    mass = {2: 0.5, 0: 0.3, 3: 0.15, 1: 0.05}
+    logits = probs_logits(*(mass[i] for i in range(4)))
+    rank_to_id = [2, 0, 3, 1]
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))[0]
+    kept_ids = sorted(rank_to_id[r] for r in kept)
+    assert torch.nonzero(probs).flatten().tolist() == kept_ids
+    total = sum(mass[i] for i in kept_ids)
+    for i in kept_ids:
+        assert probs[i].item() == pytest.approx(mass[i] / total, rel=1e-5)
+
+
+def test_top_p_applies_to_top_k_renormalised_distribution():
+    # After top-3 the masses are 0.5/0.95, 0.3/0.95, 0.15/0.95: the top two reach 0.842 >= 0.82,
+    # whereas on the raw distribution they would only reach 0.80 and a third token would be kept.
+    logits = probs_logits(0.5, 0.3, 0.15, 0.05)
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.82))[0]
+    assert torch.nonzero(probs).flatten().tolist() == [0, 1]
+    assert probs[0].item() == pytest.approx(0.5 / 0.8, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [torch.zeros(4), torch.zeros(1, 2, 3), torch.tensor([[0.0, math.nan]]), torch.tensor([[-math.inf, -math.inf]])],
+)
+def test_logits_validation(logits):
+    with pytest.raises(ValueError):
+        logits_to_probs(logits, SamplingParams(temperature=1.0))
+
+
+# --- sample_from ----------------------------------------------------------------------------
+
+
+def test_sample_from_u_near_one_never_returns_zero_tail():
+    probs = torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    u = torch.full((2,), math.nextafter(1.0, 0.0), dtype=torch.float64)
+    assert sample_from(probs, u).tolist() == [1, 3]
+    assert sample_from(probs, torch.zeros(2, dtype=torch.float64)).tolist() == [0, 3]
+
+
+def test_sample_from_rounding_edge_is_clamped_to_last_nonzero():
+    # A row whose float32 cumsum exceeds the float64 sum of its parts; u * total may round to total.
+    probs = torch.tensor([[0.1, 0.7, 0.2, 0.0, 0.0]])
+    for u in (math.nextafter(1.0, 0.0), 1.0):  # 1.0 is outside the contract but must still be safe
+        assert sample_from(probs, torch.tensor([u], dtype=torch.float64)).item() == 2
+
+
+def test_sample_from_never_samples_zero_probability_and_follows_the_cdf():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.0, 0.7, 0.0]])
+    grid = torch.linspace(0.0, math.nextafter(1.0, 0.0), 10_001, dtype=torch.float64)
+    ids = sample_many(probs, grid.unsqueeze(0))[0]
+    assert set(ids.tolist()) == {1, 4}
+    # The uniform grid maps onto tokens in proportion to their mass.
+    assert (ids == 1).double().mean().item() == pytest.approx(0.3, abs=2e-4)
+
+
+def test_sample_from_accepts_unnormalised_rows():
+    probs = torch.tensor([[0.0, 2.0, 6.0]])
+    assert sample_from(probs, torch.tensor([0.24], dtype=torch.float64)).item() == 1
+    assert sample_from(probs, torch.tensor([0.26], dtype=torch.float64)).item() == 2
+
+
+def test_sample_from_errors():
+    with pytest.raises(ValueError, match="no positive mass"):
+        sample_from(torch.zeros(1, 3), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="shape"):
+        sample_from(torch.ones(2, 3), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="2-D"):
+        sample_from(torch.ones(3), torch.tensor([0.5, 0.5, 0.5]))
+
+
+# --- draw_uniform ---------------------------------------------------------------------------
+
+
+def test_draw_uniform_is_reproducible_and_in_range():
+    a = draw_uniform(1000, torch.Generator().manual_seed(7), "cpu")
+    b = draw_uniform(1000, torch.Generator().manual_seed(7), "cpu")
+    assert torch.equal(a, b)
+    assert a.shape == (1000,)
+    assert bool((a >= 0).all()) and bool((a < 1).all())
+    assert a.mean().item() == pytest.approx(0.5, abs=0.05)
+
+
+def test_draw_uniform_rejects_negative_n():
+    with pytest.raises(ValueError):
+        draw_uniform(-1, None, "cpu")
