@@ -5,6 +5,7 @@ import sys
 def main() -> int:
     commands = {
         "generate": "engine.cli",
+        "bench": "engine.bench",
         "train-builtin": "engine.train_builtin",
         "eval-builtin": "engine.builtin_eval",
     }

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -144,37 +146,38 @@ def generate(args: argparse.Namespace) -> GenerateResult:
     try:
         run.run_to_end()
         spec, base = run.summaries()
-        return GenerateResult(text=target.tokenizer.decode(run.spec.generated), token_ids=list(run.spec.generated),
-                       prompt_ids=list(run.spec.prompt), metrics=spec, baseline=base,
-                       identical_to_baseline=run.identical_to_baseline())
+        generated = list(run.spec.generated)
+        return GenerateResult(text=target.tokenizer.decode(generated), token_ids=generated,
+                              prompt_ids=list(run.spec.prompt), metrics=spec, baseline=base,
+                              identical_to_baseline=run.identical_to_baseline())
     finally:
         run.close()
 
 
-def to_json(outcome: GenerateResult) -> str:
+def to_json(result: GenerateResult) -> str:
     from engine.trace import summary_to_dict
 
     return json.dumps({
-        "text": outcome.text, "token_ids": outcome.token_ids, "prompt_ids": outcome.prompt_ids,
-        "metrics": summary_to_dict(outcome.metrics),
-        "baseline_metrics": summary_to_dict(outcome.baseline) if outcome.baseline else None,
-        "speedup": outcome.speedup, "identical_to_baseline": outcome.identical_to_baseline,
+        "text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
+        "metrics": summary_to_dict(result.metrics),
+        "baseline_metrics": summary_to_dict(result.baseline) if result.baseline else None,
+        "speedup": result.speedup, "identical_to_baseline": result.identical_to_baseline,
     }, allow_nan=False, ensure_ascii=False)
 
 
-def to_text(outcome: GenerateResult, args: argparse.Namespace) -> str:
-    m = outcome.metrics
-    lines = [outcome.text, "", f"--- {m.mode} / {m.drafter}: {m.tokens} tokens in {m.rounds} rounds, "
+def to_text(result: GenerateResult, args: argparse.Namespace) -> str:
+    m = result.metrics
+    lines = [result.text, "", f"--- {m.mode} / {m.drafter}: {m.tokens} tokens in {m.rounds} rounds, "
                                f"{m.elapsed_s:.2f} s"]
     if m.drafted:
         lines.append(f"acceptance {m.acceptance_rate:.1%} ({m.accepted}/{m.drafted} drafted), "
                      f"mean accepted length {m.mean_accepted_length:.2f} tokens/round")
     lines.append(f"{m.tokens_per_s:.1f} tokens/s, {m.target_forwards_per_token:.2f} target forwards/token")
-    if outcome.baseline is not None:
-        speedup = f"{outcome.speedup:.2f}x" if outcome.speedup is not None else "n/a"
-        lines.append(f"baseline (target-only, same process): {outcome.baseline.tokens_per_s:.1f} tokens/s, "
+    if result.baseline is not None:
+        speedup = f"{result.speedup:.2f}x" if result.speedup is not None else "n/a"
+        lines.append(f"baseline (target-only, same process): {result.baseline.tokens_per_s:.1f} tokens/s, "
                      f"speed-up {speedup}")
-        same = "yes" if outcome.identical_to_baseline else "no"
+        same = "yes" if result.identical_to_baseline else "no"
         note = "" if args.temperature == 0 else " (sampled: the runs draw differently, so no match is expected)"
         lines.append(f"identical to baseline: {same}{note}")
     if args.trace:
@@ -182,11 +185,29 @@ def to_text(outcome: GenerateResult, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No progress bars or warnings from transformers while loading, so stderr carries only our error
+    line; the library's previous settings are restored afterwards (main() may run in-process)."""
+    from transformers.utils import logging
+
+    bars, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `generate` with argv (default sys.argv[1:]); 0 on success, 2 on bad input."""
     try:
         args = build_parser().parse_args(argv)
-        outcome = generate(args)
+        with quiet_transformers():
+            result = generate(args)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except (UsageError, PromptError, ModelLoadError, KVPoolExhausted) as exc:
@@ -195,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the trace file cannot be written
         print(f"error: cannot write {exc.filename or args.trace}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    print(to_json(outcome) if args.json else to_text(outcome, args))
+    print(to_json(result) if args.json else to_text(result, args))
     return 0
 
 

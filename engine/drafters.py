@@ -58,7 +58,7 @@ class ModelDrafter:
 
     def prefill(self, prompt: list[int]) -> None:
         if len(prompt) > 1:
-            self.runner.forward(self.cache, prompt[:-1], last_only=True)
+            self.runner.forward(self.cache, self._draftable(prompt[:-1]), last_only=True)
 
     def _q_row(self, logits: torch.Tensor) -> torch.Tensor:
         aligned = align_vocab(logits[-1:], self.target_vocab, fill=float("-inf"),

@@ -19,6 +19,7 @@ import typing
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from datetime import datetime, timezone
 from enum import Enum
+from functools import cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -211,10 +212,16 @@ def _decode_list(item: Any, value: Any, where: str) -> list:
     return [_decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
 
 
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    # Records use postponed annotations; resolving them once per class keeps big traces fast.
+    return typing.get_type_hints(cls)
+
+
 def _decode_dataclass(cls: type, value: Any, where: str) -> Any:
     if not isinstance(value, dict):
         raise TraceError(f"{where}: expected an object, got {_type_name(value)}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in fields(cls)]
     missing = [n for n in names if n not in value]
     if missing:
@@ -298,16 +305,22 @@ class TraceWriter:
         self._write("header", None, _to_json(header))
 
     def write_round(self, record: RoundRecord, stream: str) -> None:
+        """Append one round of `stream` ("spec" or "baseline")."""
+        self._check_stream(stream)
         self._write("round", stream, round_to_dict(record))
 
     def write_summary(self, summary: RunSummary, stream: str) -> None:
+        """Append the run summary of `stream`; the spec summary marks the trace complete."""
+        self._check_stream(stream)
         self._write("summary", stream, summary_to_dict(summary))
+
+    def _check_stream(self, stream: str) -> None:
+        if stream not in STREAMS:
+            raise ValueError(f"stream must be one of {STREAMS}, not {stream!r}")
 
     def _write(self, kind: str, stream: str | None, data: dict) -> None:
         if self._file is None:
             raise ValueError(f"trace {self.path} is closed")
-        if kind != "header" and stream not in STREAMS:
-            raise ValueError(f"stream must be one of {STREAMS}, not {stream!r}")
         line = json.dumps({"type": kind, "stream": stream, "data": data}, allow_nan=False, ensure_ascii=False)
         self._file.write(line + "\n")
         self._file.flush()

@@ -57,8 +57,8 @@ class TrainPlan:
     batch: int = 16
     target: LlamaShape = field(default_factory=lambda: LlamaShape(384, 8, 6, 2, 1024))
     draft: LlamaShape = field(default_factory=lambda: LlamaShape(256, 1, 4, 2, 1024))
-    joint_steps: int = 2000
-    distill_steps: int = 1500
+    joint_steps: int = 1200
+    distill_steps: int = 400
     lr_target: float = 2e-3
     lr_draft: float = 3e-3
     warmup_steps: int = 60
@@ -263,8 +263,16 @@ def train(plan: TrainPlan, out: Path = BUILTIN_DIR, work: Path = WORK_DIR, fresh
     step = 0
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=False)
-        if ck["plan"] != asdict(plan):
+        steps_only = {"joint_steps", "distill_steps"}
+        old_plan = {k: v for k, v in ck["plan"].items() if k not in steps_only}
+        if old_plan != {k: v for k, v in asdict(plan).items() if k not in steps_only}:
             raise SystemExit(f"{ckpt_path} was written by a different plan; rerun with --fresh")
+        if ck["plan"]["joint_steps"] != plan.joint_steps and ck["step"] > plan.joint_steps:
+            raise SystemExit(f"{ckpt_path} is already past {plan.joint_steps} joint steps")
+        if ck["plan"] != asdict(plan):
+            # Only the step budget changed: the cosine schedule continues from here on the new length.
+            log(f"step budget changed from {ck['plan']['joint_steps']}+{ck['plan']['distill_steps']} "
+                f"to {plan.joint_steps}+{plan.distill_steps}")
         target.load_state_dict(ck["target"]), draft.load_state_dict(ck["draft"])
         opt_t.load_state_dict(ck["opt_t"]), opt_d.load_state_dict(ck["opt_d"])
         step = ck["step"]

@@ -1,0 +1,52 @@
+"""Each page builds without launching, and app.py's flags reach the settings."""
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+import app
+from playground import page_charts, page_compare, page_detail, page_kv, page_stream, page_traces
+from playground.controls import build_controls
+from playground.registry import ModelRegistry
+from playground.ui import build_app, make_context
+
+EXAMPLES = [("example", "assets/traces/none.jsonl")]
+
+
+@pytest.mark.parametrize("build", [
+    page_stream.build, page_detail.build, page_kv.build, page_charts.build,
+    lambda: page_traces.build(EXAMPLES), lambda: page_compare.build(EXAMPLES),
+    lambda: build_controls(ModelRegistry(), 128),
+], ids=["stream", "detail", "kv", "charts", "traces", "compare", "controls"])
+def test_each_page_builds(build):
+    with gr.Blocks() as demo:
+        page = build()
+    assert len(demo.blocks) > 1
+    if page is not None:  # every component a page hands back is part of the Blocks
+        for name in page.__dataclass_fields__:
+            assert getattr(page, name)._id in demo.blocks, name
+
+
+def test_the_whole_app_builds_without_loading_a_model():
+    ctx = make_context(app.parse_args([], {}))
+    demo = build_app(ctx)
+    names = {d.api_name for d in demo.fns.values()}
+    assert {"step", "reset", "back", "run_to_end", "scrub", "replay_example", "replay_upload", "export",
+            "compare"} <= names
+    assert ctx.registry.loaded() == [] and len(ctx.pool) == 0
+    ctx.pool.shutdown()
+
+
+def test_flags_and_environment_reach_the_settings():
+    s = app.parse_args([], {})
+    assert (s.host, s.port, s.share, s.draft, s.target) == ("127.0.0.1", 7860, False, "builtin", "builtin")
+    assert s.allow_custom_models is True
+    assert app.parse_args([], {"SPACE_ID": "u/space"}).allow_custom_models is False
+    assert app.parse_args(["--allow-custom-models"], {"SPACE_ID": "u/space"}).allow_custom_models is True
+    assert app.parse_args(["--no-allow-custom-models"], {}).allow_custom_models is False
+    s = app.parse_args(["--host", "0.0.0.0", "--port", "8000", "--draft", "a", "--target", "b", "--draft-device",
+                        "cpu", "--target-device", "cuda:1", "--share", "--max-sessions", "3"], {})
+    assert (s.host, s.port, s.draft, s.target, s.draft_device, s.target_device, s.share, s.max_sessions) == \
+        ("0.0.0.0", 8000, "a", "b", "cpu", "cuda:1", True, 3)
+    with pytest.raises(ValueError, match="max_sessions"):
+        app.parse_args(["--max-sessions", "0"], {})

@@ -1,0 +1,243 @@
+"""Controller, sessions, registry and settings: the playground's behaviour without a browser."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.models import BUILTIN, ModelLoadError
+from engine.speculative import PromptError
+from engine.trace import TraceError
+from engine.verify import Outcome
+from playground import controller
+from playground.controller import Context, DecodeRequest
+from playground.frame import render_frame
+from playground.registry import CUSTOM, ModelRegistry, check_fits, estimate_parameters
+from playground.sessions import SessionLimitReached, SessionPool
+from playground.settings import AppSettings, allow_custom_default
+
+PROMPT = "def fibonacci(n):\n"
+
+
+def request(**changes) -> DecodeRequest:
+    values = dict(prompt=PROMPT, preset="default", custom_draft="", custom_target="", mode="v2", drafter="model",
+                  k=4.0, k_schedule="constant", k_min=1.0, k_max=8.0, temperature=1.0, top_k=0.0, top_p=1.0,
+                  seed=3.0, max_new_tokens=12.0)
+    return DecodeRequest(**(values | changes))
+
+
+@pytest.fixture
+def ctx(builtin_pair, tmp_path) -> Context:
+    draft, target = builtin_pair
+    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
+    settings = AppSettings(max_sessions=2, max_new_tokens=64)
+    yield Context(registry, SessionPool(2, 64 * 2**20, 60.0, root=tmp_path), settings)
+
+
+def test_step_runs_rounds_then_replays_them_after_stepping_back(ctx):
+    s = ctx.pool.open("a")
+    assert controller.step(ctx, s, request()) is None
+    assert s.cursor.shown == 1 and len(s.run.spec.rounds) == 1
+    controller.step(ctx, s, request())
+    controller.back(s)
+    assert s.cursor.shown == 1
+    controller.step(ctx, s, request())     # replays round 2: no new engine round
+    assert s.cursor.shown == 2 and len(s.run.spec.rounds) == 2
+    controller.scrub(s, 0)
+    assert s.cursor.shown == 0
+
+
+def test_reveal_substep_shows_pending_then_the_verdict(ctx):
+    s = ctx.pool.open("a")
+    controller.step(ctx, s, request(), reveal=True)
+    assert (s.cursor.shown, s.cursor.revealed) == (1, False)
+    controller.step(ctx, s, request(), reveal=True)
+    assert (s.cursor.shown, s.cursor.revealed) == (1, True)
+    assert len(s.run.spec.rounds) == 1
+
+
+def test_run_to_end_reports_progress_and_finishes(ctx):
+    s = ctx.pool.open("a")
+    seen: list[tuple[int, int]] = []
+    controller.run_to_end(ctx, s, request(), lambda done, total: seen.append((done, total)))
+    assert s.run.finished and s.cursor.shown == len(s.run.spec.rounds)
+    assert seen[-1] == (12, 12) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert "finished" in controller.step(ctx, s, request())
+
+
+@pytest.mark.parametrize("changes", [dict(mode="v1"), dict(drafter="ngram"), dict(mode="target"),
+                                     dict(k_schedule="heuristic", k=2.0, k_min=1.0, k_max=6.0, temperature=0.0)],
+                         ids=["v1", "ngram", "target-only", "heuristic-greedy"])
+def test_every_mode_and_drafter_runs_and_renders(ctx, changes):
+    s = ctx.pool.open("a")
+    controller.run_to_end(ctx, s, request(max_new_tokens=8.0, **changes))
+    view = s.view()
+    frame = render_frame(view, s.cursor)
+    assert view.rounds[-1].tokens_total == len(view.spec_tokens) <= 8
+    assert "finished" in frame.status and frame.rounds_total == len(view.rounds)
+    models = {k.model for k in view.rounds[-1].kv}
+    assert models == ({"target", "draft"} if view.info.draft else {"target"})
+    if changes.get("mode") == "target":
+        assert view.baseline == () and "Needs a target-only baseline" in frame.speedup.layout.annotations[0].text
+    else:
+        assert len(frame.tokens_time.data) == 2
+    if changes.get("k_schedule") == "heuristic":
+        assert {r.k for r in view.rounds} - {0} <= set(range(1, 7))
+
+
+@pytest.mark.parametrize("changes, error, words", [
+    (dict(prompt="   "), PromptError, "empty"),
+    (dict(k=0.0), ValueError, "K must be"),
+    (dict(k=2.5), ValueError, "whole number"),
+    (dict(temperature=None), ValueError, "Temperature is empty"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(k_min=6.0, k_max=3.0), ValueError, "k_min"),
+    (dict(max_new_tokens=65.0), ValueError, "at most 64"),
+    (dict(preset="custom", custom_draft="x", custom_target="y"), ModelLoadError, "disabled"),
+    (dict(preset="nope"), ModelLoadError, "Unknown model pair"),
+])
+def test_bad_input_raises_a_readable_user_error(ctx, changes, error, words):
+    s = ctx.pool.open("a")
+    with pytest.raises(error, match=words) as info:
+        controller.reset(ctx, s, request(**changes))
+    assert isinstance(info.value, controller.USER_ERRORS)
+    assert s.run is None and s.kv_bytes == 0
+    controller.step(ctx, s, request())     # the session still works afterwards
+    assert s.cursor.shown == 1
+
+
+def test_the_session_bound_gives_a_clear_message(ctx):
+    a = ctx.pool.open("a")
+    ctx.pool.open("b")
+    with pytest.raises(SessionLimitReached, match="full: 2 sessions"):
+        ctx.pool.open("c")
+    ctx.pool.close(a)
+    ctx.pool.close(a)  # unload, then state expiry: closing twice is harmless
+    assert ctx.pool.open("c").key == "c" and len(ctx.pool) == 2
+
+
+def test_closing_a_session_frees_its_kv_blocks_and_files(ctx):
+    s = ctx.pool.open("a")
+    controller.step(ctx, s, request())
+    pool = s.run.spec.target_runner.pool.manager
+    workdir = s.workdir
+    assert pool.free_blocks < pool.num_blocks and workdir.exists()
+    ctx.pool.close(s)
+    assert pool.free_blocks == pool.num_blocks and not workdir.exists() and s.run is None
+
+
+def test_the_kv_budget_bounds_all_sessions_together(builtin_pair, tmp_path):
+    draft, target = builtin_pair
+    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
+    small = Context(registry, SessionPool(4, 3 * 2**20, 60.0, root=tmp_path), AppSettings(max_new_tokens=512))
+    controller.reset(small, small.pool.open("a"), request(max_new_tokens=64.0))
+    with pytest.raises(SessionLimitReached, match="KV cache"):
+        controller.reset(small, small.pool.open("b"), request(max_new_tokens=512.0))
+
+
+def test_idle_sessions_are_evicted_when_the_pool_is_full(builtin_pair, tmp_path):
+    pool = SessionPool(1, 2**30, idle_ttl_s=0.0, root=tmp_path)
+    old = pool.open("old")
+    assert pool.open("new") is not old and len(pool) == 1 and not old.workdir.exists()
+
+
+def test_replay_needs_no_model_and_bad_traces_are_refused(ctx, tmp_path):
+    s = ctx.pool.open("a")
+    controller.run_to_end(ctx, s, request())
+    trace = s.trace_path
+    rounds = len(s.run.spec.rounds)
+    replay = ctx.pool.open("b")
+    controller.load_replay(replay, trace, "mine.jsonl")
+    assert replay.run is None and replay.view().source == "mine.jsonl"
+    for _ in range(rounds + 1):
+        note = controller.step(ctx, replay, request())
+    assert note == "End of the trace." and replay.cursor.shown == rounds
+    bad = tmp_path / "bad.jsonl"
+    for text in ("not json\n", json.dumps({"type": "round", "stream": "spec", "data": {}}) + "\n", ""):
+        bad.write_text(text)
+        with pytest.raises(TraceError):
+            controller.load_replay(replay, bad, "bad.jsonl")
+    assert replay.view().source == "mine.jsonl"   # a failed upload leaves the replay as it was
+    csv = controller.export_rounds_csv(replay)
+    assert csv.read_text().count("\n") == rounds + 1
+
+
+def test_the_session_trace_records_both_streams(ctx):
+    s = ctx.pool.open("a")
+    controller.run_to_end(ctx, s, request(temperature=0.0))
+    lines = [json.loads(line) for line in Path(s.trace_path).read_text().splitlines()]
+    streams = {(l["type"], l["stream"]) for l in lines}
+    assert {("header", None), ("round", "spec"), ("round", "baseline"), ("summary", "spec"),
+            ("summary", "baseline")} <= streams
+    view = s.view()
+    assert view.identical_to_baseline() is True
+    assert all(r.final.outcome in (Outcome.CORRECTED, Outcome.BONUS) for r in view.rounds)
+
+
+# -- registry ----------------------------------------------------------------------------------------------
+
+QWEN_7B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
+               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               tie_word_embeddings=False, max_position_embeddings=32768)
+
+
+def test_parameter_estimate_matches_a_known_model():
+    from transformers import Qwen2Config
+
+    assert estimate_parameters(Qwen2Config(**{k: v for k, v in QWEN_7B.items() if k != "architectures"})) \
+        == pytest.approx(7.62e9, rel=0.01)
+
+
+def test_a_model_too_big_for_free_memory_is_refused_before_loading(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))
+    import torch
+
+    with pytest.raises(ModelLoadError, match=r"needs about 28\.\d GiB on cpu, but only 1\.0 GiB"):
+        check_fits(str(tmp_path), "target", torch.device("cpu"), free=lambda d: 2**30)
+    assert check_fits(str(tmp_path), "target", torch.device("cpu"), free=lambda d: 2**40) > 28 * 2**30
+    loads: list[str] = []
+    registry = ModelRegistry(allow_custom=True, free=lambda d: 2**30, loader=lambda *a, **k: loads.append(a[0]))
+    with pytest.raises(ModelLoadError, match="needs about"):
+        registry.pair(CUSTOM, str(tmp_path), str(tmp_path))
+    assert loads == []
+
+
+def test_missing_model_and_two_gpu_preset_fail_clearly(tmp_path):
+    registry = ModelRegistry(allow_custom=True)
+    with pytest.raises(ModelLoadError, match="Could not read the config"):
+        registry.pair(CUSTOM, str(tmp_path / "nothing"), str(tmp_path / "nothing"))
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ModelLoadError, match="needs 2 GPUs"):
+            registry.pair("qwen-0.5b-7b-2gpu")
+    assert [k for _, k in ModelRegistry(allow_custom=False).choices()] == ["default", "qwen-0.5b-1.5b",
+                                                                           "qwen-0.5b-7b-2gpu"]
+
+
+def test_models_are_loaded_once_and_shared(builtin_pair):
+    calls: list[tuple[str, str]] = []
+    draft, target = builtin_pair
+
+    def loader(source, role, device):
+        calls.append((source, role))
+        return draft if role == "draft" else target
+
+    registry = ModelRegistry(loader=loader)
+    first, second = registry.pair("default"), registry.pair("default")
+    assert first.target is second.target and calls == [(BUILTIN, "draft"), (BUILTIN, "target")]
+
+
+@pytest.mark.parametrize("env, allowed", [
+    ({}, True), ({"SPACE_ID": "me/specplay"}, False),
+    ({"SPACE_ID": "me/specplay", "SPECPLAY_ALLOW_CUSTOM_MODELS": "1"}, True),
+    ({"SPECPLAY_ALLOW_CUSTOM_MODELS": "0"}, False),
+])
+def test_custom_models_default_off_on_a_space(env, allowed):
+    assert allow_custom_default(env) is allowed
+
+
+def test_a_bad_custom_models_setting_is_an_error():
+    with pytest.raises(ValueError, match="SPECPLAY_ALLOW_CUSTOM_MODELS"):
+        allow_custom_default({"SPECPLAY_ALLOW_CUSTOM_MODELS": "maybe"})

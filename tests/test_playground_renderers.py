@@ -1,0 +1,280 @@
+"""Renderers on real round records from the built-in pair: chip classes, figure traces, KV grids, charts."""
+from __future__ import annotations
+
+import statistics
+
+import plotly.graph_objects as go
+import pytest
+
+from engine.config import Mode, SpecConfig
+from engine.records import RoundRecord
+from engine.sampling import SamplingParams
+from engine.session import ComparedRun
+from engine.trace import load_trace
+from engine.verify import Outcome
+from playground import charts, measure
+from playground.frame import render_frame
+from playground.kv_plots import kv_figure, kv_table_html, slot_states
+from playground.palette import OUTCOME_STYLES, SLOT_COLOURS, SlotState, chip_class
+from playground.round_plots import position_choices, position_figure
+from playground.tokens import legend_html, round_chips, stream_html, visible
+from playground.view import Cursor, RunView, info_for_run, view_from_run, view_from_trace
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def _run(pair, tmp_path_factory, mode: Mode, temperature: float, max_new: int = 48,
+         stop_at_eos: bool = True) -> tuple[RunView, str]:
+    draft, target = pair
+    path = tmp_path_factory.mktemp("traces") / f"{mode.value}-{temperature}.jsonl"
+    config = SpecConfig(mode=mode, k=4, sampling=SamplingParams(temperature=temperature), seed=3,
+                        max_new_tokens=max_new, stop_at_eos=stop_at_eos)
+    run = ComparedRun(target, draft, PROMPT, config, trace_path=path)
+    info = info_for_run(run, target, draft)
+    run.run_to_end()
+    view = view_from_run(run, info)
+    run.close()
+    return view, str(path)
+
+
+@pytest.fixture(scope="module")
+def sampled(builtin_pair, tmp_path_factory) -> tuple[RunView, str]:
+    return _run(builtin_pair, tmp_path_factory, Mode.V2, 1.0)
+
+
+@pytest.fixture(scope="module")
+def sampled_v1(builtin_pair, tmp_path_factory) -> tuple[RunView, str]:
+    return _run(builtin_pair, tmp_path_factory, Mode.V1, 1.0)
+
+
+@pytest.fixture(scope="module")
+def greedy(builtin_pair, tmp_path_factory) -> tuple[RunView, str]:
+    return _run(builtin_pair, tmp_path_factory, Mode.V2, 0.0, max_new=32)
+
+
+def _first(view: RunView, pred) -> RoundRecord:
+    found = [r for r in view.rounds if pred(r)]
+    assert found, "the fixture run lacks a round of the kind this test needs; pick another seed"
+    return found[0]
+
+
+def _rejected(r: RoundRecord) -> bool:
+    return r.final.outcome is Outcome.CORRECTED
+
+
+def _bonus(r: RoundRecord) -> bool:
+    return r.final.outcome is Outcome.BONUS and r.k > 0 and len(r.emitted) == r.k + 1
+
+
+# -- token chips ---------------------------------------------------------------------------------
+
+def test_chips_follow_each_rounds_outcomes(sampled):
+    view, _ = sampled
+    for r in view.rounds:
+        chips = round_chips(r)
+        accepted = [c for c in chips if c.outcome is Outcome.ACCEPTED]
+        assert len(accepted) == r.accepted
+        assert [c.outcome for c in chips if c.position == r.k] == ([r.final.outcome] if len(r.emitted) > r.accepted else [])
+        rejected = [c for c in chips if c.outcome is Outcome.REJECTED]
+        assert len(rejected) == (r.k - r.accepted if _rejected(r) else 0)
+        assert sum(not c.unchecked for c in rejected) == (1 if _rejected(r) else 0)
+
+
+def test_stream_html_has_every_outcome_class_and_hover_values(sampled):
+    view, _ = sampled
+    page = stream_html(view, Cursor(shown=len(view.rounds)))
+    for outcome in (Outcome.ACCEPTED, Outcome.REJECTED, Outcome.CORRECTED, Outcome.BONUS):
+        assert f'class="chip {chip_class(outcome)}' in page
+    r = _first(view, _rejected)
+    rejected = next(p for p in r.positions if p.checked and p.outcome is Outcome.REJECTED)
+    assert f"α=min(1,p/q)={rejected.alpha:.3g} u={rejected.u:.3g}" in page
+    assert page.count('class="round-sep"') == len(view.rounds)
+
+
+def test_unrevealed_round_shows_its_drafts_as_pending(sampled):
+    view, _ = sampled
+    r = view.rounds[2]
+    chips = round_chips(r, revealed=False)
+    assert [c.outcome for c in chips] == [Outcome.PENDING] * r.k
+    page = stream_html(view, Cursor(shown=3, revealed=False))
+    assert page.count(chip_class(Outcome.PENDING)) == r.k
+    # The earlier rounds stay verified.
+    assert page.count('class="round-sep"') == 3
+
+
+def test_whitespace_is_visible():
+    assert visible("  x\n\ty") == "··x↵→y"
+    assert visible("") == "∅"
+
+
+def test_legend_names_every_outcome_with_its_icon():
+    legend = legend_html()
+    for outcome, style in OUTCOME_STYLES.items():
+        assert chip_class(outcome) in legend and outcome.value in legend
+    assert len({s.colour for s in OUTCOME_STYLES.values()}) == len(OUTCOME_STYLES)
+    assert len({s.icon for s in OUTCOME_STYLES.values()}) == len(OUTCOME_STYLES)
+
+
+# -- round detail ----------------------------------------------------------------------------------
+
+def test_draft_figure_groups_p_and_q_and_outlines_the_draft(sampled):
+    view, _ = sampled
+    r = _first(view, _rejected)
+    pos = next(p for p in r.positions if p.checked and p.outcome is Outcome.REJECTED)
+    fig = position_figure(r, pos.index)
+    assert [t.name for t in fig.data] == ["p_target", "q_draft"]
+    assert list(fig.data[0].y) == [c.p_target for c in pos.candidates]
+    assert list(fig.data[1].y) == [c.q_draft for c in pos.candidates]
+    widths = list(fig.data[0].marker.line.width)
+    assert widths.count(max(widths)) == 1 and widths.index(max(widths)) == [c.token for c in pos.candidates].index(pos.token)
+    title = fig.layout.title.text
+    assert f"α=min(1, p/q)={pos.alpha:.3f}" in title and f"u={pos.u:.3f}" in title and "REJECTED" in title
+
+
+def test_correction_figure_marks_the_sampled_token_on_the_residual(sampled):
+    view, _ = sampled
+    r = _first(view, _rejected)
+    fig = position_figure(r, r.k)
+    assert [t.name for t in fig.data][2].startswith("residual")
+    residual = list(fig.data[2].y)
+    assert all(v >= 0 for v in residual) and sum(residual) <= 1 + 1e-6
+    tokens = [c.token for c in r.final.candidates]
+    assert r.final.token in tokens
+    assert residual[tokens.index(r.final.token)] > 0  # the correction comes from the residual's support
+    assert "CORRECTED" in fig.layout.title.text
+    assert any(a.text.startswith("correction") for a in fig.layout.annotations)
+
+
+def test_bonus_figure_shows_the_bonus_row(sampled):
+    view, _ = sampled
+    r = _first(view, _bonus)
+    fig = position_figure(r, r.k)
+    assert len(fig.data) == 1 and fig.data[0].name == f"p_target row {r.k} (bonus row)"
+    assert fig.data[0].marker.color == OUTCOME_STYLES[Outcome.BONUS].colour
+    assert "BONUS" in fig.layout.title.text
+    assert [v for _, v in position_choices(r)] == list(range(r.k + 1))
+
+
+def test_unchecked_and_pending_positions_explain_themselves(sampled):
+    view, _ = sampled
+    r = _first(view, lambda r: any(not p.checked for p in r.positions))
+    unchecked = next(p for p in r.positions if not p.checked)
+    fig = position_figure(r, unchecked.index)
+    assert len(fig.data) == 0 and "never checked" in fig.layout.annotations[0].text
+    pending = position_figure(r, 0, revealed=False)
+    assert "pending" in pending.layout.annotations[0].text
+    with pytest.raises(ValueError):
+        position_figure(r, r.k + 1)
+
+
+# -- KV grids ------------------------------------------------------------------------------------------
+
+def _count(kv, state: SlotState) -> int:
+    return sum(row.count(state) for row in slot_states(kv))
+
+
+def test_v2_rolls_back_rejected_slots_and_v1_never_does(sampled, sampled_v1):
+    v2, _ = sampled
+    v1, _ = sampled_v1
+    for view, rolls in ((v2, True), (v1, False)):
+        for r in [r for r in view.rounds[1:] if not r.finished]:
+            target = next(k for k in r.kv if k.model == "target")
+            rolled = _count(target, SlotState.ROLLED_BACK)
+            if rolls:
+                assert rolled == r.k - r.accepted  # K+1 written, rejected ones rolled back
+                assert _count(target, SlotState.WRITTEN) == r.accepted + 1
+            else:
+                assert rolled == 0 and target.rolled_back == []
+                assert _count(target, SlotState.WRITTEN) == len(target.written)
+            used = sum(_count(target, s) for s in (SlotState.PROMPT, SlotState.COMMITTED, SlotState.WRITTEN))
+            assert used == target.length
+
+
+def test_kv_figure_is_a_heatmap_with_a_legend_of_states(sampled):
+    view, _ = sampled
+    r = _first(view, _rejected)
+    target = next(k for k in r.kv if k.model == "target")
+    fig = kv_figure(target)
+    assert isinstance(fig.data[0], go.Heatmap)
+    assert len(fig.data[0].z) == target.num_blocks and len(fig.data[0].z[0]) == target.block_size
+    assert [t.marker.color for t in fig.data[1:]] == [SLOT_COLOURS[s] for s in SlotState]
+    assert "✗" in {m for row in fig.data[0].text for m in row}
+    table = kv_table_html(r.kv)
+    assert target.device in table and "block table" in table and "draft cache" in table
+
+
+# -- charts ------------------------------------------------------------------------------------------------
+
+def test_acceptance_chart_matches_the_records(sampled):
+    view, _ = sampled
+    fig = charts.acceptance_figure(view)
+    assert [t.name for t in fig.data] == ["this round", "cumulative"]
+    assert list(fig.data[0].y) == [r.accepted / r.k for r in view.rounds]
+    total = sum(r.accepted for r in view.rounds) / sum(r.k for r in view.rounds)
+    assert fig.data[1].y[-1] == pytest.approx(total)
+    lengths = charts.accepted_length_figure(view)
+    assert sum(lengths.data[0].y) == len(view.rounds)
+    per_pos = charts.per_position_figure(view)
+    assert len(per_pos.data[0].y) == 4 and per_pos.data[0].y[0] == pytest.approx(measure.per_position(view.rounds)[0])
+
+
+def test_time_and_speedup_charts_use_both_measured_streams(sampled):
+    view, _ = sampled
+    fig = charts.tokens_time_figure(view)
+    assert len(fig.data) == 2
+    assert fig.data[0].y[-1] == view.rounds[-1].tokens_total and fig.data[1].y[-1] == view.baseline[-1].tokens_total
+    assert list(fig.data[1].x[1:]) == [b.elapsed_s for b in view.baseline]
+    speed = charts.speedup_figure(view)
+    assert [t.name for t in speed.data][0] == "measured" and speed.data[1].name.startswith("Leviathan")
+    spec_tps = view.rounds[-1].tokens_total / view.rounds[-1].elapsed_s
+    base_tps = view.baseline[-1].tokens_total / view.baseline[-1].elapsed_s
+    expected = spec_tps / base_tps
+    assert speed.data[0].y[-1] == pytest.approx(expected)
+
+
+def test_cost_ratio_is_measured_from_the_runs_own_timings(sampled):
+    view, _ = sampled
+    ratio = measure.cost_ratio(view)
+    draft_ms = statistics.median(r.timings.draft_ms / r.draft_forwards for r in view.rounds if r.draft_forwards)
+    target_ms = statistics.median(b.timings.verify_ms for b in view.baseline)
+    assert (ratio.draft_forward_ms, ratio.target_step_ms) == (pytest.approx(draft_ms), pytest.approx(target_ms))
+    assert ratio.c == pytest.approx(draft_ms / ratio.target_step_ms)
+    alpha = measure.acceptance(view.rounds)
+    assert measure.predicted_speedup(view) == pytest.approx((1 - alpha**5) / (1 - alpha) / (4 * ratio.c + 1))
+
+
+def test_identity_badge(greedy, sampled):
+    view, _ = greedy
+    assert view.identical_to_baseline() is True
+    assert "identical to target-only" in charts.identity_badge(view) and 'badge ok' in charts.identity_badge(view)
+    assert "not expected" in charts.identity_badge(sampled[0])
+
+
+def test_target_only_charts_say_nothing_was_drafted(builtin_pair, tmp_path_factory):
+    view, _ = _run(builtin_pair, tmp_path_factory, Mode.TARGET, 1.0, max_new=6, stop_at_eos=False)
+    assert all(r.k == 0 and r.final.outcome is Outcome.BONUS for r in view.rounds)
+    assert "Nothing drafted" in charts.acceptance_figure(view).layout.annotations[0].text
+    assert stream_html(view, Cursor(shown=len(view.rounds))).count(chip_class(Outcome.BONUS)) == 6
+
+
+# -- replay from a trace -----------------------------------------------------------------------------------
+
+def test_a_trace_replays_exactly_what_the_live_run_showed(sampled):
+    live, path = sampled
+    replay = view_from_trace(load_trace(path), "example.jsonl")
+    assert replay.rounds == live.rounds and replay.baseline == live.baseline
+    for shown in (1, len(live.rounds)):
+        a, b = render_frame(live, Cursor(shown=shown)), render_frame(replay, Cursor(shown=shown))
+        assert a.stream == b.stream
+        assert a.acceptance.to_json() == b.acceptance.to_json()
+        assert a.kv_target.to_json() == b.kv_target.to_json()
+
+
+def test_frame_for_a_pending_round_hides_its_verdict(sampled):
+    view, _ = sampled
+    pending = render_frame(view, Cursor(shown=3, revealed=False))
+    verified = render_frame(view, Cursor(shown=2))
+    assert pending.kv_target.to_json() == verified.kv_target.to_json()
+    assert pending.acceptance.to_json() == verified.acceptance.to_json()
+    assert "pending" in pending.status
+    assert render_frame(view, Cursor(shown=len(view.rounds))).rounds_total == len(view.rounds)

@@ -1,0 +1,270 @@
+"""Traces: ComparedRun writes them, load_trace round-trips them exactly and rejects bad files clearly."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from engine import trace as trace_mod
+from engine.config import SpecConfig
+from engine.records import RoundRecord
+from engine.session import ComparedRun
+from engine.trace import (ROUND_COLUMNS, TRACE_VERSION, TraceError, TraceWriter, config_from_dict, config_to_dict,
+                          export_csv, load_trace, make_header, round_from_dict, round_to_dict, rounds_dataframe,
+                          summary_from_dict, summary_to_dict)
+from engine.verify import Outcome
+
+PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add"
+CONFIG = SpecConfig(k=3, max_new_tokens=12, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_pair, tmp_path_factory) -> tuple[Path, ComparedRun]:
+    """A finished, closed ComparedRun with the trace it wrote (random draft: corrections, some accepts)."""
+    draft, target = tiny_pair
+    path = tmp_path_factory.mktemp("trace") / "run.jsonl"
+    run = ComparedRun(target, draft, PROMPT, CONFIG, trace_path=path)
+    run.run_to_end()
+    run.close()
+    return path, run
+
+
+def lines_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_lines(path: Path, objs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return path
+
+
+def test_compared_run_writes_header_rounds_and_summaries(traced) -> None:
+    path, run = traced
+    objs = lines_of(path)
+    kinds = [(o["type"], o["stream"]) for o in objs]
+    n_spec, n_base = len(run.spec.rounds), len(run.baseline.rounds)
+    assert kinds[0] == ("header", None)
+    assert kinds.count(("round", "spec")) == n_spec and kinds.count(("round", "baseline")) == n_base
+    assert kinds[-2:] == [("summary", "spec"), ("summary", "baseline")]
+    assert n_base == CONFIG.max_new_tokens and n_spec <= n_base  # the baseline emits one token per round
+
+
+def test_load_trace_round_trips_exactly(traced, tiny_pair) -> None:
+    path, run = traced
+    t = load_trace(path)
+    assert t.complete
+    assert t.rounds == run.spec.rounds and t.baseline == run.baseline.rounds
+    spec, base = run.summaries()
+    assert summary_to_dict(t.summary) == summary_to_dict(spec)
+    assert summary_to_dict(t.baseline_summary) == summary_to_dict(base)
+    h = t.header
+    assert (h.version, h.prompt, h.prompt_ids, h.seed) == (TRACE_VERSION, PROMPT, run.spec.prompt, CONFIG.seed)
+    assert (h.target, h.draft) == (tiny_pair[1].name, tiny_pair[0].name)
+    assert h.devices == {"target": "cpu", "draft": "cpu"} and h.dtypes["draft"] == "float32"
+    assert set(h.versions) == {"python", "torch", "transformers", "specplay"}
+    assert config_from_dict(h.config) == CONFIG
+    assert load_trace(path.read_bytes()) == t
+
+
+def test_round_dicts_round_trip_every_outcome(traced, tiny_pair) -> None:
+    _, run = traced
+    target = tiny_pair[1]
+    self_run = ComparedRun(target, target, PROMPT, CONFIG, compare=False)   # all accepted: bonus rounds
+    rounds = run.spec.rounds + run.baseline.rounds + self_run.run_to_end()
+    self_run.close()
+    finals = {r.final.outcome for r in rounds}
+    positions = {p.outcome for r in rounds for p in r.positions}
+    assert finals == {Outcome.CORRECTED, Outcome.BONUS} and Outcome.ACCEPTED in positions
+    for r in rounds:
+        d = round_to_dict(r)
+        assert json.loads(json.dumps(d)) == d          # plain JSON, no enums or tensors left
+        assert round_from_dict(json.loads(json.dumps(d))) == r
+
+
+def test_summary_nan_rates_become_null(traced) -> None:
+    spec, _ = traced[1].summaries()
+    nan_spec = dataclasses.replace(spec, per_position_acceptance=[0.5, float("nan")])
+    d = summary_to_dict(nan_spec)
+    assert d["per_position_acceptance"] == [0.5, None]
+    back = summary_from_dict(json.loads(json.dumps(d, allow_nan=False)))
+    assert back.per_position_acceptance[0] == 0.5 and math.isnan(back.per_position_acceptance[1])
+
+
+@pytest.mark.parametrize("config", [SpecConfig(drafter="ngram"), SpecConfig(mode="target")])
+def test_header_records_no_draft_when_none_is_used(tiny_pair, config: SpecConfig) -> None:
+    draft, target = tiny_pair
+    h = make_header("x", [1, 2], config, target, draft)
+    assert h.draft is None and set(h.devices) == set(h.dtypes) == {"target"}
+    assert h.config == config_to_dict(config) and h.config["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+
+
+def test_interrupted_trace_loads_incomplete(traced, tmp_path) -> None:
+    path, run = traced
+    data = path.read_bytes()
+    cut = data[: data.rindex(b'{"type": "round"') + 40]     # mid-way through the last round line
+    t = load_trace(cut)
+    assert not t.complete and t.summary is None
+    all_rounds = load_trace(path)
+    assert len(t.rounds) + len(t.baseline) == len(all_rounds.rounds) + len(all_rounds.baseline) - 1
+
+
+def test_live_trace_is_readable_mid_run(tiny_pair, tmp_path) -> None:
+    draft, target = tiny_pair
+    path = tmp_path / "live.jsonl"
+    run = ComparedRun(target, draft, PROMPT, CONFIG, trace_path=path)
+    first = run.step()
+    t = load_trace(path)                                      # the writer is still open
+    assert not t.complete and t.rounds == [first] and len(t.baseline) == len(first.emitted)
+    run.close()
+
+
+def test_writer_rejects_unknown_streams_and_closed_files(traced, tiny_pair, tmp_path) -> None:
+    draft, target = tiny_pair
+    traced_round = traced[1].spec.rounds[0]
+    header = make_header("x", [1, 2], CONFIG, target, draft)
+    with TraceWriter(tmp_path / "w.jsonl", header) as writer:
+        with pytest.raises(ValueError, match="stream must be one of"):
+            writer.write_summary(None, stream="draft")  # type: ignore[arg-type]
+    assert writer.closed
+    with pytest.raises(ValueError, match="closed"):
+        writer.write_round(traced_round, stream="spec")
+    assert load_trace(tmp_path / "w.jsonl").header == header
+
+
+# ---------------------------------------------------------------------------- bad files
+
+def edited(traced, tmp_path: Path, edit) -> Path:
+    objs = lines_of(traced[0])
+    edit(objs)
+    return write_lines(tmp_path / "edited.jsonl", objs)
+
+
+def first_round(objs: list[dict]) -> dict:
+    return next(o for o in objs if o["type"] == "round")
+
+
+def set_final_outcome(objs):
+    first_round(objs)["data"]["final"]["outcome"] = "maybe"
+
+
+def drop_key(objs):
+    del first_round(objs)["data"]["accepted"]
+
+
+def stringly_k(objs):
+    first_round(objs)["data"]["k"] = "3"
+
+
+def bool_index(objs):
+    first_round(objs)["data"]["index"] = True
+
+
+def wrong_version(objs):
+    objs[0]["data"]["version"] = TRACE_VERSION + 1
+
+
+def drop_header(objs):
+    del objs[0]
+
+
+def unknown_type(objs):
+    objs.insert(2, {"type": "frame", "stream": "spec", "data": {}})
+
+
+def bad_stream(objs):
+    first_round(objs)["stream"] = "draft"
+
+
+def second_header(objs):
+    objs.insert(3, objs[0])
+
+
+def extra_key(objs):
+    first_round(objs)["data"]["surprise"] = 1
+
+
+def bad_config(objs):
+    objs[0]["data"]["config"]["k"] = 99
+
+
+def too_many_emitted(objs):
+    r = first_round(objs)["data"]
+    r["emitted"] = r["emitted"] * (r["k"] + 2)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (set_final_outcome, r"line 2: round.final.outcome: 'maybe' is not one of accepted, rejected, corrected, bonus"),
+    (drop_key, r"line 2: round: missing key\(s\) accepted"),
+    (stringly_k, r"line 2: round.k: expected an integer, got str"),
+    (bool_index, r"line 2: round.index: expected an integer, got bool"),
+    (wrong_version, rf"line 1: trace version {TRACE_VERSION + 1} is not supported"),
+    (drop_header, r"line 1: the first line must be the header, got type 'round'"),
+    (unknown_type, r"line 3: unknown line type 'frame'"),
+    (bad_stream, r"line 2: stream must be one of spec, baseline, got 'draft'"),
+    (second_header, r"line 4: a second header"),
+    (extra_key, r"line 2: round: unknown key\(s\) surprise"),
+    (bad_config, r"line 1: config is not a valid SpecConfig: K must be"),
+    (too_many_emitted, r"line 2: round.emitted: \d+ tokens for k=3"),
+])
+def test_bad_records_are_rejected_with_line_numbers(traced, tmp_path, edit, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        load_trace(edited(traced, tmp_path, edit))
+
+
+def test_not_json_in_the_middle(traced) -> None:
+    data = traced[0].read_bytes().split(b"\n")
+    data[2] = b"this is not json"
+    with pytest.raises(TraceError, match="line 3: not valid JSON"):
+        load_trace(b"\n".join(data))
+
+
+@pytest.mark.parametrize("number, message", [(b"NaN", "NaN is not allowed"), (b"-Infinity", "-Infinity is not allowed"),
+                                             (b"1e999", "round.elapsed_s: inf is not a finite number")])
+def test_non_finite_numbers(traced, tmp_path, number: bytes, message: str) -> None:
+    def poison(objs):
+        first_round(objs)["data"]["elapsed_s"] = "__X__"
+
+    data = edited(traced, tmp_path, poison).read_bytes().replace(b'"__X__"', number)
+    with pytest.raises(TraceError, match=f"line 2: .*{message}"):
+        load_trace(data)
+
+
+def test_empty_and_header_only_files(traced) -> None:
+    with pytest.raises(TraceError, match="empty"):
+        load_trace(b"\n\n")
+    with pytest.raises(TraceError, match="no complete header"):
+        load_trace(traced[0].read_bytes()[:50])
+    header_only = load_trace(traced[0].read_bytes().split(b"\n")[0] + b"\n")
+    assert header_only.rounds == [] and not header_only.complete
+
+
+def test_oversized_files_are_rejected(traced, monkeypatch) -> None:
+    monkeypatch.setattr(trace_mod, "MAX_TRACE_BYTES", 1000)
+    with pytest.raises(TraceError, match="over the 1,000-byte"):
+        load_trace(traced[0])
+    with pytest.raises(TraceError, match="over the 1,000-byte"):
+        load_trace(traced[0].read_bytes())
+
+
+def test_missing_file() -> None:
+    with pytest.raises(TraceError, match="cannot read trace"):
+        load_trace("/no/such/trace.jsonl")
+
+
+# ---------------------------------------------------------------------------- tables
+
+def test_csv_has_one_row_per_round(traced, tmp_path) -> None:
+    rounds: list[RoundRecord] = traced[1].spec.rounds
+    path = export_csv(rounds, tmp_path / "rounds.csv")
+    df = pd.read_csv(path, keep_default_na=False)
+    assert list(df.columns) == list(ROUND_COLUMNS) and len(df) == len(rounds)
+    assert df["index"].tolist() == list(range(len(rounds)))
+    assert df["emitted"].tolist() == [len(r.emitted) for r in rounds]
+    assert df["accepted"].tolist() == [r.accepted for r in rounds]
+    assert df["final_outcome"].tolist() == [r.final.outcome.value for r in rounds]
+    assert df["tokens_total"].iloc[-1] == CONFIG.max_new_tokens
+    assert list(rounds_dataframe([]).columns) == list(ROUND_COLUMNS)
