@@ -66,7 +66,9 @@ def default_devices(draft_device: str | None = None, target_device: str | None =
 
 
 def _check_builtin_folder(path: Path) -> None:
-    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (path / f).is_file()]
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        missing.append("model.safetensors")
     if missing:
         raise ModelLoadError(
             f"The built-in model folder {path} is missing {', '.join(missing)}. "

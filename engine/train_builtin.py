@@ -217,7 +217,7 @@ def export_pair(target, draft, tok, out: Path, meta: dict) -> None:
     for name, model in (("target", target), ("draft", draft)):
         m = copy.deepcopy(model).to(torch.float16)
         m.generation_config.pad_token_id = m.config.eos_token_id
-        m.save_pretrained(tmp / name)
+        m.save_pretrained(tmp / name, max_shard_size="15MB")  # shards under 20 MiB keep git happy
         hf_tok.save_pretrained(tmp / name)
     (tmp / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     if (out / "MODEL_CARD.md").exists():
@@ -231,6 +231,17 @@ def export_pair(target, draft, tok, out: Path, meta: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- training
+
+def adapt_threads() -> None:
+    """Use one thread while other work shares the 2 cores: two OpenMP threads fighting a third
+    process for cores run slower than one thread with a core to itself."""
+    import os
+
+    others = os.getloadavg()[0] - torch.get_num_threads()
+    want = 1 if others > 0.7 else 2
+    if want != torch.get_num_threads():
+        torch.set_num_threads(want)
+
 
 def build_models(plan: TrainPlan, eos_id: int):
     from transformers import LlamaForCausalLM
@@ -343,6 +354,8 @@ def train(plan: TrainPlan, out: Path = BUILTIN_DIR, work: Path = WORK_DIR, fresh
         opt_d.step()
         step += 1
 
+        if step % 10 == 0:
+            adapt_threads()
         if step % 10 == 0 or step == total:
             rate = (step - step_start) * tokens_per_step / (time.perf_counter() - t_start)
             eta = (total - step) * tokens_per_step / max(rate, 1e-9) / 60

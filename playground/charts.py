@@ -126,9 +126,8 @@ def summary_html(view: RunView | None) -> str:
     ratio = measure.cost_ratio(view)
     c_text = "—" if ratio is None else (
         "0 (n-gram: no draft forwards)" if ratio.draft_forward_ms is None else
-        f"{ratio.c:.3f} = {ratio.draft_forward_ms:.2f} ms per draft forward / {ratio.target_step_ms:.2f} ms per target step")
-    base_tps = (view.baseline[-1].tokens_total / view.baseline[-1].elapsed_s
-                if view.baseline and view.baseline[-1].elapsed_s > 0 else None)
+        f"{ratio.c:.3f} = {ratio.draft_forward_ms:.2f} ms per draft forward / "
+        f"{ratio.target_step_ms:.2f} ms per target step")
     rows = [
         ("run", f"{view.info.label()} · {view.source}"),
         ("tokens / rounds", f"{last.tokens_total} / {len(view.rounds)}" + (" (finished)" if last.finished else "")),
@@ -137,8 +136,8 @@ def summary_html(view: RunView | None) -> str:
         ("c, measured from this run", c_text),
         ("speed-up: measured / predicted", f"{_fmt(measure.measured_speedup(view), suffix='×')} / "
                                            f"{_fmt(measure.predicted_speedup(view), suffix='×')}"),
-        ("tokens/s: speculative / target-only", f"{_fmt(last.tokens_total / last.elapsed_s if last.elapsed_s else None, '.1f')}"
-                                                f" / {_fmt(base_tps, '.1f')}"),
+        ("tokens/s: speculative / target-only", f"{_fmt(measure.tokens_per_s(view.rounds), '.1f')} / "
+                                                f"{_fmt(measure.tokens_per_s(view.baseline), '.1f')}"),
         ("target forwards: speculative / target-only", f"{sum(r.target_forwards for r in view.rounds)} / "
                                                        f"{sum(b.target_forwards for b in view.baseline)}"),
     ]

@@ -49,17 +49,17 @@ def kv_figure(kv: KVState) -> go.Figure:
               for o in range(kv.block_size)] for b in range(kv.num_blocks)]
     heat = go.Heatmap(z=[[s.value for s in row] for row in grid], x=list(range(kv.block_size)), y=rows,
                       text=[[SLOT_MARKS[s] for s in row] for row in grid], texttemplate="%{text}",
-                      hovertext=hover, hoverinfo="text", colorscale=_colourscale(), zmin=-0.5, zmax=len(SlotState) - 0.5,
-                      showscale=False, xgap=2, ygap=2)
+                      hovertext=hover, hoverinfo="text", colorscale=_colourscale(), zmin=-0.5,
+                      zmax=len(SlotState) - 0.5, showscale=False, xgap=2, ygap=2)
     # Invisible points give the heatmap a legend of the five states.
     legend = [go.Scatter(x=[None], y=[None], mode="markers", name=f"{SLOT_MARKS[s] or '□'} {SLOT_LABELS[s]}",
                          marker=dict(symbol="square", size=12, color=SLOT_COLOURS[s])) for s in SlotState]
     fig = go.Figure([heat, *legend])
     fig.update_layout(title=dict(text=f"{kv.model} cache on {kv.device}: {kv.length} slots used of "
                                       f"{kv.num_blocks * kv.block_size}", font=dict(size=14)),
-                      height=120 + 26 * kv.num_blocks, margin=dict(l=90, r=20, t=50, b=40),
+                      height=110 + 28 * kv.num_blocks, margin=dict(l=90, r=20, t=50, b=45),
                       xaxis=dict(title="slot offset in block", dtick=1), yaxis=dict(autorange="reversed"),
-                      legend=dict(orientation="h", y=-0.15), template="plotly_white")
+                      legend=dict(x=1.02, y=1, yanchor="top"), template="plotly_white")
     return fig
 
 
@@ -76,7 +76,8 @@ def kv_table_html(states: list[KVState]) -> str:
         "pool memory": lambda k: _mib(k.pool_bytes),
         "blocks × slots": lambda k: f"{k.num_blocks} × {k.block_size}",
         "cached tokens": lambda k: f"{k.length} (prompt {k.prompt_len})",
-        "block table (logical → physical)": lambda k: ", ".join(f"{i}→{b}" for i, b in enumerate(k.block_table)) or "—",
+        "block table (logical → physical)":
+            lambda k: ", ".join(f"{i}→{b}" for i, b in enumerate(k.block_table)) or "—",
         "slots written this round": lambda k: str(len(k.written)),
         "slots rolled back this round": lambda k: str(len(k.rolled_back)),
         "blocks allocated / freed": lambda k: f"{k.blocks_allocated or '—'} / {k.blocks_freed or '—'}",

@@ -45,18 +45,19 @@ def per_position(rounds: tuple[RoundRecord, ...] | list[RoundRecord]) -> list[fl
 
 
 def cost_ratio(view: RunView) -> CostRatio | None:
-    """c from this run: mean ms per draft forward over the median ms of one baseline decode step.
-    None until both streams have timed at least one step."""
+    """c from this run: the median round's ms per draft forward over the median ms of one baseline
+    decode step (medians, so a first call's warm-up does not dominate a short run). None until
+    both streams have timed at least one step."""
     steps = [b.timings.verify_ms for b in view.baseline]
     if not steps:
         return None
     target_ms = statistics.median(steps)
     if target_ms <= 0:
         return None
-    forwards = sum(r.draft_forwards for r in view.rounds)
-    if view.info.config.drafter is DrafterKind.NGRAM or forwards == 0:
+    per_forward = [r.timings.draft_ms / r.draft_forwards for r in view.rounds if r.draft_forwards]
+    if view.info.config.drafter is DrafterKind.NGRAM or not per_forward:
         return CostRatio(0.0, None, target_ms) if drafted_rounds(view.rounds) else None
-    draft_ms = sum(r.timings.draft_ms for r in view.rounds) / forwards
+    draft_ms = statistics.median(per_forward)
     return CostRatio(draft_ms / target_ms, draft_ms, target_ms)
 
 
@@ -73,20 +74,18 @@ def predicted_speedup(view: RunView) -> float | None:
     return metrics.predicted_speedup(alpha, k, ratio.c)
 
 
-def baseline_time_at(view: RunView, tokens: int) -> float | None:
-    """Seconds the target-only run took to reach `tokens` generated tokens (prefill included)."""
-    for b in view.baseline:
-        if b.tokens_total >= tokens:
-            return b.elapsed_s
-    return None
+def tokens_per_s(rounds: tuple[RoundRecord, ...] | list[RoundRecord]) -> float | None:
+    """Generated tokens over decode time (prefill included) after the last of `rounds`."""
+    if not rounds or rounds[-1].elapsed_s <= 0:
+        return None
+    return rounds[-1].tokens_total / rounds[-1].elapsed_s
 
 
 def measured_speedup(view: RunView) -> float | None:
-    """Target-only time over speculative time, both to the speculative run's token count."""
-    if not view.rounds or view.rounds[-1].elapsed_s <= 0:
-        return None
-    base = baseline_time_at(view, view.rounds[-1].tokens_total)
-    return None if base is None else base / view.rounds[-1].elapsed_s
+    """Speculative over target-only throughput, the baseline measured up to the speculative run's
+    token count (a time ratio at equal tokens; a sampled baseline may stop early at its own EOS)."""
+    spec, base = tokens_per_s(view.rounds), tokens_per_s(view.baseline)
+    return None if spec is None or base is None or base <= 0 else spec / base
 
 
 def speedup_series(view: RunView) -> tuple[list[int], list[float | None], list[float | None]]:

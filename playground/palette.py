@@ -22,9 +22,11 @@ class OutcomeStyle:
 
 OUTCOME_STYLES: MappingProxyType[Outcome, OutcomeStyle] = MappingProxyType({
     Outcome.ACCEPTED: OutcomeStyle(GREEN, "✓", "solid", "draft accepted by the target (u < α)"),
-    Outcome.REJECTED: OutcomeStyle(VERMILLION, "✗", "dashed", "draft rejected (struck through); later drafts are discarded unchecked"),
+    Outcome.REJECTED: OutcomeStyle(VERMILLION, "✗", "dashed",
+                                   "draft rejected (struck through); later drafts are discarded unchecked"),
     Outcome.CORRECTED: OutcomeStyle(BLUE, "↻", "double", "correction sampled from the residual max(0, p − q)"),
-    Outcome.BONUS: OutcomeStyle(PURPLE, "★", "solid", "bonus token from the target's extra row (every draft accepted, or target-only)"),
+    Outcome.BONUS: OutcomeStyle(PURPLE, "★", "solid",
+                                "bonus token from the target's extra row (every draft accepted, or target-only)"),
     Outcome.PENDING: OutcomeStyle(GREY, "?", "dotted", "drafted, not yet verified"),
 })
 

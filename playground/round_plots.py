@@ -67,13 +67,14 @@ def draft_figure(record: RoundRecord, position: int, revealed: bool = True) -> g
         return _message(f"{name} was never checked: an earlier draft was rejected, so it was discarded.")
     cands = p.candidates
     labels = _labels(cands)
+    outline = _outline(cands, p.token)
     fig = go.Figure([
-        go.Bar(name="p_target", x=labels, y=[c.p_target for c in cands], marker=dict(color=P_COLOUR, **_outline(cands, p.token))),
-        go.Bar(name="q_draft", x=labels, y=[c.q_draft for c in cands], marker=dict(color=Q_COLOUR, **_outline(cands, p.token))),
+        go.Bar(name="p_target", x=labels, y=[c.p_target for c in cands], marker=dict(color=P_COLOUR, **outline)),
+        go.Bar(name="q_draft", x=labels, y=[c.q_draft for c in cands], marker=dict(color=Q_COLOUR, **outline)),
     ])
     verdict = "u < α → ACCEPTED ✓" if p.outcome is Outcome.ACCEPTED else "u ≥ α → REJECTED ✗"
     _mark(fig, labels, cands, p.token, "drafted", max(p.p_target or 0.0, p.q_draft))
-    return _layout(fig, f"{name}: p={p.p_target:.3f}, q={p.q_draft:.3f}, "
+    return _layout(fig, f"{name}<br>p={p.p_target:.3f}, q={p.q_draft:.3f}, "
                         f"α=min(1, p/q)={p.alpha:.3f}, u={p.u:.3f} — {verdict}")
 
 
@@ -93,13 +94,13 @@ def final_figure(record: RoundRecord) -> go.Figure:
         ])
         top = max([c.residual or 0.0 for c in cands if c.token == f.token] or [0.0])
         _mark(fig, labels, cands, f.token, "correction ↻", top)
-        return _layout(fig, f"{name}: draft #{f.row + 1} was rejected, so the correction is sampled from the "
+        return _layout(fig, f"{name}<br>draft #{f.row + 1} was rejected: the correction is sampled from the "
                             f"residual with u={f.u:.3f} — CORRECTED ↻")
     fig = go.Figure([go.Bar(name=f"p_target row {f.row} (bonus row)", x=labels, y=[c.p_target for c in cands],
                             marker=dict(color=PURPLE, **_outline(cands, f.token)))])
     _mark(fig, labels, cands, f.token, "bonus ★", f.p_target)
-    why = f"all {record.k} drafts accepted, so row K={f.row}" if record.k else "target-only: the target's row"
-    return _layout(fig, f"{name}: {why} gives a free token, sampled with u={f.u:.3f} (p={f.p_target:.3f}) — BONUS ★")
+    why = f"all {record.k} drafts accepted: row K={f.row} gives a free token" if record.k else "target-only: one token"
+    return _layout(fig, f"{name}<br>{why}, sampled with u={f.u:.3f} (p={f.p_target:.3f}) — BONUS ★")
 
 
 def position_choices(record: RoundRecord) -> list[tuple[str, int]]:

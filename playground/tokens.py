@@ -27,7 +27,7 @@ def visible(text: str) -> str:
 
 
 def _num(x: float | None) -> str:
-    return "—" if x is None else f"{x:.3f}"
+    return "—" if x is None else f"{x:.3g}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +45,10 @@ class Chip:
         classes = ["chip", chip_class(self.outcome)] + (["unchecked"] if self.unchecked else []) + (
             ["selected"] if selected else [])
         body = html.escape(visible(self.text))
-        tail = "<br>" if self.text.endswith("\n") else ""
-        return (f'<span class="{" ".join(classes)}" data-round="{self.round}" data-pos="{self.position}" '
-                f'data-outcome="{self.outcome.value}" title="{html.escape(self.title, quote=True)}">{body}</span>{tail}')
+        tail = "<br>" if "\n" in self.text else ""  # keep the code's line structure
+        attrs = (f'class="{" ".join(classes)}" data-round="{self.round}" data-pos="{self.position}" '
+                 f'data-outcome="{self.outcome.value}" title="{html.escape(self.title, quote=True)}"')
+        return f"<span {attrs}>{body}</span>{tail}"
 
 
 def position_chip(r: RoundRecord, p: PositionRecord, revealed: bool) -> Chip:
@@ -105,7 +106,9 @@ def legend_html() -> str:
     """One sample chip per outcome, with what it means."""
     items = []
     for outcome, style in OUTCOME_STYLES.items():
-        items.append(f'<span><span class="chip {chip_class(outcome)}">{outcome.value}</span> {html.escape(style.meaning)}</span>')
-    items.append('<span><span class="chip chip-rejected unchecked">discarded</span> drafted after a rejection, never checked</span>')
+        sample = f'<span class="chip {chip_class(outcome)}">{outcome.value}</span>'
+        items.append(f"<span>{sample} {html.escape(style.meaning)}</span>")
+    unchecked = f'<span class="chip {chip_class(Outcome.REJECTED)} unchecked">discarded</span>'
+    items.append(f"<span>{unchecked} drafted after a rejection, never checked</span>")
     items.append("<span>· space &nbsp; ↵ newline &nbsp; → tab &nbsp;│ round boundary</span>")
     return f'<div class="legend">{"".join(items)}</div>'

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.config import Mode, SpecConfig
-from engine.records import RoundRecord
+from engine.config import KSchedule, Mode, SpecConfig
 from engine.models import LoadedModel
+from engine.records import RoundRecord
 from engine.session import ComparedRun
 from engine.trace import Trace, TraceHeader, config_from_dict, make_header
 from engine.verify import Outcome
@@ -35,7 +35,7 @@ class RunInfo:
         c = self.config
         if c.mode is Mode.TARGET:
             return f"target-only · T={c.sampling.temperature:g}"
-        k = f"K={c.k}" if c.k_schedule.value == "constant" else f"K={c.k} ({c.k_min}..{c.k_max}, heuristic)"
+        k = f"K={c.k}" if c.k_schedule is KSchedule.CONSTANT else f"K={c.k} ({c.k_min}..{c.k_max}, heuristic)"
         return f"{c.mode.value} · {c.drafter.value} drafter · {k} · T={c.sampling.temperature:g}"
 
 

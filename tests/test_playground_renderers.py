@@ -44,12 +44,12 @@ def sampled(builtin_pair, tmp_path_factory) -> tuple[RunView, str]:
 
 @pytest.fixture(scope="module")
 def sampled_v1(builtin_pair, tmp_path_factory) -> tuple[RunView, str]:
-    return _run(builtin_pair, tmp_path_factory, Mode.V1, 1.0)
+    return _run(builtin_pair, tmp_path_factory, Mode.V1, 1.0, max_new=24)
 
 
 @pytest.fixture(scope="module")
 def greedy(builtin_pair, tmp_path_factory) -> tuple[RunView, str]:
-    return _run(builtin_pair, tmp_path_factory, Mode.V2, 0.0, max_new=32)
+    return _run(builtin_pair, tmp_path_factory, Mode.V2, 0.0, max_new=16)
 
 
 def _first(view: RunView, pred) -> RoundRecord:

@@ -1,0 +1,43 @@
+"""`python app.py`: serve the specplay playground (127.0.0.1:7860 by default)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from playground.settings import ALLOW_CUSTOM_ENV, AppSettings, allow_custom_default
+
+
+def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
+    d = AppSettings()
+    ap = argparse.ArgumentParser(description="Serve the speculative-decoding playground.")
+    ap.add_argument("--host", default=d.host)
+    ap.add_argument("--port", type=int, default=d.port)
+    ap.add_argument("--draft", default=d.draft, help="draft model id or path of the default pair ('builtin')")
+    ap.add_argument("--target", default=d.target, help="target model id or path of the default pair ('builtin')")
+    ap.add_argument("--draft-device", default=None, help="e.g. cpu, cuda:0 (default: auto)")
+    ap.add_argument("--target-device", default=None, help="e.g. cpu, cuda:1 (default: auto)")
+    ap.add_argument("--share", action="store_true", help="open a public Gradio share link (off by default)")
+    ap.add_argument("--allow-custom-models", action=argparse.BooleanOptionalAction, default=None,
+                    help=f"let visitors load any model id or path (default: ${ALLOW_CUSTOM_ENV}, else on "
+                         "locally and off on a Hugging Face Space)")
+    ap.add_argument("--max-sessions", type=int, default=d.max_sessions, help="concurrent browser sessions")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="the most a visitor may ask for")
+    ap.add_argument("--kv-budget-mib", type=int, default=d.kv_budget_mib, help="KV memory all sessions may reserve")
+    a = ap.parse_args(argv)
+    allow = a.allow_custom_models if a.allow_custom_models is not None else allow_custom_default(env)
+    return AppSettings(host=a.host, port=a.port, draft=a.draft, target=a.target, draft_device=a.draft_device,
+                       target_device=a.target_device, share=a.share, allow_custom_models=allow,
+                       max_sessions=a.max_sessions, max_new_tokens=a.max_new_tokens, kv_budget_mib=a.kv_budget_mib)
+
+
+def main(argv: list[str]) -> None:
+    from playground.ui import build_app, launch_kwargs, make_context
+
+    settings = parse_args(argv, dict(os.environ))
+    demo = build_app(make_context(settings))
+    demo.launch(server_name=settings.host, server_port=settings.port, share=settings.share, **launch_kwargs())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,709 @@
+"""Teaching mode: the lesson's text (data in assets/lessons), the seed search that finds a run worth
+teaching, the driver that walks the lesson's steps on the real engine, and the full-vocabulary
+p/q rows of a past round that the losslessness lab samples from.
+
+Nothing here draws anything: the driver hands typed `LessonStep`s (text with the run's own
+numbers filled in, the round and position to show, the question and its real answer) to the UI.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch import Tensor
+
+from engine import metrics
+from engine.config import DrafterKind, Mode, SpecConfig
+from engine.losslessness import Rule
+from engine.models import LoadedModel
+from engine.records import PositionRecord, RoundRecord
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, logits_to_probs
+from engine.session import ComparedRun
+from engine.speculative import SpeculativeEngine, encode_prompt
+from engine.verify import Outcome, align_vocab
+
+LESSONS_DIR = Path(__file__).resolve().parent.parent / "assets" / "lessons"
+SCHEMA, SCHEMA_VERSION = "specplay.lesson", 1
+
+
+class LessonError(ValueError):
+    """The lesson cannot run: bad lesson text, or no seed shows every case. The message says why."""
+
+
+# -- what each step is ------------------------------------------------------------------------------
+class StepId(str, Enum):
+    """The lesson's steps, in order. The text file must give one entry per id, in this order."""
+
+    MEMORY_BOUND = "memory_bound"
+    DRAFT = "draft"
+    VERIFY = "verify"
+    ACCEPT = "accept"
+    REJECT = "reject"
+    RESIDUAL = "residual"
+    BONUS = "bonus"
+    KV = "kv"
+    V1_V2 = "v1_v2"
+    PAYS = "pays"
+
+
+class View(str, Enum):
+    """The one view a step highlights."""
+
+    COST = "cost"          # measured forward times: one token vs K+1
+    CHIPS = "chips"        # the token stream
+    PQ_BARS = "pq_bars"    # p_target vs q_draft at one drafted position
+    RESIDUAL = "residual"  # the correction's residual
+    BONUS = "bonus"        # the bonus row K
+    KV = "kv"              # v2's target KV grid
+    KV_V1 = "kv_v1"        # v1's target KV grid, same round
+    THEORY = "theory"      # E(alpha, K) and the predicted speed-up
+
+
+class QuestionKind(str, Enum):
+    YES_NO = "yes_no"
+    NUMBER = "number"
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """What a step shows and asks. `facts` may appear anywhere in its text; `secrets` give the
+    answer away, so only the question's reveal text may use them."""
+
+    view: View
+    question: QuestionKind | None
+    facts: frozenset[str]
+    secrets: frozenset[str] = frozenset()
+
+
+def _spec(view: View, question: QuestionKind | None, facts: str, secrets: str = "") -> StepSpec:
+    return StepSpec(view, question, frozenset(facts.split()), frozenset(secrets.split()))
+
+
+_POSITION_FACTS = "round pos token p q alpha"
+STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
+    StepId.MEMORY_BOUND: _spec(View.COST, None, "target_mib draft_mib step_ms verify_ms verify_ratio k k1"),
+    StepId.DRAFT: _spec(View.CHIPS, QuestionKind.NUMBER, "round k drafted q_list", "draft_forwards"),
+    StepId.VERIFY: _spec(View.PQ_BARS, QuestionKind.NUMBER, "round k k1 token p q", "target_forwards"),
+    StepId.ACCEPT: _spec(View.PQ_BARS, QuestionKind.YES_NO, _POSITION_FACTS, "u outcome"),
+    StepId.REJECT: _spec(View.PQ_BARS, QuestionKind.YES_NO, _POSITION_FACTS, "u outcome"),
+    StepId.RESIDUAL: _spec(View.RESIDUAL, QuestionKind.YES_NO, "round pos row token p q correction"),
+    StepId.BONUS: _spec(View.BONUS, QuestionKind.NUMBER, "round k k1", "row bonus bonus_p"),
+    StepId.KV: _spec(View.KV, QuestionKind.NUMBER, "round k k1 accepted", "written rolled_back kept"),
+    StepId.V1_V2: _spec(View.KV_V1, QuestionKind.NUMBER, "round k v2_forwards", "v1_forwards v1_rolled_back"),
+    StepId.PAYS: _spec(View.THEORY, QuestionKind.YES_NO, "alpha k k2 e_k tokens rounds tokens_per_round", "e_2k"),
+})
+
+UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started "
+                     "step_counter run_label number_choice yes no accepted rejected").split())
+YES, NO = "yes", "no"
+
+
+# -- the text, as data --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class QuestionText:
+    prompt: str   # may use the step's facts
+    reveal: str   # shown once answered or revealed; may also use the step's secrets
+
+
+@dataclass(frozen=True, slots=True)
+class StepText:
+    id: StepId
+    title: str
+    body: str
+    question: QuestionText | None
+
+
+@dataclass(frozen=True, slots=True)
+class LessonText:
+    """One language's lesson: assets/lessons/<lang>.json, schema `specplay.lesson` version 1."""
+
+    lang: str
+    title: str
+    intro: str
+    ui: Mapping[str, str]
+    steps: tuple[StepText, ...]
+
+    def step(self, step_id: StepId) -> StepText:
+        return next(s for s in self.steps if s.id is step_id)
+
+
+def available_languages(root: Path = LESSONS_DIR) -> list[str]:
+    return sorted(p.stem for p in root.glob("*.json"))
+
+
+def load_lesson_text(lang: str = "en", root: Path = LESSONS_DIR) -> LessonText:
+    """Read and validate one language's lesson text; LessonError says what is wrong and where."""
+    path = root / f"{lang}.json"
+    if not path.is_file():
+        raise LessonError(f"No lesson text for language {lang!r}: {path} does not exist "
+                          f"(available: {', '.join(available_languages(root)) or 'none'}).")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise LessonError(f"{path} is not valid JSON: {exc}") from None
+    return parse_lesson_text(data, str(path))
+
+
+def _text(data: Mapping, key: str, where: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise LessonError(f"{where}: {key!r} must be a non-empty string")
+    return value
+
+
+def placeholders(template: str) -> set[str]:
+    """The {names} a template uses (format-spec and conversions are not allowed, names only)."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
+def _check_names(template: str, allowed: frozenset[str], where: str) -> None:
+    unknown = placeholders(template) - allowed
+    if unknown:
+        raise LessonError(f"{where} uses unknown placeholders {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def parse_lesson_text(data: object, where: str = "lesson text") -> LessonText:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise LessonError(f"{where}: not a lesson file (\"schema\" must be {SCHEMA!r})")
+    if data.get("version") != SCHEMA_VERSION:
+        raise LessonError(f"{where}: schema version {data.get('version')!r} is not supported (expected {SCHEMA_VERSION})")
+    ui = data.get("ui")
+    if not isinstance(ui, dict) or not UI_KEYS <= ui.keys() or not all(isinstance(v, str) for v in ui.values()):
+        missing = sorted(UI_KEYS - set(ui or {})) if isinstance(ui, dict) else sorted(UI_KEYS)
+        raise LessonError(f"{where}: \"ui\" must map every UI string to text (missing: {missing})")
+    steps = data.get("steps")
+    ids = [s.get("id") if isinstance(s, dict) else None for s in steps] if isinstance(steps, list) else None
+    if ids != [s.value for s in StepId]:
+        raise LessonError(f"{where}: \"steps\" must list the ids {[s.value for s in StepId]} in order, got {ids}")
+    return LessonText(lang=_text(data, "lang", where), title=_text(data, "title", where),
+                      intro=_text(data, "intro", where), ui=MappingProxyType(dict(ui)),
+                      steps=tuple(_parse_step(s, f"{where}, step {s['id']!r}") for s in steps))
+
+
+def _parse_step(data: dict, where: str) -> StepText:
+    step_id = StepId(data["id"])
+    spec = STEP_SPECS[step_id]
+    body = _text(data, "body", where)
+    _check_names(body, spec.facts, f"{where} body")
+    q = data.get("question")
+    if (q is None) != (spec.question is None):
+        raise LessonError(f"{where}: this step {'has no' if spec.question is None else 'needs a'} question")
+    question = None
+    if q is not None:
+        if not isinstance(q, dict):
+            raise LessonError(f"{where}: \"question\" must be an object with \"prompt\" and \"reveal\"")
+        question = QuestionText(_text(q, "prompt", where), _text(q, "reveal", where))
+        _check_names(question.prompt, spec.facts, f"{where} question prompt")
+        _check_names(question.reveal, spec.facts | spec.secrets, f"{where} question reveal")
+    return StepText(step_id, _text(data, "title", where), body, question)
+
+
+# -- finding a run worth teaching ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LessonSettings:
+    """The lesson's run. Sampling (temperature > 0) so that acceptance is a coin flip worth asking about."""
+
+    prompt: str = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    k: int = 3
+    temperature: float = 1.0
+    max_new_tokens: int = 48
+    max_rounds: int = 16   # the cases must all occur within this many rounds
+    seeds: int = 200       # seeds 0 .. seeds-1 are tried in order
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("the lesson needs temperature > 0: greedy acceptance is all-or-nothing")
+        if self.max_rounds < 2 or self.seeds < 1:
+            raise ValueError(f"need max_rounds >= 2 and seeds >= 1, got {self.max_rounds}, {self.seeds}")
+
+    def config(self, seed: int) -> SpecConfig:
+        return SpecConfig(mode=Mode.V2, drafter=DrafterKind.MODEL, k=self.k,
+                          sampling=SamplingParams(temperature=self.temperature), seed=seed,
+                          max_new_tokens=self.max_new_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class LessonPlan:
+    """A seed whose run shows an accept, a rejection with correction and a bonus: the rounds to teach."""
+
+    settings: LessonSettings
+    seed: int
+    reject_round: int   # accepted >= 1 draft, then rejected one and emitted a correction
+    bonus_round: int    # accepted all K drafts and emitted the bonus
+
+    @property
+    def config(self) -> SpecConfig:
+        return self.settings.config(self.seed)
+
+
+def is_reject_round(r: RoundRecord, k: int) -> bool:
+    """A full-K round that accepted at least one draft, then rejected one and emitted its correction."""
+    return (r.k == k and r.accepted >= 1 and r.final.outcome is Outcome.CORRECTED
+            and len(r.emitted) == r.accepted + 1)
+
+
+def is_bonus_round(r: RoundRecord, k: int) -> bool:
+    """A full-K round that accepted every draft and emitted the bonus (not cut by EOS or the budget)."""
+    return r.k == k and r.accepted == k and r.final.outcome is Outcome.BONUS and len(r.emitted) == k + 1
+
+
+def _first(rounds: list[RoundRecord], test: Callable[[RoundRecord, int], bool], k: int) -> int | None:
+    return next((r.index for r in rounds if test(r, k)), None)
+
+
+def find_plan(target: LoadedModel, draft: LoadedModel, settings: LessonSettings = LessonSettings()) -> LessonPlan:
+    """The first seed (in order, so the search is deterministic) whose first `max_rounds` rounds
+    contain both a reject round and a bonus round. Runs the real engine for each seed tried."""
+    prompt_ids = encode_prompt(target.tokenizer, settings.prompt)
+    for seed in range(settings.seeds):
+        engine = SpeculativeEngine(target, draft, prompt_ids, replace(settings.config(seed), record=False))
+        reject = bonus = None
+        try:
+            while not engine.finished and len(engine.rounds) < settings.max_rounds and (reject is None or bonus is None):
+                engine.step()
+                reject = reject if reject is not None else _first(engine.rounds[-1:], is_reject_round, settings.k)
+                bonus = bonus if bonus is not None else _first(engine.rounds[-1:], is_bonus_round, settings.k)
+        finally:
+            engine.close()
+        if reject is not None and bonus is not None:
+            return LessonPlan(settings, seed, reject, bonus)
+    raise LessonError(f"No seed in 0..{settings.seeds - 1} gives an accept, a corrected rejection and a bonus "
+                      f"within {settings.max_rounds} rounds at K={settings.k}; try more seeds or a smaller K.")
+
+
+# -- the steps, as the driver hands them to the UI ----------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Question:
+    kind: QuestionKind
+    prompt: str
+    choices: tuple[tuple[str, str], ...]  # (label, value)
+    answer: str                           # the value, read off the real record
+    reveal: str                           # shown once answered or revealed
+
+    def label(self, value: str) -> str:
+        return next(label for label, v in self.choices if v == value)
+
+
+@dataclass(frozen=True, slots=True)
+class LessonStep:
+    """One step of the lesson as the UI shows it, with the run's own numbers filled in."""
+
+    id: StepId
+    index: int
+    total: int
+    title: str
+    body: str
+    view: View
+    round: int               # the round the view shows (0-based)
+    position: int | None     # 0..k-1 a draft, k the final token, None: the whole round
+    revealed: bool           # False: the question is open and the view hides its answer
+    question: Question | None
+    facts: Mapping[str, str]
+    answered: str | None     # the learner's choice, once checked
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerCheck:
+    correct: bool
+    answer: str      # the right choice's label
+    feedback: str    # markdown: right/wrong, then the reveal text
+
+
+@dataclass(frozen=True, slots=True)
+class _Content:
+    facts: dict[str, str]
+    round: int
+    position: int | None = None
+    answer: str | None = None
+    choices: tuple[str, ...] = ()   # NUMBER questions: the values offered
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}f}"
+
+
+def code(text: str) -> str:
+    """A token's text as inline Markdown code, quotes and escapes visible (repr)."""
+    r = repr(text)
+    return f"`` {r} ``" if "`" in r else f"`{r}`"
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class LessonDriver:
+    """Walks the lesson on a live run of the real engine: the plan's seed, re-run step by step.
+
+    The run (a ComparedRun: speculative v2 plus the target-only baseline it is timed against) is
+    advanced only as far as the current step needs; the v1 run of the same seed is started by the
+    v1-vs-v2 step. Holds per-learner state (step index, answers), so each browser session owns one.
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel, text: LessonText, plan: LessonPlan) -> None:
+        self.target, self.draft, self.text, self.plan = target, draft, text, plan
+        self.run = ComparedRun(target, draft, plan.settings.prompt, plan.config)
+        self.v1: SpeculativeEngine | None = None
+        self.index = 0
+        self._answers: dict[int, str] = {}
+        self._revealed: set[int] = set()
+
+    @classmethod
+    def start(cls, target: LoadedModel, draft: LoadedModel, text: LessonText,
+              settings: LessonSettings = LessonSettings()) -> "LessonDriver":
+        return cls(target, draft, text, find_plan(target, draft, settings))
+
+    @property
+    def total(self) -> int:
+        return len(self.text.steps)
+
+    @property
+    def k(self) -> int:
+        return self.plan.settings.k
+
+    # -- navigation ------------------------------------------------------------------------------
+    def current(self) -> LessonStep:
+        return self.go(self.index)
+
+    def go(self, index: int) -> LessonStep:
+        """Move to step `index` (clamped), advancing the engine as far as that step needs."""
+        self.index = max(0, min(self.total - 1, int(index)))
+        return self._build(self.index)
+
+    def next(self) -> LessonStep:
+        return self.go(self.index + 1)
+
+    def back(self) -> LessonStep:
+        return self.go(self.index - 1)
+
+    def answer(self, choice: str | None) -> AnswerCheck:
+        """Check the learner's choice for the current step against the real record; reveals the step."""
+        step = self.current()
+        if step.question is None:
+            raise LessonError("this step has no question")
+        if choice not in {v for _, v in step.question.choices}:
+            raise LessonError(self.text.ui["pick_first"])
+        self._answers[self.index], correct = choice, choice == step.question.answer
+        self._revealed.add(self.index)
+        head = self.text.ui["correct"] if correct else self.text.ui["wrong"].format(
+            answer=step.question.label(step.question.answer))
+        return AnswerCheck(correct, step.question.label(step.question.answer), f"{head} {self.current().question.reveal}")
+
+    def reveal(self) -> LessonStep:
+        self._revealed.add(self.index)
+        return self.current()
+
+    def close(self) -> None:
+        self.run.close()
+        if self.v1 is not None:
+            self.v1.close()
+
+    # -- the engine, advanced on demand --------------------------------------------------------------
+    def record(self, index: int) -> RoundRecord:
+        """Round `index` of the v2 run, decoding up to it if needed."""
+        while len(self.run.spec.rounds) <= index and not self.run.finished:
+            self.run.step()
+        if len(self.run.spec.rounds) <= index:
+            raise LessonError(f"the run finished before round {index + 1}")
+        return self.run.spec.rounds[index]
+
+    def v1_record(self, index: int) -> RoundRecord:
+        """Round `index` of a v1 run with the same seed (same draws, so the same tokens)."""
+        if self.v1 is None:
+            prompt_ids = encode_prompt(self.target.tokenizer, self.plan.settings.prompt)
+            self.v1 = SpeculativeEngine(self.target, self.draft, prompt_ids, replace(self.plan.config, mode=Mode.V1))
+        while len(self.v1.rounds) <= index and not self.v1.finished:
+            self.v1.step()
+        return self.v1.rounds[index]
+
+    def run_to_end(self) -> list[RoundRecord]:
+        return self.run.run_to_end()
+
+    def _reject(self) -> RoundRecord:
+        r = self.record(self.plan.reject_round)
+        if not is_reject_round(r, self.k):
+            raise LessonError("the run diverged from the seed search (reject round); restart the lesson")
+        return r
+
+    def _bonus(self) -> RoundRecord:
+        r = self.record(self.plan.bonus_round)
+        if not is_bonus_round(r, self.k):
+            raise LessonError("the run diverged from the seed search (bonus round); restart the lesson")
+        return r
+
+    # -- building a step -----------------------------------------------------------------------------
+    def _build(self, index: int) -> LessonStep:
+        text = self.text.steps[index]
+        spec = STEP_SPECS[text.id]
+        content = _CONTENT[text.id](self)
+        revealed = spec.question is None or index in self._revealed
+        public = {k: v for k, v in content.facts.items() if k in spec.facts}
+        question = None
+        if spec.question is not None:
+            question = Question(spec.question, text.question.prompt.format_map(public), self._choices(spec, content),
+                                content.answer, text.question.reveal.format_map(content.facts))
+        return LessonStep(text.id, index, self.total, text.title, text.body.format_map(public), spec.view,
+                          content.round, content.position, revealed, question, MappingProxyType(content.facts),
+                          self._answers.get(index))
+
+    def _choices(self, spec: StepSpec, content: _Content) -> tuple[tuple[str, str], ...]:
+        ui = self.text.ui
+        if spec.question is QuestionKind.YES_NO:
+            return ((ui["yes"], YES), (ui["no"], NO))
+        return tuple((ui["number_choice"].format(n=v), v) for v in content.choices)
+
+    # One method per step: the facts its text uses, what it shows, and the question's real answer.
+    def _memory_bound(self) -> _Content:
+        r = self._reject()
+        step_ms = _median([b.timings.verify_ms for b in self.run.baseline.rounds]) if self.run.baseline else float("nan")
+        verify_ms = _median([x.timings.verify_ms for x in self.run.spec.rounds[: r.index + 1] if x.k])
+        return _Content(dict(target_mib=_num(self.target.weight_bytes / 2**20, 1),
+                             draft_mib=_num(self.draft.weight_bytes / 2**20, 1), step_ms=_num(step_ms, 2),
+                             verify_ms=_num(verify_ms, 2), verify_ratio=_num(verify_ms / step_ms, 1),
+                             k=str(self.k), k1=str(self.k + 1)), r.index)
+
+    def _draft(self) -> _Content:
+        r = self._reject()
+        facts = dict(round=str(r.index + 1), k=str(r.k), drafted=" · ".join(code(p.text) for p in r.positions),
+                     q_list=", ".join(_num(p.q_draft) for p in r.positions), draft_forwards=str(r.draft_forwards))
+        return _Content(facts, r.index, None, str(r.draft_forwards), tuple(str(n) for n in range(1, r.k + 2)))
+
+    def _verify(self) -> _Content:
+        r = self._reject()
+        p = r.positions[0]
+        facts = dict(round=str(r.index + 1), k=str(r.k), k1=str(r.k + 1), token=code(p.text), p=_num(p.p_target),
+                     q=_num(p.q_draft), target_forwards=str(r.target_forwards))
+        return _Content(facts, r.index, 0, str(r.target_forwards), tuple(str(n) for n in range(1, r.k + 2)))
+
+    def _position(self, r: RoundRecord, p: PositionRecord) -> _Content:
+        facts = dict(round=str(r.index + 1), pos=str(p.index + 1), token=code(p.text), p=_num(p.p_target),
+                     q=_num(p.q_draft), alpha=_num(p.alpha), u=_num(p.u),
+                     outcome=self.text.ui[p.outcome.value])
+        return _Content(facts, r.index, p.index, YES if p.outcome is Outcome.ACCEPTED else NO)
+
+    def _accept(self) -> _Content:
+        # The accepted draft with the smallest alpha: the least foregone conclusion to ask about.
+        r = self._reject()
+        return self._position(r, min(r.positions[: r.accepted], key=lambda p: (p.alpha, p.index)))
+
+    def _reject_step(self) -> _Content:
+        r = self._reject()
+        return self._position(r, r.positions[r.accepted])
+
+    def _residual(self) -> _Content:
+        r = self._reject()
+        p = r.positions[r.accepted]
+        facts = dict(round=str(r.index + 1), pos=str(p.index + 1), row=str(r.final.row), token=code(p.text),
+                     p=_num(p.p_target), q=_num(p.q_draft), correction=code(r.final.text))
+        # The rejected token's residual max(0, p - q) is positive only if p > q.
+        return _Content(facts, r.index, r.k, YES if p.p_target > p.q_draft else NO)
+
+    def _bonus_step(self) -> _Content:
+        r = self._bonus()
+        facts = dict(round=str(r.index + 1), k=str(r.k), k1=str(r.k + 1), row=str(r.final.row),
+                     bonus=code(r.final.text), bonus_p=_num(r.final.p_target))
+        return _Content(facts, r.index, r.k, str(r.final.row), tuple(str(n) for n in range(r.k + 1)))
+
+    def _kv(self) -> _Content:
+        r = self._reject()
+        kv = next(s for s in r.kv if s.model == "target")
+        facts = dict(round=str(r.index + 1), k=str(r.k), k1=str(r.k + 1), accepted=str(r.accepted),
+                     written=str(len(kv.written)), rolled_back=str(len(kv.rolled_back)),
+                     kept=str(len(kv.written) - len(kv.rolled_back)))
+        return _Content(facts, r.index, None, str(len(kv.rolled_back)), tuple(str(n) for n in range(r.k + 2)))
+
+    def _v1_v2(self) -> _Content:
+        r = self._reject()
+        v1 = self.v1_record(r.index)
+        kv = next(s for s in v1.kv if s.model == "target")
+        facts = dict(round=str(r.index + 1), k=str(r.k), v2_forwards=str(r.target_forwards),
+                     v1_forwards=str(v1.target_forwards), v1_rolled_back=str(len(kv.rolled_back)))
+        return _Content(facts, r.index, None, str(v1.target_forwards), ("1", "2", "3"))
+
+    def _pays(self) -> _Content:
+        rounds = self.run_to_end()
+        drafted = [r for r in rounds if r.k]
+        alpha = metrics.acceptance_rate(sum(r.accepted for r in drafted), sum(r.k for r in drafted))
+        e_k, e_2k = metrics.expected_tokens_per_round(alpha, self.k), metrics.expected_tokens_per_round(alpha, 2 * self.k)
+        tokens = rounds[-1].tokens_total
+        facts = dict(alpha=_num(alpha), k=str(self.k), k2=str(2 * self.k), e_k=_num(e_k, 2), e_2k=_num(e_2k, 2),
+                     tokens=str(tokens), rounds=str(len(rounds)), tokens_per_round=_num(tokens / len(rounds), 2))
+        return _Content(facts, rounds[-1].index, None, YES if e_2k >= 2 * e_k else NO)
+
+
+_CONTENT: Mapping[StepId, Callable[[LessonDriver], _Content]] = MappingProxyType({
+    StepId.MEMORY_BOUND: LessonDriver._memory_bound, StepId.DRAFT: LessonDriver._draft,
+    StepId.VERIFY: LessonDriver._verify, StepId.ACCEPT: LessonDriver._accept,
+    StepId.REJECT: LessonDriver._reject_step, StepId.RESIDUAL: LessonDriver._residual,
+    StepId.BONUS: LessonDriver._bonus_step, StepId.KV: LessonDriver._kv, StepId.V1_V2: LessonDriver._v1_v2,
+    StepId.PAYS: LessonDriver._pays,
+})
+
+
+# -- the real rows of a past round (for the losslessness lab) ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RoundRows:
+    """The full-vocabulary distributions behind one drafted round, recomputed from its context.
+
+    q_draft: Tensor[K, V] float32 CPU, the draft's processed rows; p_target: Tensor[K+1, V], the
+    target's verify rows (row K the bonus row). Same maths as the engine's round, so
+    q_draft[i, drafted[i]] and p_target[i, drafted[i]] equal the record's q_draft and p_target.
+    """
+
+    round: int
+    drafted: tuple[int, ...]
+    q_draft: Tensor
+    p_target: Tensor
+
+
+def round_context(prompt_ids: list[int], rounds: list[RoundRecord] | tuple[RoundRecord, ...], index: int) -> list[int]:
+    """The committed tokens when round `index` began: the prompt and every earlier round's tokens."""
+    return list(prompt_ids) + [t for r in rounds[:index] for t in r.emitted]
+
+
+def round_rows(target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
+               rounds: list[RoundRecord] | tuple[RoundRecord, ...], index: int, config: SpecConfig) -> RoundRows:
+    """Re-run round `index`'s verify forward (and the draft's forwards) on fresh KV caches.
+
+    Raises ValueError for a round that drafted nothing (target-only, or no n-gram match).
+    Side effects: none on the run; the temporary caches are freed.
+    """
+    record = rounds[index]
+    drafted = [p.token for p in record.positions]
+    if not drafted:
+        raise ValueError(f"Round {index + 1} drafted nothing (target-only, or no n-gram match): no q rows to test.")
+    context = round_context(prompt_ids, rounds, index)
+    p_target = _target_rows(target, context, drafted, config)
+    if config.drafter is DrafterKind.NGRAM or draft is None:
+        # Prompt lookup proposes with certainty: its q rows are one-hot on the drafted tokens.
+        q_draft = torch.nn.functional.one_hot(torch.tensor(drafted), target.vocab_size).float()
+    else:
+        q_draft = _draft_rows(draft, context, drafted, config, target)
+    return RoundRows(index, tuple(drafted), q_draft, p_target)
+
+
+def _fresh(loaded: LoadedModel, tokens: int, block_size: int) -> tuple[ModelRunner, object]:
+    runner = ModelRunner(loaded, tokens + 1, block_size)
+    return runner, runner.new_sequence()
+
+
+def _target_rows(target: LoadedModel, context: list[int], drafted: list[int], config: SpecConfig) -> Tensor:
+    """As the engine does it: cache context[:-1], then one forward over [last, d1..dK] -> K+1 rows."""
+    runner, cache = _fresh(target, len(context) + len(drafted), config.block_size)
+    try:
+        if len(context) > 1:
+            runner.forward(cache, context[:-1], last_only=True)
+        logits = runner.forward(cache, [context[-1], *drafted])
+    finally:
+        cache.free()
+    return logits_to_probs(logits, config.sampling).cpu()
+
+
+def _draft_rows(draft: LoadedModel, context: list[int], drafted: list[int], config: SpecConfig,
+                target: LoadedModel) -> Tensor:
+    """The draft's K rows: after the context, then after each draft but the last (the one forward
+    the drafter spreads over K calls). Aligned to the target's vocabulary before softmax, as the
+    drafter does; ids the draft has no embedding for are fed as its stand-in, as the drafter does."""
+    vocab, stand_in = draft.vocab_size, draft.tokenizer.eos_token_id or 0
+    feed = [t if t < vocab else stand_in for t in context + drafted[:-1]]
+    runner, cache = _fresh(draft, len(feed), config.block_size)
+    try:
+        if len(context) > 1:
+            runner.forward(cache, feed[: len(context) - 1], last_only=True)
+        logits = runner.forward(cache, feed[len(context) - 1:])
+    finally:
+        cache.free()
+    aligned = align_vocab(logits, target.vocab_size, fill=float("-inf"), device=target.device, dtype=torch.float32)
+    return logits_to_probs(aligned, config.sampling).cpu()
+
+
+# -- which rows make the lab's point ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RuleOutput:
+    """What a verification rule emits, exactly, when the rows are held fixed (as `simulate` does).
+
+    reach: Tensor[K+1] float64, the probability that output index i emits a token at all;
+    dist: Tensor[K+1, V] float64, the distribution of that token given it is emitted.
+    """
+
+    reach: Tensor
+    dist: Tensor
+
+
+def rule_output(q_draft: Tensor, p_target: Tensor, rule: Rule) -> RuleOutput:
+    """Exact output law of `rule` on rows q_draft[K, V] and p_target[K+1, V].
+
+    With beta_i = sum_t min(p_i, q_i) (the chance draft i is accepted), index i is reached with
+    probability prod_{j<i} beta_j. The correct rule emits p_i there: min(p, q) by acceptance plus
+    (1 - beta) * residual = max(0, p - q) by correction. DISCARD_ON_REJECT emits only the
+    accepted part min(p, q) / beta (and only if accepted); CORRECTION_FROM_P emits
+    min(p, q) + (1 - beta) p; BONUS_FROM_ROW_K_MINUS_1 emits p_{K-1} at index K.
+    """
+    q, p = q_draft.double().cpu(), p_target.double().cpu()
+    k = q.shape[0]
+    overlap = torch.minimum(p[:k], q)
+    beta = overlap.sum(dim=-1)
+    reach = torch.cat([torch.ones(1, dtype=torch.float64), torch.cumprod(beta, 0)])
+    dist = p.clone()
+    rule = Rule(rule)
+    if rule is Rule.DISCARD_ON_REJECT:
+        reach = torch.cat([reach[1:k + 1], reach[k:k + 1]])
+        dist[:k] = overlap / beta.clamp(min=1e-300).unsqueeze(-1)
+    elif rule is Rule.CORRECTION_FROM_P:
+        dist[:k] = overlap + (1 - beta).unsqueeze(-1) * p[:k]
+    elif rule is Rule.BONUS_FROM_ROW_K_MINUS_1:
+        dist[k] = p[k - 1]
+    return RuleOutput(reach, dist)
+
+
+def separation(q_draft: Tensor, p_target: Tensor, rule: Rule) -> float:
+    """Expected chi-square excess per simulated round: sum_i reach_i * sum_t (r_i - p_i)^2 / p_i.
+
+    Times N rounds it is the non-centrality of the lab's chi-square tests, i.e. how visibly the
+    rule fails with N rounds (0 for the correct rule; inf if the rule emits a token p forbids).
+    """
+    out = rule_output(q_draft, p_target, rule)
+    p = p_target.double().cpu()
+    if bool(((p == 0) & (out.dist > 0) & (out.reach.unsqueeze(-1) > 0)).any()):
+        return float("inf")
+    safe = torch.where(p > 0, p, 1.0)
+    per_index = torch.where(p > 0, (out.dist - p) ** 2 / safe, 0.0).sum(dim=-1)
+    return float((out.reach * per_index).sum())
+
+
+WRONG_RULES = (Rule.DISCARD_ON_REJECT, Rule.BONUS_FROM_ROW_K_MINUS_1, Rule.CORRECTION_FROM_P)
+
+
+def best_window(rows: RoundRows, rules: tuple[Rule, ...] = WRONG_RULES) -> tuple[int, int]:
+    """(start, length): the run of drafts whose rows make every wrong rule fail most visibly.
+
+    Verifying drafts start..start+length-1 alone uses q rows start.. and p rows start..start+length
+    (causal attention: those rows do not depend on later drafts), i.e. the round as seen once the
+    first `start` drafts were accepted. Picks the window maximising the smallest separation over
+    `rules`; ties go to the earliest, shortest window.
+    """
+    k = len(rows.drafted)
+    best, best_score = (0, 1), -1.0
+    for start in range(k):
+        for length in range(1, k - start + 1):
+            q, p = window(rows, start, length)
+            score = min(separation(q, p, r) for r in rules)
+            if score > best_score:
+                best, best_score = (start, length), score
+    return best
+
+
+def window(rows: RoundRows, start: int, length: int) -> tuple[Tensor, Tensor]:
+    """(q_draft[length, V], p_target[length+1, V]) for verifying drafts start..start+length-1 alone."""
+    k = len(rows.drafted)
+    if not (0 <= start < k and 1 <= length <= k - start):
+        raise ValueError(f"window start={start}, length={length} does not fit a round with K={k}")
+    return rows.q_draft[start:start + length], rows.p_target[start:start + length + 1]

@@ -1,0 +1,121 @@
+"""The control panel: prompt, model pair, drafter, mode, decoding settings and the transport buttons."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from engine.config import K_BOUND, DrafterKind, KSchedule, Mode
+from playground.registry import ModelRegistry
+
+# The built-in pair was trained on the Python standard library: code prompts suit it.
+EXAMPLE_PROMPTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "    def __repr__(self):\n        return",
+)
+
+MODES = (("v2: one target forward, rejected slots rolled back", Mode.V2.value),
+         ("v1: verify read-only, then a second forward commits", Mode.V1.value),
+         ("target only (the baseline)", Mode.TARGET.value))
+DRAFTERS = (("draft model", DrafterKind.MODEL.value), ("n-gram (prompt lookup)", DrafterKind.NGRAM.value))
+SCHEDULES = (("constant", KSchedule.CONSTANT.value), ("heuristic (+2 after a full accept, −1 otherwise)",
+                                                      KSchedule.HEURISTIC.value))
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The components whose values make a DecodeRequest (in `decode_inputs` order) and the buttons."""
+
+    prompt: gr.Textbox
+    preset: gr.Dropdown
+    custom_draft: gr.Textbox
+    custom_target: gr.Textbox
+    mode: gr.Radio
+    drafter: gr.Radio
+    k: gr.Slider
+    k_schedule: gr.Radio
+    k_min: gr.Slider
+    k_max: gr.Slider
+    temperature: gr.Slider
+    top_k: gr.Number
+    top_p: gr.Slider
+    seed: gr.Number
+    max_new_tokens: gr.Slider
+    reveal: gr.Checkbox
+    reset: gr.Button
+    step: gr.Button
+    back: gr.Button
+    play: gr.Button
+    speed: gr.Slider
+    run_to_end: gr.Button
+    scrubber: gr.Slider
+
+    def decode_inputs(self) -> list[gr.components.Component]:
+        """In DecodeRequest's field order."""
+        return [self.prompt, self.preset, self.custom_draft, self.custom_target, self.mode, self.drafter, self.k,
+                self.k_schedule, self.k_min, self.k_max, self.temperature, self.top_k, self.top_p, self.seed,
+                self.max_new_tokens]
+
+
+def _transport() -> dict:
+    with gr.Row():
+        reset = gr.Button("⟲ Reset", elem_id="reset-btn", size="sm")
+        back = gr.Button("◀ Back", elem_id="back-btn", size="sm")
+        step = gr.Button("Step ▶", variant="primary", elem_id="step-btn", size="sm")
+    with gr.Row():
+        play = gr.Button("▷ Play", elem_id="play-btn", size="sm")
+        run_to_end = gr.Button("⇥ Run to end", elem_id="run-end-btn", size="sm")
+    speed = gr.Slider(0.2, 3.0, value=1.0, step=0.1, label="Play speed (seconds per step)")
+    reveal = gr.Checkbox(False, label="Reveal sub-step: show drafts as pending before verifying",
+                         elem_id="reveal-box")
+    scrubber = gr.Slider(0, 1, value=0, step=1, label="Rounds shown (scrub back over rounds already run)",
+                         elem_id="scrubber")
+    return dict(reset=reset, back=back, step=step, play=play, run_to_end=run_to_end, speed=speed, reveal=reveal,
+                scrubber=scrubber)
+
+
+def _models(registry: ModelRegistry) -> dict:
+    preset = gr.Dropdown(registry.choices(), value=registry.presets[0].key, label="Model pair",
+                         info="Hub pairs download on first use (press Reset to load them) and need internet access.")
+    with gr.Row(visible=registry.allow_custom):
+        custom_draft = gr.Textbox("", label="Custom draft id or path", placeholder="e.g. Qwen/Qwen2.5-0.5B",
+                                  visible=registry.allow_custom)
+        custom_target = gr.Textbox("", label="Custom target id or path", placeholder="e.g. Qwen/Qwen2.5-1.5B",
+                                   visible=registry.allow_custom)
+    return dict(preset=preset, custom_draft=custom_draft, custom_target=custom_target)
+
+
+def _decoding(max_new_tokens: int) -> dict:
+    mode = gr.Radio(list(MODES), value=Mode.V2.value, label="Mode")
+    drafter = gr.Radio(list(DRAFTERS), value=DrafterKind.MODEL.value, label="Drafter")
+    with gr.Row():
+        k = gr.Slider(1, K_BOUND, value=4, step=1, label="K (drafts per round)")
+        k_schedule = gr.Radio(list(SCHEDULES), value=KSchedule.CONSTANT.value, label="K schedule")
+    with gr.Row():
+        k_min = gr.Slider(1, K_BOUND, value=1, step=1, label="K min (heuristic)")
+        k_max = gr.Slider(1, K_BOUND, value=8, step=1, label="K max (heuristic)")
+    with gr.Row():
+        temperature = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="Temperature (0 = greedy)")
+        top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p (1 = off)")
+    with gr.Row():
+        top_k = gr.Number(0, precision=0, label="Top-k (0 = off)", minimum=0)
+        seed = gr.Number(0, precision=0, label="Seed")
+    max_new = gr.Slider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens")
+    return dict(mode=mode, drafter=drafter, k=k, k_schedule=k_schedule, k_min=k_min, k_max=k_max,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new)
+
+
+def build_controls(registry: ModelRegistry, max_new_tokens: int) -> Controls:
+    """Lay the controls out in the current Blocks context and return them."""
+    prompt = gr.Textbox(EXAMPLE_PROMPTS[0], lines=4, label="Prompt", elem_id="prompt-box")
+    gr.Examples([[p] for p in EXAMPLE_PROMPTS], inputs=[prompt], label="Example prompts (suit the built-in pair)")
+    transport = _transport()
+    gr.Markdown("Settings apply from the next **Reset** (or the first Step after a reset).")
+    with gr.Accordion("Models", open=False):
+        models = _models(registry)
+    with gr.Accordion("Decoding", open=True):
+        decoding = _decoding(max_new_tokens)
+    return Controls(prompt=prompt, **models, **decoding, **transport)
+

@@ -1,0 +1,29 @@
+"""The Charts tab: acceptance, accepted lengths, tokens against time and speed-up, redrawn every round."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+
+@dataclass(frozen=True)
+class ChartsPage:
+    acceptance: gr.Plot
+    per_position: gr.Plot
+    lengths: gr.Plot
+    tokens_time: gr.Plot
+    speedup: gr.Plot
+
+
+def build() -> ChartsPage:
+    with gr.Row():
+        acceptance = gr.Plot(elem_id="chart-acceptance", show_label=False)
+        per_position = gr.Plot(elem_id="chart-per-position", show_label=False)
+        lengths = gr.Plot(elem_id="chart-lengths", show_label=False)
+    with gr.Row():
+        tokens_time = gr.Plot(elem_id="chart-tokens-time", show_label=False)
+        speedup = gr.Plot(elem_id="chart-speedup", show_label=False)
+    gr.Markdown("Target-only decoding is really run on the same prompt, settings and hardware, interleaved with "
+                "the speculative rounds; each clock counts only its own work. c (draft forward / target step) is "
+                "measured from this run.")
+    return ChartsPage(acceptance, per_position, lengths, tokens_time, speedup)

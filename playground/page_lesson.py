@@ -1,0 +1,298 @@
+"""The Lesson tab: a guided walk through one speculative round on the real built-in pair.
+
+engine.lesson's driver decides what each step says, shows and asks (from the real records);
+this page renders it with the playground's own renderers (chips, p/q bars, residual, KV grid,
+theory curves) in one shared view under a gr.Walkthrough, and wires Back/Next/Check/Reveal.
+"""
+from __future__ import annotations
+
+import html
+import statistics
+from dataclasses import dataclass
+from functools import partial
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from engine.lesson import LessonDriver, LessonError, LessonStep, LessonText, StepId, View, load_lesson_text
+from engine.models import BUILTIN, LoadedModel, ModelLoadError, load_model
+from engine.records import RoundRecord
+from playground.charts import empty_figure
+from playground.kv_plots import kv_figure
+from playground.page_theory import theory_figure
+from playground.palette import BASELINE_COLOUR, SPEC_COLOUR
+from playground.registry import ModelRegistry
+from playground.round_plots import draft_figure, final_figure
+from playground.tokens import legend_html, stream_html
+from playground.view import Cursor, RunView, info_for_run, view_from_run
+
+# Steps whose question is about the round's mechanics, not its verdicts: their chips stay pending.
+PENDING_STEPS = frozenset((StepId.DRAFT, StepId.VERIFY))
+
+
+# -- pure renderers -------------------------------------------------------------------------------------
+def driver_view(driver: LessonDriver) -> RunView:
+    """The lesson run's rounds so far, as every playground renderer takes them."""
+    return view_from_run(driver.run, info_for_run(driver.run, driver.target, driver.draft))
+
+
+def shows_verdict(step: LessonStep) -> bool:
+    return step.revealed and step.id not in PENDING_STEPS
+
+
+def step_stream(step: LessonStep, view: RunView) -> str:
+    """The token chips up to the step's round, that round pending until its verdict may be shown."""
+    cursor = Cursor(shown=step.round + 1, revealed=shows_verdict(step), round=step.round, position=step.position)
+    return stream_html(view, cursor)
+
+
+def cost_figure(view: RunView, upto_round: int) -> go.Figure:
+    """Measured forward times: one target-only decode step vs one verify step over K+1 tokens
+    (and one draft forward), medians over the rounds so far."""
+    step = [b.timings.verify_ms for b in view.baseline]
+    rounds = [r for r in view.rounds[: upto_round + 1] if r.k]
+    if not step or not rounds:
+        return empty_figure("Not measured yet.")
+    k = rounds[-1].k
+    bars = [("target: 1 token (target-only step)", statistics.median(step), BASELINE_COLOUR),
+            (f"target: verify {k + 1} tokens (one forward)", statistics.median(r.timings.verify_ms for r in rounds),
+             SPEC_COLOUR),
+            ("draft: 1 token (one forward)",
+             statistics.median(r.timings.draft_ms / r.draft_forwards for r in rounds if r.draft_forwards), "#E69F00")]
+    fig = go.Figure([go.Bar(x=[b[0] for b in bars], y=[b[1] for b in bars], marker_color=[b[2] for b in bars],
+                            text=[f"{b[1]:.2f} ms" for b in bars], textposition="outside")])
+    fig.update_layout(title=dict(text="Measured in this run (medians): verifying K+1 tokens costs about one step",
+                                 font=dict(size=14)), height=340, template="plotly_white",
+                      yaxis=dict(title="milliseconds", rangemode="tozero"), margin=dict(l=50, r=20, t=50, b=40))
+    return fig
+
+
+def hidden_verdict_figure(record: RoundRecord, position: int) -> go.Figure:
+    """The p/q bars at a drafted position with u and the verdict left out (asked before revealed)."""
+    p = record.positions[position]
+    fig = draft_figure(record, position, revealed=True)
+    fig.update_layout(title=dict(text=f"round {record.index + 1}, draft #{position + 1}<br>p={p.p_target:.3f}, "
+                                      f"q={p.q_draft:.3f}, α=min(1, p/q)={p.alpha:.3f} — u not shown yet"))
+    return fig
+
+
+def _kv_of(record: RoundRecord, title: str) -> go.Figure:
+    fig = kv_figure(next(s for s in record.kv if s.model == "target"))
+    fig.update_layout(title=dict(text=title))
+    return fig
+
+
+def step_figure(step: LessonStep, view: RunView, v1: RoundRecord | None) -> go.Figure | None:
+    """The figure of the step's view (None: the chips are the view)."""
+    record = view.rounds[step.round]
+    if step.view is View.COST:
+        return cost_figure(view, step.round)
+    if step.view is View.CHIPS:
+        return None
+    if step.view is View.PQ_BARS:
+        return draft_figure(record, step.position) if shows_verdict(step) else hidden_verdict_figure(record, step.position)
+    if step.view is View.RESIDUAL:
+        return final_figure(record)
+    if step.view is View.BONUS:
+        return final_figure(record) if step.revealed else empty_figure("Answer (or press “Just show me”) to see the row.")
+    if step.view is View.KV:
+        return _kv_before_after(step, view)
+    if step.view is View.KV_V1:
+        if step.revealed and v1 is not None:
+            return _kv_of(v1, f"v1: target cache after round {step.round + 1} (verified read-only, then committed)")
+        return _kv_of(record, f"v2: target cache after round {step.round + 1}")
+    return theory_figure(view)
+
+
+def _kv_before_after(step: LessonStep, view: RunView) -> go.Figure:
+    if step.revealed:
+        return _kv_of(view.rounds[step.round], f"v2: target cache after round {step.round + 1}: W kept, ✗ rolled back")
+    if step.round == 0:
+        return empty_figure("Answer (or press “Just show me”) to see what round 1 wrote.")
+    return _kv_of(view.rounds[step.round - 1], f"v2: target cache before round {step.round + 1} (after round {step.round})")
+
+
+def feedback_markdown(step: LessonStep, ui) -> str:
+    """What shows under the question: nothing while it is open, then right/wrong and the reveal."""
+    q = step.question
+    if q is None or not step.revealed:
+        return ""
+    if step.answered is None:
+        return q.reveal
+    head = ui["correct"] if step.answered == q.answer else ui["wrong"].format(answer=q.label(q.answer))
+    return f"{head} {q.reveal}"
+
+
+def status_markdown(driver: LessonDriver, step: LessonStep) -> str:
+    ui, s = driver.text.ui, driver.plan.settings
+    prompt = s.prompt.splitlines()[0] if s.prompt.strip() else s.prompt
+    return (f"**{ui['step_counter'].format(n=step.index + 1, total=step.total)}** · "
+            + ui["run_label"].format(seed=driver.plan.seed, k=s.k, temperature=f"{s.temperature:g}",
+                                     prompt=html.escape(prompt)))
+
+
+@dataclass(frozen=True, slots=True)
+class StepRender:
+    """Everything one step puts on screen."""
+
+    status: str
+    body: str
+    question: str                          # the question's prompt ("" without one)
+    choices: tuple[tuple[str, str], ...]   # (label, value)
+    answered: str | None
+    asks: bool                             # the question is open: show Check / Just show me
+    feedback: str
+    stream: str
+    figure: go.Figure | None               # None: the chips are the view
+
+
+def render_step(driver: LessonDriver, step: LessonStep) -> StepRender:
+    """Everything the step shows. Advances the driver's engine runs if the step needs more rounds."""
+    view = driver_view(driver)
+    v1 = driver.v1_record(step.round) if step.view is View.KV_V1 else None
+    q = step.question
+    return StepRender(status_markdown(driver, step), f"### {step.title}\n\n{step.body}", q.prompt if q else "",
+                      q.choices if q else (), step.answered, q is not None and not step.revealed,
+                      feedback_markdown(step, driver.text.ui), step_stream(step, view), step_figure(step, view, v1))
+
+
+# -- the tab ------------------------------------------------------------------------------------------
+def lesson_pair(registry: ModelRegistry | None) -> tuple[LoadedModel, LoadedModel]:
+    """(draft, target) of the built-in pair: the registry's shared copy when it offers the built-in
+    pair, else a fresh load (small: tens of MiB)."""
+    preset = next((p for p in registry.presets if (p.draft, p.target) == (BUILTIN, BUILTIN)), None) if registry else None
+    if preset is not None:
+        pair = registry.pair(preset.key)
+        return pair.draft, pair.target
+    return load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
+
+
+@dataclass(frozen=True)
+class StepBlock:
+    step: gr.Step
+    body: gr.Markdown
+    question: gr.Radio
+    check: gr.Button
+    reveal: gr.Button
+    feedback: gr.Markdown
+    back: gr.Button
+    next: gr.Button
+
+
+@dataclass(frozen=True)
+class LessonPage:
+    start: gr.Button
+    status: gr.Markdown
+    walkthrough: gr.Walkthrough
+    steps: tuple[StepBlock, ...]
+    stream: gr.HTML
+    figure: gr.Plot
+    driver: gr.State
+
+
+def _step_block(index: int, title: str, text: LessonText, total: int) -> StepBlock:
+    ui = text.ui
+    with gr.Step(title, id=index, elem_id=f"lesson-step-{index}") as step:
+        body = gr.Markdown(f"### {title}\n\n{ui['not_started']}")
+        question = gr.Radio([], label=ui["your_answer"], visible=False, elem_id=f"lesson-q-{index}")
+        with gr.Row():
+            check = gr.Button(ui["check"], size="sm", visible=False, elem_id=f"lesson-check-{index}")
+            reveal = gr.Button(ui["reveal"], size="sm", visible=False, elem_id=f"lesson-reveal-{index}")
+        feedback = gr.Markdown(elem_id=f"lesson-feedback-{index}")
+        with gr.Row():
+            back = gr.Button(ui["back"], size="sm", interactive=index > 0, elem_id=f"lesson-back-{index}")
+            nxt = gr.Button(ui["next"], size="sm", variant="primary", interactive=index < total - 1,
+                            elem_id=f"lesson-next-{index}")
+    return StepBlock(step, body, question, check, reveal, feedback, back, nxt)
+
+
+class LessonHandlers:
+    """Event functions; the learner's driver lives only in the page's gr.State."""
+
+    def __init__(self, page: LessonPage, text: LessonText, registry: ModelRegistry | None) -> None:
+        self.page, self.text, self.registry = page, text, registry
+
+    def outputs(self, index: int) -> list:
+        b = self.page.steps[index]
+        return [self.page.status, self.page.walkthrough, self.page.stream, self.page.figure,
+                b.body, b.question, b.check, b.reveal, b.feedback]
+
+    def _values(self, driver: LessonDriver, step: LessonStep) -> tuple:
+        r = render_step(driver, step)
+        radio = gr.Radio(choices=list(r.choices), value=r.answered, label=r.question, visible=bool(r.choices),
+                         interactive=r.asks)
+        figure = gr.Plot(value=r.figure, visible=r.figure is not None)
+        return (r.status, gr.Walkthrough(selected=step.index), r.stream, figure, r.body, radio,
+                gr.Button(visible=r.asks), gr.Button(visible=r.asks), r.feedback)
+
+    def start(self, driver: LessonDriver | None) -> tuple:
+        try:
+            draft, target = lesson_pair(self.registry)
+            new = LessonDriver.start(target, draft, self.text)
+        except (LessonError, ModelLoadError) as exc:
+            gr.Warning(str(exc))
+            return (driver, *(gr.skip(),) * 9)
+        if driver is not None:
+            driver.close()
+        return (new, *self._values(new, new.go(0)))
+
+    def go(self, index: int, driver: LessonDriver | None) -> tuple:
+        if driver is None:
+            gr.Info(self.text.ui["not_started"])
+            return (gr.skip(), gr.Walkthrough(selected=index), *(gr.skip(),) * 7)
+        return self._values(driver, driver.go(index))
+
+    def check(self, index: int, driver: LessonDriver | None, choice: str | None) -> tuple:
+        if driver is None:
+            return (gr.skip(),) * 9
+        driver.go(index)
+        try:
+            driver.answer(choice)
+        except LessonError as exc:
+            gr.Warning(str(exc))
+            return (gr.skip(),) * 9
+        return self._values(driver, driver.current())
+
+    def reveal(self, index: int, driver: LessonDriver | None) -> tuple:
+        if driver is None:
+            return (gr.skip(),) * 9
+        driver.go(index)
+        return self._values(driver, driver.reveal())
+
+
+def _wire(page: LessonPage, handlers: LessonHandlers) -> None:
+    busy = dict(api_name=False, concurrency_id="lesson", concurrency_limit=1)
+    state = page.driver
+    first = handlers.outputs(0)
+    page.start.click(handlers.start, [state], [state, *first], **busy)
+    for i, block in enumerate(page.steps):
+        out = handlers.outputs(i)
+        block.step.select(partial(handlers.go, i), [state], out, **busy)
+        if i > 0:
+            page.steps[i - 1].next.click(partial(handlers.go, i), [state], out, **busy)
+        if i + 1 < len(page.steps):
+            page.steps[i + 1].back.click(partial(handlers.go, i), [state], out, **busy)
+        block.check.click(partial(handlers.check, i), [state, block.question], out, **busy)
+        block.reveal.click(partial(handlers.reveal, i), [state], out, **busy)
+
+
+def build_lesson(registry: ModelRegistry | None = None, lang: str = "en") -> LessonPage:
+    """Lay the Lesson tab out in the current Blocks context and wire its events.
+
+    registry: the app's ModelRegistry, so the lesson shares its loaded built-in pair (None: load
+    the built-in pair when a lesson starts). lang: which assets/lessons/<lang>.json to show.
+    """
+    text = load_lesson_text(lang)
+    gr.Markdown(f"## {text.title}\n\n{text.intro}")
+    with gr.Row():
+        start = gr.Button(text.ui["start"], variant="primary", elem_id="lesson-start")
+        status = gr.Markdown(text.ui["not_started"], elem_id="lesson-status")
+    with gr.Walkthrough(selected=0, elem_id="lesson-walkthrough") as walkthrough:
+        steps = tuple(_step_block(i, s.title, text, len(text.steps)) for i, s in enumerate(text.steps))
+    stream = gr.HTML(elem_id="lesson-stream", min_height=40)
+    figure = gr.Plot(show_label=False, elem_id="lesson-plot")
+    gr.HTML(legend_html())
+    driver = gr.State(None, delete_callback=lambda d: d.close() if d is not None else None)
+    page = LessonPage(start, status, walkthrough, steps, stream, figure, driver)
+    _wire(page, LessonHandlers(page, text, registry))
+    return page

@@ -1,0 +1,54 @@
+"""Server-wide settings: where to serve, which pair to offer, and the limits that protect a public server."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.models import BUILTIN
+
+ALLOW_CUSTOM_ENV = "SPECPLAY_ALLOW_CUSTOM_MODELS"
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True, slots=True)
+class AppSettings:
+    host: str = "127.0.0.1"
+    port: int = 7860
+    draft: str = BUILTIN
+    target: str = BUILTIN
+    draft_device: str | None = None      # None: engine.models.default_devices decides
+    target_device: str | None = None
+    share: bool = False
+    allow_custom_models: bool = True
+    max_sessions: int = 8                # concurrent browser sessions holding engine state
+    session_ttl_s: float = 1800.0        # idle sessions are dropped after this long
+    kv_budget_mib: int = 2048            # KV pool memory all sessions together may reserve
+    max_new_tokens: int = 256            # the largest max_new_tokens a visitor may ask for
+    max_prompt_chars: int = 8000
+    concurrency: int = 1                 # decoding events run at once (the rest queue)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for name in ("max_sessions", "kv_budget_mib", "max_new_tokens", "max_prompt_chars", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+
+
+def running_on_space(env: Mapping[str, str]) -> bool:
+    """Hugging Face Spaces set SPACE_ID in every Space's environment."""
+    return bool(env.get("SPACE_ID"))
+
+
+def allow_custom_default(env: Mapping[str, str]) -> bool:
+    """SPECPLAY_ALLOW_CUSTOM_MODELS decides if set; otherwise custom ids are allowed locally and
+    refused on a Space, where any visitor could otherwise make the server download anything."""
+    value = env.get(ALLOW_CUSTOM_ENV)
+    if value is None:
+        return not running_on_space(env)
+    word = value.strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"{ALLOW_CUSTOM_ENV} must be one of {', '.join(TRUE_WORDS + FALSE_WORDS[:-1])}, got {value!r}")
+    return word in TRUE_WORDS

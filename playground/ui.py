@@ -1,0 +1,241 @@
+"""Composes the pages into one gr.Blocks and wires every event to the controller.
+
+Each handler finds the visitor's session (gr.State, keyed by Gradio's session hash), runs one
+controller action under the session's lock, and renders a Frame. Anything a visitor can get
+wrong becomes a gr.Warning; the session and the server keep working.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gradio as gr
+
+from playground import controller, page_charts, page_compare, page_detail, page_kv, page_stream, page_traces
+from playground.controller import USER_ERRORS, Context, DecodeRequest
+from playground.controls import Controls, build_controls
+from playground.frame import render_frame
+from playground.palette import stylesheet
+from playground.registry import ModelRegistry
+from playground.sessions import Session, SessionPool
+from playground.settings import AppSettings
+from playground.spaces_shim import gpu
+from playground.view import Cursor
+
+log = logging.getLogger("specplay")
+TITLE = "specplay: speculative decoding, one round at a time"
+
+
+@dataclass(frozen=True)
+class Pages:
+    controls: Controls
+    stream: page_stream.StreamPanel
+    detail: page_detail.DetailPage
+    kv: page_kv.KVPage
+    charts: page_charts.ChartsPage
+    traces: page_traces.TracesPage
+
+    def frame_outputs(self) -> list:
+        """In the order `Handlers.render` returns values."""
+        d, k, c = self.detail, self.kv, self.charts
+        return [self.stream.status, self.stream.stream, d.badge, d.summary, d.position, d.detail, k.target, k.draft,
+                k.table, c.acceptance, c.per_position, c.lengths, c.tokens_time, c.speedup, self.controls.scrubber]
+
+
+class Handlers:
+    """The event functions. One instance per app; per-visitor state lives only in gr.State."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    @staticmethod
+    def render(session: Session | None) -> tuple:
+        view = session.view() if session is not None else None
+        f = render_frame(view, session.cursor if session is not None else Cursor())
+        return (f.status, f.stream, f.badge, f.summary, gr.Dropdown(choices=f.positions, value=f.position),
+                f.detail, f.kv_target, f.kv_draft, f.kv_table, f.acceptance, f.per_position, f.lengths,
+                f.tokens_time, f.speedup, gr.Slider(minimum=0, maximum=max(1, f.rounds_total), value=f.shown, step=1))
+
+    def _session(self, state: Session | None, request: gr.Request) -> Session:
+        """The visitor's session; reopened if it expired or the server evicted it."""
+        if state is not None and self.ctx.pool.open(state.key) is state:
+            return state
+        return self.ctx.pool.open(request.session_hash if request is not None else "anonymous")
+
+    def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None]) -> tuple:
+        """(state, *frame) after running `action`; errors become warnings and leave the session usable."""
+        try:
+            session = self._session(state, request)
+        except USER_ERRORS as exc:
+            gr.Warning(str(exc))
+            return (state, *self.render(state))
+        with session.lock:
+            try:
+                note = action(session)
+                if note:
+                    gr.Info(note)
+            except USER_ERRORS as exc:
+                gr.Warning(str(exc))
+            except Exception as exc:  # a bug, not bad input: log it, tell the visitor briefly, keep going
+                log.exception("unexpected error in a playground action")
+                gr.Warning(f"Unexpected error ({type(exc).__name__}: {exc}). Press Reset to start again.")
+            return (session, *self.render(session))
+
+    def decode_request(self, values: tuple) -> DecodeRequest:
+        return DecodeRequest(*values)
+
+    # -- events -------------------------------------------------------------------------------------
+    def on_load(self, state: Session | None) -> tuple:
+        return self.render(state)
+
+    @gpu()
+    def on_reset(self, request: gr.Request, state: Session | None, *values) -> tuple:
+        return self.guarded(state, request, lambda s: controller.reset(self.ctx, s, self.decode_request(values)))
+
+    @gpu()
+    def on_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
+        return self.guarded(state, request,
+                            lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal)))
+
+    @gpu(duration=120)
+    def on_run_to_end(self, request: gr.Request, progress=gr.Progress(), state: Session | None = None,
+                      *values) -> tuple:
+        def report(done: int, total: int) -> None:
+            progress((done, total), desc="decoding", unit="tokens")
+
+        return self.guarded(state, request,
+                            lambda s: controller.run_to_end(self.ctx, s, self.decode_request(values), report))
+
+    def on_back(self, request: gr.Request, state: Session | None) -> tuple:
+        return self.guarded(state, request, controller.back)
+
+    def on_scrub(self, request: gr.Request, state: Session | None, shown: float) -> tuple:
+        return self.guarded(state, request, lambda s: controller.scrub(s, shown))
+
+    def on_position(self, request: gr.Request, state: Session | None, position: int | None) -> tuple:
+        def pick(s: Session) -> None:
+            view = s.view()
+            selection = s.cursor.selection(view) if view is not None else None
+            if selection is not None and position is not None:
+                controller.select(s, selection[0], int(position))
+        return self.guarded(state, request, pick)
+
+    def on_chip(self, request: gr.Request, evt: gr.EventData, state: Session | None) -> tuple:
+        round_index, position = getattr(evt, "round", None), getattr(evt, "position", None)
+        if not isinstance(round_index, int) or not isinstance(position, int):
+            return (state, *self.render(state))
+        return self.guarded(state, request, lambda s: controller.select(s, round_index, position))
+
+    def on_trace(self, request: gr.Request, state: Session | None, path: str | None) -> tuple:
+        if not path:
+            return (state, *self.render(state))
+        name = path.rsplit("/", 1)[-1]
+        return self.guarded(state, request, lambda s: controller.load_replay(s, path, name))
+
+    def on_export(self, state: Session | None) -> list[str] | None:
+        try:
+            if state is None or state.view() is None:
+                raise ValueError("Nothing to export yet: step a few rounds first.")
+            with state.lock:
+                csv = controller.export_rounds_csv(state)
+            return [str(p) for p in (state.trace_path, csv) if p is not None]
+        except USER_ERRORS as exc:
+            gr.Warning(str(exc))
+            return None
+
+    @gpu()
+    def on_tick(self, request: gr.Request, state: Session | None, playing: bool, *values) -> tuple:
+        """One Play tick: a Step that also stops the timer when the run ends or fails."""
+        if not playing:  # a tick that was already queued when Pause was pressed
+            return (state, *self.render(state), *play_controls(False))
+        notes: list[str | None] = []
+        out = self.guarded(state, request,
+                           lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))))
+        session = out[0]
+        done = session is None or session.view() is None or bool(notes and notes[0]) or (
+            session.cursor.shown >= len(session.view().rounds) and session.view().complete)
+        return (*out, *play_controls(not done))
+
+    @staticmethod
+    def on_play(playing: bool, speed: float) -> tuple:
+        return play_controls(not playing, speed)
+
+    def on_unload(self, request: gr.Request) -> None:
+        self.ctx.pool.close_key(request.session_hash)
+
+
+def play_controls(playing: bool, speed: float | None = None) -> tuple:
+    """(timer, play button, playing flag) for the Play/Pause toggle."""
+    timer = gr.Timer(active=playing) if speed is None else gr.Timer(value=float(speed), active=playing)
+    return timer, gr.Button(value="❚❚ Pause" if playing else "▷ Play"), playing
+
+
+def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) -> None:
+    c = pages.controls
+    out = [state, *pages.frame_outputs()]
+    decode = c.decode_inputs()
+    # Everything that runs model forwards shares one queue group, so `concurrency` bounds the CPU/GPU work.
+    # Reset only loads models and allocates KV, so a slow Hub download does not hold up others' steps.
+    busy = dict(concurrency_id="decode", concurrency_limit=handlers.ctx.settings.concurrency)
+    c.reset.click(handlers.on_reset, [state, *decode], out, api_name="reset")
+    c.step.click(handlers.on_step, [state, c.reveal, *decode], out, api_name="step", **busy)
+    c.run_to_end.click(handlers.on_run_to_end, [state, *decode], out, api_name="run_to_end", **busy)
+    c.back.click(handlers.on_back, [state], out, api_name="back")
+    c.scrubber.release(handlers.on_scrub, [state, c.scrubber], out, api_name="scrub")
+    pages.detail.position.input(handlers.on_position, [state, pages.detail.position], out, api_name=False)
+    pages.stream.stream.click(handlers.on_chip, [state], out, api_name=False)
+    t = pages.traces
+    t.upload.upload(handlers.on_trace, [state, t.upload], out, api_name="replay_upload")
+    t.load_example.click(handlers.on_trace, [state, t.example], out, api_name="replay_example")
+    t.export.click(handlers.on_export, [state], [t.files], api_name="export")
+    playing = gr.State(False)
+    timer = gr.Timer(1.0, active=False)
+    c.play.click(handlers.on_play, [playing, c.speed], [timer, c.play, playing], api_name=False)
+    c.speed.change(lambda speed, on: gr.Timer(value=float(speed), active=on), [c.speed, playing], [timer],
+                   api_name=False)
+    timer.tick(handlers.on_tick, [state, playing, *decode], [*out, timer, c.play, playing], api_name=False, **busy)
+    demo.load(handlers.on_load, [state], pages.frame_outputs(), api_name=False)
+    demo.unload(handlers.on_unload)
+
+
+def make_context(settings: AppSettings) -> Context:
+    """The server's shared objects: the model registry (models load lazily) and the session pool."""
+    registry = ModelRegistry(settings.draft, settings.target, draft_device=settings.draft_device,
+                             target_device=settings.target_device, allow_custom=settings.allow_custom_models)
+    pool = SessionPool(settings.max_sessions, settings.kv_budget_mib * 2**20, settings.session_ttl_s)
+    return Context(registry, pool, settings)
+
+
+def build_app(ctx: Context) -> gr.Blocks:
+    """The whole playground, built but not launched. Launch with `launch_kwargs()` for its CSS."""
+    examples = page_traces.example_traces()
+    handlers = Handlers(ctx)
+    with gr.Blocks(title=TITLE) as demo:
+        gr.Markdown(f"## {TITLE}")
+        state = gr.State(None, time_to_live=ctx.settings.session_ttl_s, delete_callback=ctx.pool.close)
+        with gr.Row():
+            with gr.Column(scale=1, min_width=320):
+                controls = build_controls(ctx.registry, ctx.settings.max_new_tokens)
+            with gr.Column(scale=3):
+                stream = page_stream.build()
+                with gr.Tabs():
+                    with gr.Tab("Round detail", id="detail"):
+                        detail = page_detail.build()
+                    with gr.Tab("KV cache", id="kv"):
+                        kv = page_kv.build()
+                    with gr.Tab("Charts", id="charts"):
+                        charts = page_charts.build()
+                    with gr.Tab("Traces", id="traces"):
+                        traces = page_traces.build(examples)
+                    with gr.Tab("Compare", id="compare"):
+                        page_compare.build(examples)
+        _wire(Pages(controls, stream, detail, kv, charts, traces), handlers, state, demo)
+    demo.queue(max_size=8 * ctx.settings.max_sessions)
+    return demo
+
+
+def launch_kwargs() -> dict:
+    """Gradio 6 takes CSS at launch, not in gr.Blocks; the example traces may be served for download."""
+    return {"css": stylesheet(), "allowed_paths": [str(page_traces.EXAMPLES_DIR)]}

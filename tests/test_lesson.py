@@ -1,0 +1,194 @@
+"""The lesson: its text as validated data, the seed search, and a headless walk through every step
+on the built-in pair (driver and page renderers), checked against the real records."""
+from __future__ import annotations
+
+import copy
+import json
+
+import gradio as gr
+import pytest
+
+from engine.lesson import (LESSONS_DIR, NO, STEP_SPECS, YES, LessonDriver, LessonError, LessonSettings, StepId, View,
+                           find_plan, is_bonus_round, is_reject_round, load_lesson_text, parse_lesson_text,
+                           placeholders)
+from engine.verify import Outcome
+from playground import page_lesson
+
+
+@pytest.fixture(scope="module")
+def text():
+    return load_lesson_text("en")
+
+
+@pytest.fixture(scope="module")
+def raw():
+    return json.loads((LESSONS_DIR / "en.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture()
+def driver(builtin_pair, text):
+    draft, target = builtin_pair
+    d = LessonDriver.start(target, draft, text)
+    yield d
+    d.close()
+
+
+# -- the text ---------------------------------------------------------------------------------------
+def test_english_text_covers_every_step_in_order(text):
+    assert [s.id for s in text.steps] == list(StepId)
+    assert 8 <= len(text.steps) <= 12
+    for s in text.steps:
+        spec = STEP_SPECS[s.id]
+        assert (s.question is None) == (spec.question is None), s.id
+        assert placeholders(s.body) <= spec.facts, s.id
+
+
+def _broken(raw, change):
+    data = copy.deepcopy(raw)
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(schema="other"), "schema"),
+    (lambda d: d.update(version=2), "version 2"),
+    (lambda d: d["ui"].pop("next"), "next"),
+    (lambda d: d["steps"].reverse(), "in order"),
+    (lambda d: d["steps"][0].update(body="{nonsense}"), "nonsense"),
+    # u gives the verdict away: only the reveal text may use it, never the body or the prompt.
+    (lambda d: d["steps"][3].update(body="u = {u}"), "'u'"),
+    (lambda d: d["steps"][3]["question"].update(prompt="u = {u}?"), "'u'"),
+    (lambda d: d["steps"][3].update(question=None), "needs a question"),
+    (lambda d: d["steps"][0].update(title=""), "title"),
+], ids=["schema", "version", "ui-key", "order", "unknown-fact", "secret-in-body", "secret-in-prompt",
+        "missing-question", "empty-title"])
+def test_bad_lesson_text_is_refused_with_a_reason(raw, change, message):
+    with pytest.raises(LessonError, match=message):
+        parse_lesson_text(_broken(raw, change))
+
+
+def test_a_translation_is_one_more_file(tmp_path, raw):
+    data = _broken(raw, lambda d: d.update(lang="xx", title="Lección"))
+    (tmp_path / "xx.json").write_text(json.dumps(data), encoding="utf-8")
+    assert load_lesson_text("xx", tmp_path).title == "Lección"
+    with pytest.raises(LessonError, match="available: xx"):
+        load_lesson_text("fr", tmp_path)
+
+
+# -- the search -------------------------------------------------------------------------------------
+def test_seed_search_is_deterministic_and_finds_every_case(builtin_pair):
+    draft, target = builtin_pair
+    plan = find_plan(target, draft)
+    assert plan == find_plan(target, draft)
+    assert plan.reject_round < plan.settings.max_rounds and plan.bonus_round < plan.settings.max_rounds
+
+
+def test_seed_search_says_when_nothing_fits(builtin_pair):
+    draft, target = builtin_pair
+    with pytest.raises(LessonError, match="No seed"):
+        find_plan(target, draft, LessonSettings(k=16, seeds=1, max_rounds=2))
+
+
+# -- the walk through ---------------------------------------------------------------------------------
+def test_the_lesson_advances_through_every_step_on_the_builtin_pair(driver):
+    seen = []
+    step = driver.go(0)
+    while True:
+        seen.append(step.id)
+        assert step.index == len(seen) - 1 and step.total == len(StepId)
+        assert "{" not in step.body and step.title
+        assert step.view is STEP_SPECS[step.id].view
+        if step.question is not None:
+            assert not step.revealed
+            assert step.question.answer in {v for _, v in step.question.choices}
+            check = driver.answer(step.question.answer)
+            assert check.correct and driver.current().revealed and driver.current().answered == step.question.answer
+        if step.index == step.total - 1:
+            break
+        step = driver.next()
+    assert seen == list(StepId)
+    assert driver.next().id is StepId.PAYS  # clamped at the end
+    assert driver.go(0).id is StepId.MEMORY_BOUND
+
+
+def _step(driver, step_id):
+    return driver.go(list(StepId).index(step_id))
+
+
+def test_answers_are_read_off_the_real_records(driver):
+    plan, k = driver.plan, driver.plan.settings.k
+    reject, bonus = driver.record(plan.reject_round), driver.record(plan.bonus_round)
+    assert is_reject_round(reject, k) and is_bonus_round(bonus, k)
+
+    accept = _step(driver, StepId.ACCEPT)
+    assert reject.positions[accept.position].outcome is Outcome.ACCEPTED and accept.question.answer == YES
+    rejected = _step(driver, StepId.REJECT)
+    assert rejected.position == reject.accepted and reject.positions[rejected.position].outcome is Outcome.REJECTED
+    assert rejected.question.answer == NO and "u" not in placeholders(rejected.body)
+    assert _step(driver, StepId.RESIDUAL).question.answer == NO  # a rejected draft has p < q: zero residual
+    bonus_step = _step(driver, StepId.BONUS)
+    assert bonus_step.round == plan.bonus_round and bonus_step.question.answer == str(k) == str(bonus.final.row)
+    kv = _step(driver, StepId.KV)
+    target_kv = next(s for s in reject.kv if s.model == "target")
+    assert kv.question.answer == str(len(target_kv.rolled_back)) == str(k - reject.accepted)
+    assert _step(driver, StepId.DRAFT).question.answer == str(k)
+    assert _step(driver, StepId.VERIFY).question.answer == "1"
+    assert _step(driver, StepId.V1_V2).question.answer == "2"
+    v1 = driver.v1_record(plan.reject_round)
+    assert v1.emitted == reject.emitted and v1.target_forwards == 2  # same draws, one more forward
+    assert _step(driver, StepId.PAYS).question.answer == NO
+
+
+def test_a_wrong_answer_is_marked_wrong_and_reveals(driver):
+    step = _step(driver, StepId.REJECT)
+    check = driver.answer(YES)
+    assert not check.correct and check.answer == "No" and "No" in check.feedback
+    assert driver.current().revealed and driver.current().answered == YES
+    assert step.facts["u"] in driver.current().question.reveal
+    _step(driver, StepId.KV)
+    with pytest.raises(LessonError, match="Pick an answer"):
+        driver.answer(None)
+    assert not driver.current().revealed
+
+
+# -- the page -----------------------------------------------------------------------------------------
+def test_every_step_renders_headlessly_with_its_view(driver):
+    for i in range(driver.total):
+        step = driver.go(i)
+        before = page_lesson.render_step(driver, step)
+        assert before.body.startswith("### ") and 'class="stream"' in before.stream
+        assert (before.figure is None) == (step.view is View.CHIPS)
+        assert before.asks == (step.question is not None) and before.feedback == ""
+        if step.id in (StepId.ACCEPT, StepId.REJECT):
+            title = before.figure.layout.title.text
+            assert "u not shown yet" in title and "ACCEPTED" not in title and "REJECTED" not in title
+            assert "chip-pending" in before.stream
+        if step.question is not None:
+            after = page_lesson.render_step(driver, driver.reveal())
+            assert not after.asks and after.feedback == step.question.reveal
+            if step.id is StepId.ACCEPT:
+                assert "ACCEPTED" in after.figure.layout.title.text
+            if step.id is StepId.REJECT:
+                assert "REJECTED" in after.figure.layout.title.text and "chip-rejected" in after.stream
+    assert "chip-pending" in page_lesson.render_step(driver, _step(driver, StepId.DRAFT)).stream
+
+
+def test_the_lesson_page_builds_and_its_handlers_run_headlessly(builtin_pair):
+    with gr.Blocks() as demo:
+        page = page_lesson.build_lesson()
+    assert len(page.steps) == len(StepId) and page.walkthrough._id in demo.blocks
+    for block in page.steps:
+        for name in block.__dataclass_fields__:
+            assert getattr(block, name)._id in demo.blocks, name
+    handlers = page_lesson.LessonHandlers(page, load_lesson_text(), None)
+    out = handlers.start(None)
+    driver = out[0]
+    try:
+        assert isinstance(driver, LessonDriver) and len(out) == 1 + len(handlers.outputs(0))
+        accept = list(StepId).index(StepId.ACCEPT)
+        shown = handlers.go(accept, driver)
+        assert shown[1].selected == accept and "α" in shown[4]
+        checked = handlers.check(accept, driver, YES)
+        assert checked[-1].startswith("✓")
+    finally:
+        driver.close()
