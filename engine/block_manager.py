@@ -81,7 +81,9 @@ class BlockManager:
         keep = -(-table.length // self.block_size)
         freed = table.blocks[keep:]
         del table.blocks[keep:]
-        self._free.extend(freed)
+        # LIFO: the block freed last is handed out first, so a sequence that rolls back and
+        # grows again gets its old blocks back and stays physically contiguous (a fast path).
+        self._free.extendleft(reversed(freed))
         return SlotChange(slots, [], freed)
 
     def free(self, table: BlockTable) -> SlotChange:

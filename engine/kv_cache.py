@@ -116,6 +116,8 @@ class PagedCache(Cache):
         self._slot_index = torch.empty(0, dtype=torch.long, device=pool.device)
         self._write_index: torch.Tensor | None = None
         self._past_index: torch.Tensor | None = None
+        self._span: tuple[int, int] | None = None
+        self._past_span: tuple[int, int] | None = None
         super().__init__(layers=[_PagedLayer(self, i) for i in range(pool.shape.layers)])
 
     # -- transformers Cache API -------------------------------------------------------------
@@ -148,22 +150,39 @@ class PagedCache(Cache):
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         new_k, new_v = key_states[0].to(keys.dtype), value_states[0].to(values.dtype)
         if self._read_only:
-            k = torch.cat([keys.index_select(1, self._past_index), new_k], dim=1)
-            v = torch.cat([values.index_select(1, self._past_index), new_v], dim=1)
-            return k.unsqueeze(0).to(key_states.dtype), v.unsqueeze(0).to(value_states.dtype)
-        keys.index_copy_(1, self._write_index, new_k)
-        values.index_copy_(1, self._write_index, new_v)
-        k, v = keys.index_select(1, self._slot_index), values.index_select(1, self._slot_index)
+            k = torch.cat([self._gather(keys, self._past_index, self._past_span), new_k], dim=1)
+            v = torch.cat([self._gather(values, self._past_index, self._past_span), new_v], dim=1)
+        else:
+            keys.index_copy_(1, self._write_index, new_k)
+            values.index_copy_(1, self._write_index, new_v)
+            k = self._gather(keys, self._slot_index, self._span)
+            v = self._gather(values, self._slot_index, self._span)
         return k.unsqueeze(0).to(key_states.dtype), v.unsqueeze(0).to(value_states.dtype)
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+        # Fast path: when the sequence's blocks are physically consecutive (the LIFO free list
+        # keeps a lone sequence so), its K/V is a view of the pool and nothing is copied.
+        if span is not None:
+            return pool[:, span[0] : span[1]]
+        return pool.index_select(1, index)
+
+    def _contiguous_span(self) -> tuple[int, int] | None:
+        blocks, bs = self.table.blocks, self.pool.block_size
+        if blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and all(
+                b == blocks[0] + i for i, b in enumerate(blocks)):
+            return blocks[0] * bs, blocks[0] * bs + self.table.length
+        return None
 
     def _begin_forward(self, q: int) -> None:
         if self._read_only:
-            self._past_index = self._slot_index
+            self._past_index, self._past_span = self._slot_index, self._contiguous_span()
             return
         change = self.pool.manager.append_slots(self.table, q)
         self.log.append(("write", change))
         self._write_index = torch.tensor(change.slots, dtype=torch.long, device=self.pool.device)
         self._slot_index = torch.cat([self._slot_index, self._write_index])
+        self._span = self._contiguous_span()
 
     def rollback(self, n: int) -> SlotChange:
         """Forget the last n cached tokens; blocks left empty return to the pool."""

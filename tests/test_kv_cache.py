@@ -131,3 +131,28 @@ def test_usable_as_hf_generate_cache(model: LoadedModel) -> None:
         plain = model.model.generate(prompt, do_sample=False, max_new_tokens=12)
     assert paged.tolist() == plain.tolist()
     assert cache.get_seq_length() == prompt.shape[1] + 12 - 1   # the last token's K/V is never needed
+
+
+def test_interleaved_sequences_take_the_gather_path_and_match(model: LoadedModel) -> None:
+    runner, a = new_cache(model, blocks=16, block_size=2)
+    b = runner.new_sequence()
+    seq_a, seq_b = [], []
+    for step in range(4):  # alternate growth, so each sequence's blocks interleave with the other's
+        for cache, seq, chunk in ((a, seq_a, [7 + step, 3]), (b, seq_b, [40 + step, 2, 9])):
+            seq += chunk
+            logits = runner.forward(cache, chunk)
+            assert (logits - reference_logits(model, seq)[-len(chunk):]).abs().max() < TOL
+    assert a._contiguous_span() is None and b._contiguous_span() is None
+
+
+def test_lone_sequence_stays_contiguous_through_rollbacks(model: LoadedModel) -> None:
+    runner, cache = new_cache(model, blocks=16, block_size=2)
+    seq: list[int] = []
+    for append, back in [(5, 3), (4, 4), (3, 1), (6, 2)]:
+        chunk = list(range(20 + len(seq), 20 + len(seq) + append))
+        seq += chunk
+        logits = runner.forward(cache, chunk)
+        assert (logits - reference_logits(model, seq)[-append:]).abs().max() < TOL
+        assert cache._contiguous_span() is not None  # LIFO reuse kept its blocks consecutive
+        cache.rollback(back)
+        seq = seq[: len(seq) - back]
