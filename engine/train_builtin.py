@@ -58,7 +58,7 @@ class TrainPlan:
     target: LlamaShape = field(default_factory=lambda: LlamaShape(384, 8, 6, 2, 1024))
     draft: LlamaShape = field(default_factory=lambda: LlamaShape(256, 1, 4, 2, 1024))
     joint_steps: int = 1200
-    distill_steps: int = 400
+    distill_steps: int = 900
     lr_target: float = 2e-3
     lr_draft: float = 3e-3
     warmup_steps: int = 60
