@@ -287,7 +287,11 @@ def hf_config(target: LoadedModel, method: Method, new_tokens: int):
     gc = copy.deepcopy(target.model.generation_config)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.tokenizer.eos_token_id
     gc.update(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, max_new_tokens=new_tokens,
-              min_new_tokens=None, max_length=None, eos_token_id=None, pad_token_id=pad)
+              min_new_tokens=None, max_length=None, pad_token_id=pad,
+              # generate() fills a None eos from the model's config, so EOS would stop it early (and
+              # min_new_tokens would ban EOS instead). An id past the vocabulary never matches: exactly
+              # new_tokens tokens, the same as the engine's stop_at_eos=False.
+              eos_token_id=target.vocab_size)
     if method.name == "hf-prompt-lookup":
         gc.update(prompt_lookup_num_tokens=method.k, max_matching_ngram_size=NGRAM_MAX)
     return gc

@@ -131,9 +131,6 @@ class LessonText:
     ui: Mapping[str, str]
     steps: tuple[StepText, ...]
 
-    def step(self, step_id: StepId) -> StepText:
-        return next(s for s in self.steps if s.id is step_id)
-
 
 def available_languages(root: Path = LESSONS_DIR) -> list[str]:
     return sorted(p.stem for p in root.glob("*.json"))
@@ -245,8 +242,10 @@ class LessonPlan:
 
 
 def is_reject_round(r: RoundRecord, k: int) -> bool:
-    """A full-K round that accepted at least one draft, then rejected one and emitted its correction."""
-    return (r.k == k and r.accepted >= 1 and r.final.outcome is Outcome.CORRECTED
+    """A full-K round that accepted at least one draft, then rejected one and emitted its correction.
+    Not the first round: its KV writes would include the prompt's prefill, and the KV step shows
+    the cache before the round too."""
+    return (r.index >= 1 and r.k == k and r.accepted >= 1 and r.final.outcome is Outcome.CORRECTED
             and len(r.emitted) == r.accepted + 1)
 
 
@@ -395,7 +394,7 @@ class LessonDriver:
         self._revealed.add(self.index)
         head = self.text.ui["correct"] if correct else self.text.ui["wrong"].format(
             answer=step.question.label(step.question.answer))
-        return AnswerCheck(correct, step.question.label(step.question.answer), f"{head} {self.current().question.reveal}")
+        return AnswerCheck(correct, step.question.label(step.question.answer), f"{head} {step.question.reveal}")
 
     def reveal(self) -> LessonStep:
         self._revealed.add(self.index)

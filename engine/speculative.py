@@ -197,7 +197,6 @@ class SpeculativeEngine:
 
     def _record(self, drafted, proposal, p_rows, result: VerifyResult, emitted, t_start,
                 prefill_ms, draft_ms, verify_ms, commit_ms, target_forwards) -> RoundRecord:
-        t = time.perf_counter()
         verdicts = {v.index: v for v in result.positions}
         positions = []
         for i, token in enumerate(drafted):
@@ -219,7 +218,6 @@ class SpeculativeEngine:
         if isinstance(self.drafter, ModelDrafter):
             kv.append(self._kv_state("draft", self.drafter.cache, self.draft))
         now = time.perf_counter()
-        other_ms = (now - t) * 1000
         total_ms = (now - t_start) * 1000
         return RoundRecord(
             index=len(self.rounds), mode=self.config.mode.value,

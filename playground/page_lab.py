@@ -25,7 +25,7 @@ from playground.tokens import visible
 ALPHA_LEVEL = 1e-3     # each index's test rejects "counts ~ p_target" below this p-value
 DEFAULT_TRIALS = 10_000
 MAX_TRIALS = 1_000_000
-TOP_TOKENS = 12        # bars per plot: the most likely tokens under p_target, the rule and the sample
+TOP_TOKENS = 8         # per source: the most likely tokens under p_target, the rule and the sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ def _top_tokens(result: LabResult, index: int) -> list[int]:
     ids: list[int] = []
     for row in (p, limit, empirical):
         ids += [t for t in torch.topk(row, min(TOP_TOKENS, row.numel())).indices.tolist() if t not in ids]
-    return sorted(ids[:2 * TOP_TOKENS], key=lambda t: -float(p[t]))
+    return sorted(ids, key=lambda t: -float(p[t]))
 
 
 def lab_figure(result: LabResult, index: int, texts: Mapping[int, str]) -> go.Figure:
@@ -92,7 +92,7 @@ def lab_figure(result: LabResult, index: int, texts: Mapping[int, str]) -> go.Fi
         go.Bar(name=f"empirical ({n:,} tokens)", x=labels, y=[float(freq[t]) for t in ids], marker_color=BLUE),
         go.Scatter(name="p_target (what the target would sample)", x=labels,
                    y=[float(result.p_target[index][t]) for t in ids], mode="markers",
-                   marker=dict(symbol="line-ew-open", size=28, line=dict(width=3, color="#000"))),
+                   marker=dict(symbol="line-ew-open", size=28, color="#000", line=dict(width=3, color="#000"))),
         go.Scatter(name=f"limit under “{result.rule.value}”", x=labels,
                    y=[float(result.limit.dist[index][t]) for t in ids], mode="markers",
                    marker=dict(symbol="x", size=9, color=VERMILLION if result.rule is not Rule.CORRECT else ORANGE)),
@@ -101,9 +101,11 @@ def lab_figure(result: LabResult, index: int, texts: Mapping[int, str]) -> go.Fi
     verdict = "not tested (too few tokens)" if fit is None else (
         f"χ² = {fit.statistic:.1f}, dof = {fit.dof}, p-value = {fit.p_value:.3g} → "
         + ("consistent with p_target" if fit.passed else "REJECTED: not distributed as p_target"))
-    fig.update_layout(title=dict(text=f"output index {index} (draft #{result.start + index + 1} of round "
-                                      f"{result.round + 1}{' — the bonus row' if index == result.length else ''})"
-                                      f"<br>{verdict}", font=dict(size=14)),
+    row = result.start + index
+    fig.update_layout(title=dict(text=f"output index {index}: p row {row} of round {result.round + 1}"
+                                      f"{' (the bonus row)' if index == result.length else ''}<br>{verdict}",
+                                 font=dict(size=14)),
+                      xaxis=dict(type="category"),
                       height=380, template="plotly_white", margin=dict(l=50, r=20, t=70, b=90),
                       yaxis=dict(title="probability", rangemode="tozero"), legend=dict(orientation="h", y=-0.35))
     return fig
@@ -136,10 +138,11 @@ def verdict_html(result: LabResult) -> str:
 
 def describe_html(result: LabResult) -> str:
     last = result.start + result.length
+    given = "" if result.start == 0 else f", from the moment its first {result.start} draft(s) were accepted"
     return (f"<p>Round {result.round + 1}: verifying drafts #{result.start + 1}–#{last} with q rows "
             f"{result.start}–{last - 1} and p rows {result.start}–{last} (row {last} is their bonus row). The rows "
             "are held fixed and the drafts are re-drawn from q every time, as if the round were run "
-            f"{result.trials:,} times from the moment the first {result.start} drafts were accepted.</p>")
+            f"{result.trials:,} times{given}.</p>")
 
 
 # -- the tab --------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ theory curves) in one shared view under a gr.Walkthrough, and wires Back/Next/Ch
 """
 from __future__ import annotations
 
-import html
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -90,11 +90,13 @@ def step_figure(step: LessonStep, view: RunView, v1: RoundRecord | None) -> go.F
     if step.view is View.CHIPS:
         return None
     if step.view is View.PQ_BARS:
-        return draft_figure(record, step.position) if shows_verdict(step) else hidden_verdict_figure(record, step.position)
+        return (draft_figure(record, step.position) if shows_verdict(step)
+                else hidden_verdict_figure(record, step.position))
     if step.view is View.RESIDUAL:
         return final_figure(record)
     if step.view is View.BONUS:
-        return final_figure(record) if step.revealed else empty_figure("Answer (or press “Just show me”) to see the row.")
+        return final_figure(record) if step.revealed else empty_figure(
+            "Answer (or press “Just show me”) to see the row.")
     if step.view is View.KV:
         return _kv_before_after(step, view)
     if step.view is View.KV_V1:
@@ -125,10 +127,9 @@ def feedback_markdown(step: LessonStep, ui) -> str:
 
 def status_markdown(driver: LessonDriver, step: LessonStep) -> str:
     ui, s = driver.text.ui, driver.plan.settings
-    prompt = s.prompt.splitlines()[0] if s.prompt.strip() else s.prompt
+    first_line = s.prompt.strip().splitlines()[0]
     return (f"**{ui['step_counter'].format(n=step.index + 1, total=step.total)}** · "
-            + ui["run_label"].format(seed=driver.plan.seed, k=s.k, temperature=f"{s.temperature:g}",
-                                     prompt=html.escape(prompt)))
+            + ui["run_label"].format(seed=driver.plan.seed, k=s.k, temperature=f"{s.temperature:g}", prompt=first_line))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,7 @@ class StepRender:
 
     status: str
     body: str
-    question: str                          # the question's prompt ("" without one)
+    question: str                          # the question's prompt ("" without one), also ending the body
     choices: tuple[tuple[str, str], ...]   # (label, value)
     answered: str | None
     asks: bool                             # the question is open: show Check / Just show me
@@ -151,7 +152,8 @@ def render_step(driver: LessonDriver, step: LessonStep) -> StepRender:
     view = driver_view(driver)
     v1 = driver.v1_record(step.round) if step.view is View.KV_V1 else None
     q = step.question
-    return StepRender(status_markdown(driver, step), f"### {step.title}\n\n{step.body}", q.prompt if q else "",
+    body = f"### {step.title}\n\n{step.body}" + (f"\n\n**{q.prompt}**" if q else "")
+    return StepRender(status_markdown(driver, step), body, q.prompt if q else "",
                       q.choices if q else (), step.answered, q is not None and not step.revealed,
                       feedback_markdown(step, driver.text.ui), step_stream(step, view), step_figure(step, view, v1))
 
@@ -219,8 +221,8 @@ class LessonHandlers:
 
     def _values(self, driver: LessonDriver, step: LessonStep) -> tuple:
         r = render_step(driver, step)
-        radio = gr.Radio(choices=list(r.choices), value=r.answered, label=r.question, visible=bool(r.choices),
-                         interactive=r.asks)
+        radio = gr.Radio(choices=list(r.choices), value=r.answered, label=self.text.ui["your_answer"],
+                         visible=bool(r.choices), interactive=r.asks)
         figure = gr.Plot(value=r.figure, visible=r.figure is not None)
         return (r.status, gr.Walkthrough(selected=step.index), r.stream, figure, r.body, radio,
                 gr.Button(visible=r.asks), gr.Button(visible=r.asks), r.feedback)
@@ -237,27 +239,32 @@ class LessonHandlers:
         return (new, *self._values(new, new.go(0)))
 
     def go(self, index: int, driver: LessonDriver | None) -> tuple:
-        if driver is None:
-            gr.Info(self.text.ui["not_started"])
+        if driver is None:  # the step headers work before Start; their text says to press it
             return (gr.skip(), gr.Walkthrough(selected=index), *(gr.skip(),) * 7)
-        return self._values(driver, driver.go(index))
+        return self._show(driver, lambda: driver.go(index))
 
     def check(self, index: int, driver: LessonDriver | None, choice: str | None) -> tuple:
+        def answer() -> LessonStep:
+            driver.go(index)
+            driver.answer(choice)
+            return driver.current()
+        return self._show(driver, answer)
+
+    def reveal(self, index: int, driver: LessonDriver | None) -> tuple:
+        def show() -> LessonStep:
+            driver.go(index)
+            return driver.reveal()
+        return self._show(driver, show)
+
+    def _show(self, driver: LessonDriver | None, action: Callable[[], LessonStep]) -> tuple:
+        """Run a driver action and render its step; a lesson error becomes a warning, nothing changes."""
         if driver is None:
             return (gr.skip(),) * 9
-        driver.go(index)
         try:
-            driver.answer(choice)
+            return self._values(driver, action())
         except LessonError as exc:
             gr.Warning(str(exc))
             return (gr.skip(),) * 9
-        return self._values(driver, driver.current())
-
-    def reveal(self, index: int, driver: LessonDriver | None) -> tuple:
-        if driver is None:
-            return (gr.skip(),) * 9
-        driver.go(index)
-        return self._values(driver, driver.reveal())
 
 
 def _wire(page: LessonPage, handlers: LessonHandlers) -> None:

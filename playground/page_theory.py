@@ -21,6 +21,10 @@ from playground.palette import GREY, PREDICTED_COLOUR, SPEC_COLOUR
 from playground.view import RunView
 
 R_VERIFY = 1.0   # Leviathan's assumption: a verify forward over K+1 tokens costs one target step
+# Speed-ups within this relative distance of the maximum count as ties (won by the smaller K):
+# with c = 0 the curve creeps up by ~1e-16 per K once alpha^K underflows the sum, and drafting
+# 16 tokens for a gain nobody can measure is not a recommendation.
+TIE_RTOL = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,7 @@ class TheoryCurves:
     ks: tuple[int, ...]
     expected: tuple[float, ...]   # E(alpha, K) = sum_{i<=K} alpha^i
     speedup: tuple[float, ...]    # E / (cK + r)
-    best_k: int                   # the curve's argmax (smallest K on ties)
+    best_k: int                   # the curve's argmax (the smallest K on ties, within TIE_RTOL)
 
     @property
     def best_speedup(self) -> float:
@@ -86,7 +90,8 @@ def theory_curves(alpha: float, c: float, r: float = R_VERIFY, k_max: int = K_BO
     ks = tuple(range(1, k_max + 1))
     expected = tuple(metrics.expected_tokens_per_round(alpha, k) for k in ks)
     speedup = tuple(metrics.predicted_speedup(alpha, k, c, r) for k in ks)
-    best = ks[speedup.index(max(speedup))]  # index() finds the first maximum: the smallest K on ties
+    top = max(speedup)
+    best = next(k for k, s in zip(ks, speedup) if s >= top * (1 - TIE_RTOL))
     return TheoryCurves(ks, expected, speedup, best)
 
 
@@ -166,9 +171,10 @@ def refresh(session) -> tuple[go.Figure, str]:
     if session is None:
         return render(None)
     with session.lock:
-        view = session.view()
-        shown = view.upto(session.cursor.shown) if view is not None else None
-    return render(shown)
+        view, cursor = session.view(), session.cursor
+        # Only verified rounds: a round whose drafts are still pending would give its verdict away.
+        verified = view.upto(cursor.shown - (0 if cursor.revealed else 1)) if view is not None else None
+    return render(verified)
 
 
 def build_theory(state: gr.State) -> TheoryPage:

@@ -27,6 +27,7 @@ def _outline(candidates: list[Candidate], token: int) -> dict:
 def _layout(fig: go.Figure, title: str) -> go.Figure:
     fig.update_layout(title=dict(text=title, font=dict(size=14)), barmode="group", height=360,
                       margin=dict(l=40, r=20, t=70, b=60), yaxis=dict(title="probability", rangemode="tozero"),
+                      xaxis=dict(type="category"),
                       legend=dict(orientation="h", y=-0.25), template="plotly_white")
     return fig
 
@@ -42,7 +43,8 @@ def _message(text: str) -> go.Figure:
 def _mark(fig: go.Figure, labels: list[str], candidates: list[Candidate], token: int, text: str, y: float) -> None:
     for label, c in zip(labels, candidates):
         if c.token == token:
-            fig.add_annotation(x=label, y=y, text=text, showarrow=True, arrowhead=2, ay=-35)
+            # By position: plotly would read a label such as "22" as the number 22, off the axis.
+            fig.add_annotation(x=labels.index(label), y=y, text=text, showarrow=True, arrowhead=2, ay=-35)
 
 
 def position_figure(record: RoundRecord, position: int, revealed: bool = True) -> go.Figure:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from playground import controller, page_charts, page_compare, page_detail, page_kv, page_stream, page_traces
+from playground import (controller, page_charts, page_compare, page_detail, page_kv, page_lab, page_lesson, page_stream,
+                        page_theory, page_traces)
 from playground.controller import USER_ERRORS, Context, DecodeRequest
 from playground.controls import Controls, build_controls
 from playground.frame import render_frame
@@ -215,22 +216,32 @@ def build_app(ctx: Context) -> gr.Blocks:
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"## {TITLE}")
         state = gr.State(None, time_to_live=ctx.settings.session_ttl_s, delete_callback=ctx.pool.close)
-        with gr.Row():
-            with gr.Column(scale=1, min_width=320):
-                controls = build_controls(ctx.registry, ctx.settings.max_new_tokens)
-            with gr.Column(scale=3):
-                stream = page_stream.build()
-                with gr.Tabs():
-                    with gr.Tab("Round detail", id="detail"):
-                        detail = page_detail.build()
-                    with gr.Tab("KV cache", id="kv"):
-                        kv = page_kv.build()
-                    with gr.Tab("Charts", id="charts"):
-                        charts = page_charts.build()
-                    with gr.Tab("Traces", id="traces"):
-                        traces = page_traces.build(examples)
-                    with gr.Tab("Compare", id="compare"):
-                        page_compare.build(examples)
+        with gr.Tabs():
+            with gr.Tab("Playground", id="playground"):
+                with gr.Row():
+                    with gr.Column(scale=1, min_width=320):
+                        controls = build_controls(ctx.registry, ctx.settings.max_new_tokens)
+                    with gr.Column(scale=3):
+                        stream = page_stream.build()
+                        with gr.Tabs():
+                            with gr.Tab("Round detail", id="detail"):
+                                detail = page_detail.build()
+                            with gr.Tab("KV cache", id="kv"):
+                                kv = page_kv.build()
+                            with gr.Tab("Charts", id="charts"):
+                                charts = page_charts.build()
+                            with gr.Tab("Theory", id="theory") as theory_tab:
+                                theory = page_theory.build_theory(state)
+                            with gr.Tab("Losslessness lab", id="lab"):
+                                page_lab.build_lab(state)
+                            with gr.Tab("Traces", id="traces"):
+                                traces = page_traces.build(examples)
+                            with gr.Tab("Compare", id="compare"):
+                                page_compare.build(examples)
+            with gr.Tab("Lesson", id="lesson"):
+                # The lesson drives its own run of the built-in pair, beside the playground's.
+                page_lesson.build_lesson(ctx.registry)
+        theory_tab.select(page_theory.refresh, [state], theory.outputs(), api_name=False)
         _wire(Pages(controls, stream, detail, kv, charts, traces), handlers, state, demo)
     demo.queue(max_size=8 * ctx.settings.max_sessions)
     return demo

@@ -5,7 +5,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from engine import corpus
 from engine.models import BUILTIN, BUILTIN_DIR, REBUILD_COMMAND, ModelLoadError, load_model

@@ -131,6 +131,7 @@ def test_answers_are_read_off_the_real_records(driver):
     kv = _step(driver, StepId.KV)
     target_kv = next(s for s in reject.kv if s.model == "target")
     assert kv.question.answer == str(len(target_kv.rolled_back)) == str(k - reject.accepted)
+    assert (kv.facts["written"], kv.facts["kept"]) == (str(k + 1), str(reject.accepted + 1))
     assert _step(driver, StepId.DRAFT).question.answer == str(k)
     assert _step(driver, StepId.VERIFY).question.answer == "1"
     assert _step(driver, StepId.V1_V2).question.answer == "2"
@@ -168,6 +169,9 @@ def test_every_step_renders_headlessly_with_its_view(driver):
             assert not after.asks and after.feedback == step.question.reveal
             if step.id is StepId.ACCEPT:
                 assert "ACCEPTED" in after.figure.layout.title.text
+                # The "drafted" arrow points at the outlined (drafted) bar, whatever its label looks like.
+                arrow = next(a for a in after.figure.layout.annotations if a.text == "drafted")
+                assert after.figure.data[0].marker.line.width[arrow.x] == max(after.figure.data[0].marker.line.width)
             if step.id is StepId.REJECT:
                 assert "REJECTED" in after.figure.layout.title.text and "chip-rejected" in after.stream
     assert "chip-pending" in page_lesson.render_step(driver, _step(driver, StepId.DRAFT)).stream
