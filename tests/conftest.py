@@ -1,6 +1,8 @@
 """Shared fixtures: the built-in pair (loaded once) and tiny random pairs built in the test."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -42,3 +44,29 @@ def builtin_tokenizer():
 def tiny_pair(builtin_tokenizer) -> tuple[LoadedModel, LoadedModel]:
     """(draft, target): random 1-layer draft and 2-layer target sharing the built-in tokenizer."""
     return (tiny_model(builtin_tokenizer, layers=1, seed=1), tiny_model(builtin_tokenizer, layers=2, seed=0))
+
+
+@contextmanager
+def launched_app(pair: tuple[LoadedModel, LoadedModel], root, *, max_sessions: int, max_new_tokens: int):
+    """The playground served on a free loopback port with the given (draft, target); yields (url, pool)."""
+    import socket
+
+    from playground.controller import Context
+    from playground.registry import ModelRegistry
+    from playground.sessions import SessionPool
+    from playground.settings import AppSettings
+    from playground.ui import build_app, launch_kwargs
+
+    draft, target = pair
+    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
+    pool = SessionPool(max_sessions, 256 * 2**20, 600.0, root=root)
+    demo = build_app(Context(registry, pool, AppSettings(max_sessions=max_sessions, max_new_tokens=max_new_tokens)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+    try:
+        yield f"http://127.0.0.1:{port}/", pool
+    finally:
+        demo.close()
+        pool.shutdown()

@@ -1,7 +1,6 @@
 """End to end: launch the app on a free port and drive it through gradio_client like a visitor would."""
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -9,34 +8,18 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from playground.controller import Context
-from playground.registry import ModelRegistry
-from playground.sessions import SessionPool
-from playground.settings import AppSettings
-from playground.ui import build_app, launch_kwargs
+from tests.conftest import launched_app
+
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "assets" / "traces").glob("*.jsonl"))
 STATUS, STREAM, BADGE, SUMMARY, POSITION, DETAIL, KV_TARGET = range(7)
 SCRUBBER = -1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(builtin_pair, tmp_path_factory):
-    draft, target = builtin_pair
-    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
-    pool = SessionPool(2, 256 * 2**20, 600.0, root=tmp_path_factory.mktemp("sessions"))
-    demo = build_app(Context(registry, pool, AppSettings(max_sessions=2, max_new_tokens=64)))
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
-    yield f"http://127.0.0.1:{port}/", pool
-    demo.close()
-    pool.shutdown()
+    with launched_app(builtin_pair, tmp_path_factory.mktemp("sessions"), max_sessions=2, max_new_tokens=64) as served:
+        yield served
 
 
 @pytest.fixture(autouse=True)

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
 from engine.verify import Outcome
-from playground.controller import Context
 from playground.palette import chip_class
-from playground.registry import ModelRegistry
-from playground.sessions import SessionPool
-from playground.settings import AppSettings
-from playground.ui import build_app, launch_kwargs
+from tests.conftest import launched_app
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
@@ -27,23 +22,10 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 MAX_STEPS = 30   # with the default prompt, seed and temperature 1, every outcome appears well before this
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(builtin_pair, tmp_path_factory):
-    draft, target = builtin_pair
-    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
-    pool = SessionPool(4, 256 * 2**20, 600.0, root=tmp_path_factory.mktemp("sessions"))
-    demo = build_app(Context(registry, pool, AppSettings(max_new_tokens=128)))
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
-    pool.shutdown()
+    with launched_app(builtin_pair, tmp_path_factory.mktemp("sessions"), max_sessions=4, max_new_tokens=128) as (u, _):
+        yield u
 
 
 @pytest.fixture(scope="module")
