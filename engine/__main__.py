@@ -1,4 +1,4 @@
-"""`python -m engine <command>`: generate, bench, train-builtin, eval-builtin."""
+"""`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin."""
 import sys
 
 
@@ -8,6 +8,7 @@ def main() -> int:
         "bench": "engine.bench",
         "train-builtin": "engine.train_builtin",
         "eval-builtin": "engine.builtin_eval",
+        "cache-bench": "engine.cache_bench",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m engine {{{','.join(commands)}}} [options]  (--help on each)", file=sys.stderr)
