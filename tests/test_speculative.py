@@ -186,7 +186,7 @@ def test_heuristic_k_schedule(tiny_pair, tiny_prompt, self_draft: bool) -> None:
     if self_draft:
         assert ks[:4] == [2, 4, 6, 6]
     else:
-        assert 1 in ks and any(r.accepted < r.k for r in rounds)
+        assert min(ks) == 1 and any(r.accepted < r.k for r in rounds)  # fell back to the lower bound
 
 
 # ---------------------------------------------------------------------------- mixed pairs
