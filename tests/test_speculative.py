@@ -186,7 +186,7 @@ def test_heuristic_k_schedule(tiny_pair, tiny_prompt, self_draft: bool) -> None:
     if self_draft:
         assert ks[:4] == [2, 4, 6, 6]
     else:
-        assert min(ks) == 1 and any(r.accepted < r.k for r in rounds)  # fell back to the lower bound
+        assert ks.count(1) > 0 and any(r.accepted < r.k for r in rounds)  # fell back to the lower bound
 
 
 # ---------------------------------------------------------------------------- mixed pairs
