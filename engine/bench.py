@@ -5,7 +5,8 @@ Every method decodes the same prompts greedily in one process on one pair. Runs 
 background load hits all methods alike, and each (method, prompt) keeps the median of its repeats.
 
 Methods
-- `hf-generate`: `model.generate(do_sample=False)` on the target; `target`: this engine, Mode.TARGET.
+- `hf-generate`: `model.generate(do_sample=False)` on the target; `target`: this engine, Mode.TARGET;
+  `target-transformers`: the same with the transformers forward instead of the fused one.
 - `hf-assisted`: `generate(assistant_model=draft)` with K assistant tokens, a constant schedule and
   the confidence early-stop switched off, so every round drafts exactly K like ours.
 - `hf-prompt-lookup`: `generate(prompt_lookup_num_tokens=K)`, n-grams up to the n-gram drafter's.
@@ -55,6 +56,7 @@ import torch
 from engine import metrics
 from engine.cli import DTYPES, check_device
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
+from engine.fused_llama import FusedLlama, fused_for
 from engine.models import BUILTIN, LoadedModel, ModelLoadError, default_devices, load_model
 from engine.speculative import K_SLACK, PromptError, SpeculativeEngine
 
@@ -62,8 +64,9 @@ DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 HEURISTIC_START_K = 4
 BASELINES = ("hf-generate", "target")      # always run: the speed-up reference and the token reference
 REFERENCE = "hf-generate"
-METHOD_NAMES = ("hf-generate", "target", "hf-assisted", "hf-prompt-lookup",
+METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "hf-prompt-lookup",
                 "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram")
+UNDRAFTED = ("hf-generate", "target", "target-transformers")  # target-only: no K
 NGRAM_MAX = 4
 
 
@@ -98,11 +101,13 @@ class Method:
 
     def spec_config(self, new_tokens: int) -> SpecConfig:
         """The engine config of an engine method: greedy, no EOS stop (exact token counts), no UI records."""
-        mode = {"target": Mode.TARGET, "v1": Mode.V1, "v1-heuristic": Mode.V1}.get(self.name, Mode.V2)
+        mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1,
+                "v1-heuristic": Mode.V1}.get(self.name, Mode.V2)
         drafter = DrafterKind.NGRAM if self.name == "ngram" else DrafterKind.MODEL
         schedule = KSchedule.HEURISTIC if self.schedule == "heuristic" else KSchedule.CONSTANT
         return SpecConfig(mode=mode, drafter=drafter, k=self.k or 1, k_schedule=schedule, k_max=max(8, self.k or 1),
-                          max_new_tokens=new_tokens, stop_at_eos=False, record=False, ngram_max=NGRAM_MAX)
+                          max_new_tokens=new_tokens, stop_at_eos=False, record=False, ngram_max=NGRAM_MAX,
+                          fused_forward=self.name != "target-transformers")
 
 
 def build_methods(names: Sequence[str], ks: Sequence[int]) -> list[Method]:
@@ -111,7 +116,9 @@ def build_methods(names: Sequence[str], ks: Sequence[int]) -> list[Method]:
     for name in METHOD_NAMES:
         if name in BASELINES or name not in names:
             continue
-        if name.endswith("-heuristic"):
+        if name in UNDRAFTED:
+            out.append(Method(name))
+        elif name.endswith("-heuristic"):
             out.append(Method(name, HEURISTIC_START_K))
         else:
             out.extend(Method(name, k) for k in ks)
@@ -183,6 +190,7 @@ class ForwardClock:
 
     def __init__(self, loaded: LoadedModel | None) -> None:
         self.loaded, self.times, self._handles, self._t0 = loaded, [], [], 0.0
+        self._fused: FusedLlama | None = None
 
     def _sync(self) -> None:
         if self.loaded.device.type == "cuda":
@@ -199,17 +207,31 @@ class ForwardClock:
         self.times.append(ForwardTime(int(ids.shape[-1]), rows if isinstance(rows, int) else -1,
                                       time.perf_counter() - self._t0))
 
+    def _timed(self, forward):
+        """The fused forward, timed like the hooked module (it never calls the module)."""
+        def timed(cache, ids, last_only=False):
+            self._pre(None, (), {})
+            logits = forward(cache, ids, last_only)
+            self._post(None, (), {"input_ids": ids, "logits_to_keep": 1 if last_only else 0}, logits)
+            return logits
+        return timed
+
     def __enter__(self) -> "ForwardClock":
         if self.loaded is not None:
             m = self.loaded.model
             self._handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True),
                              m.register_forward_hook(self._post, with_kwargs=True)]
+            self._fused = fused_for(m)
+            if self._fused is not None:
+                self._fused.forward = self._timed(self._fused.forward)  # an instance attribute shadows the method
         return self
 
     def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.loaded is not None and self._fused is not None:
+            del self._fused.forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,7 +483,7 @@ def summarize_all(methods: Sequence[Method], samples: dict[Method, list[RunSampl
     reference: dict[int, list[int]] = {}
     for s in samples[Method(REFERENCE)]:
         reference.setdefault(s.prompt, s.tokens)
-    fastest = max(tokens_per_s(samples[Method(n)]) for n in BASELINES)
+    fastest = max(tokens_per_s(samples[m]) for m in methods if m.name in UNDRAFTED)
     return [summarize(m, samples[m], t1[m.family], fastest, reference) for m in methods]
 
 
@@ -549,6 +571,7 @@ class BenchMeta:
     target_device: str
     draft_device: str
     dtype: str
+    forward: str                     # the engine's forward for the target: "fused" or "transformers"
     prompt_set: str
     prompt_names: list[str]
     prompt_lengths: list[int]
@@ -566,7 +589,7 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
               prompts: Sequence[Prompt], results: Sequence[MethodResult], wall_s: float) -> BenchMeta:
     import transformers
 
-    fastest = max((r for r in results if r.method in BASELINES), key=lambda r: r.tokens_per_s)
+    fastest = max((r for r in results if r.method in UNDRAFTED), key=lambda r: r.tokens_per_s)
     cpu = platform.processor() or platform.machine()
     return BenchMeta(
         command="python -m engine bench " + " ".join(argv), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -575,6 +598,7 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
         torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads(),
         target=target.name, draft=draft.name if draft else "", target_device=str(target.device),
         draft_device=str(draft.device) if draft else "", dtype=str(target.dtype).replace("torch.", ""),
+        forward="fused" if fused_for(target.model) else "transformers",
         prompt_set=settings.prompt_set, prompt_names=[p.name for p in prompts], prompt_lengths=[len(p.ids) for p in prompts],
         new_tokens=settings.new_tokens, repeats=settings.repeats, warmup=settings.warmup, ks=list(settings.ks),
         fastest_baseline=fastest.label, fastest_baseline_tokens_per_s=fastest.tokens_per_s,
@@ -614,6 +638,9 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
     if "target" in by_label and "hf-generate" in by_label:
         ratio = by_label["target"].tokens_per_s / by_label["hf-generate"].tokens_per_s
         lines.append(f"engine target-only is {ratio:.2f}x hf-generate")
+    if "target" in by_label and "target-transformers" in by_label:
+        ratio = by_label["target"].tokens_per_s / by_label["target-transformers"].tokens_per_s
+        lines.append(f"the fused forward makes target-only {ratio:.2f}x the transformers forward")
     return lines
 
 
@@ -691,7 +718,7 @@ def parse_method(spec: str, default_k: int) -> Method:
     name, _, k = spec.partition(":")
     if name not in METHOD_NAMES:
         raise ValueError(f"unknown method {name!r}; choose from {list(METHOD_NAMES)}")
-    if name in BASELINES:
+    if name in UNDRAFTED:
         return Method(name)
     if name.endswith("-heuristic"):
         return Method(name, HEURISTIC_START_K)

@@ -1,7 +1,10 @@
-"""`python -m engine cache-bench`: one decode forward through PagedCache vs transformers' DynamicCache.
+"""`python -m engine cache-bench`: the cost of one decode forward, by forward and by cache.
 
-Interleaved repeats of 32 single-token decodes after a 256-token prefill, medians in ms per
-forward: the paged cache on its contiguous fast path, on its gather path, and DynamicCache.
+For each model (default: the built-in target, then the built-in draft): interleaved repeats of 32
+single-token decodes after a 256-token prefill, medians in ms per forward, for
+- the engine's fused forward over PagedCache (what the engine runs),
+- the transformers forward over PagedCache, on its contiguous fast path and on its gather path,
+- the transformers forward over transformers' DynamicCache (what `generate` runs).
 """
 from __future__ import annotations
 
@@ -12,44 +15,67 @@ import time
 import torch
 
 
-def _decode_ms(model, cache, prompt: torch.Tensor, steps: int) -> float:
-    model(input_ids=prompt, cache=cache, use_cache=True)
+def _decode_ms(forward, prompt: torch.Tensor, steps: int) -> float:
+    forward(prompt)
     x = torch.tensor([[5]])
     t0 = time.perf_counter()
     for _ in range(steps):
-        model(input_ids=x, cache=cache, use_cache=True)
+        forward(x)
     return (time.perf_counter() - t0) / steps * 1000
+
+
+def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
+    from transformers import DynamicCache
+
+    from engine.fused_llama import fused_for
+    from engine.kv_cache import KVPool
+
+    model, fused = loaded.model, fused_for(loaded.model)
+    prompt = torch.randint(0, loaded.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    pool = KVPool(loaded.kv_shape, -(-(context + 64) // 16), 16, loaded.device, loaded.dtype)
+    times: dict[str, list[float]] = {}
+
+    def paged(name: str, contiguous: bool, use_fused: bool) -> None:
+        cache = pool.new_sequence()
+        if not contiguous:
+            cache._contiguous_span = lambda: None  # force the index_select path
+        if use_fused:
+            forward = lambda ids: fused.forward(cache, ids)  # noqa: E731
+        else:
+            forward = lambda ids: model(input_ids=ids, cache=cache, use_cache=True)  # noqa: E731
+        times.setdefault(name, []).append(_decode_ms(forward, prompt, 32))
+        cache.free()
+
+    with torch.inference_mode():
+        for _ in range(repeats):
+            if fused is not None:
+                paged("fused forward, PagedCache", True, True)
+            dynamic = DynamicCache(config=model.config)
+            times.setdefault("transformers, DynamicCache", []).append(
+                _decode_ms(lambda ids: model(input_ids=ids, cache=dynamic, use_cache=True), prompt, 32))
+            paged("transformers, PagedCache (view)", True, False)
+            paged("transformers, PagedCache (gather)", False, False)
+    return {name: statistics.median(xs) for name, xs in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from transformers import DynamicCache
-
-    from engine.kv_cache import KVPool
     from engine.models import BUILTIN, load_model
 
-    ap = argparse.ArgumentParser(prog="python -m engine cache-bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m engine cache-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=BUILTIN, help="model id or path (default: the built-in target)")
+    ap.add_argument("--draft", default=BUILTIN, help="a second model, or 'none' (default: the built-in draft)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--context", type=int, default=256)
     a = ap.parse_args(argv)
-    loaded = load_model(a.target, "target")
-    model = loaded.model
-    prompt = torch.randint(0, loaded.vocab_size, (1, a.context), generator=torch.Generator().manual_seed(0))
-    pool = KVPool(loaded.kv_shape, -(-(a.context + 64) // 16), 16, loaded.device, loaded.dtype)
-    times: dict[str, list[float]] = {"DynamicCache": [], "PagedCache (view)": [], "PagedCache (gather)": []}
-    with torch.inference_mode():
-        for _ in range(a.repeats):
-            times["DynamicCache"].append(_decode_ms(model, DynamicCache(config=model.config), prompt, 32))
-            for name, contiguous in (("PagedCache (view)", True), ("PagedCache (gather)", False)):
-                cache = pool.new_sequence()
-                if not contiguous:
-                    cache._contiguous_span = lambda: None  # force the index_select path
-                times[name].append(_decode_ms(model, cache, prompt, 32))
-                cache.free()
-    for name, xs in times.items():
-        print(f"{name:22s} {statistics.median(xs):.3f} ms/forward")
+    models = [(a.target, "target")] + ([(a.draft, "draft")] if a.draft != "none" else [])
+    for source, role in models:
+        loaded = load_model(source, role)
+        print(f"{loaded.name}: one decode forward after {a.context} tokens, median of {a.repeats}")
+        for name, ms in bench_model(loaded, a.context, a.repeats).items():
+            print(f"  {name:36s} {ms:.3f} ms")
     return 0
 
 

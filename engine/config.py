@@ -44,6 +44,7 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     block_size: int = 16
+    fused_forward: bool = True  # the engine's own Llama-family forward; False runs the transformers one
 
     def __post_init__(self) -> None:
         for name, enum in (("mode", Mode), ("drafter", DrafterKind), ("k_schedule", KSchedule)):

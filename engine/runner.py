@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.fused_llama import FusedLlama, fused_for
 from engine.kv_cache import KVPool, PagedCache
 from engine.models import LoadedModel
 
@@ -11,12 +12,15 @@ class ModelRunner:
     """Runs forwards of one model over one sequence's paged cache.
 
     The pool is sized for `capacity` tokens per sequence times `sequences`. Models are shared and
-    read-only; every runner has its own pool, so concurrent sessions never share KV.
+    read-only; every runner has its own pool, so concurrent sessions never share KV. Forwards use
+    the engine's fused forward when the architecture allows (`fused=True`, the default), else the
+    transformers forward with the paged cache as its `Cache`; `forward_path` says which.
     """
 
     def __init__(self, loaded: LoadedModel, capacity: int, block_size: int = 16,
-                 sequences: int = 1, num_blocks: int | None = None) -> None:
+                 sequences: int = 1, num_blocks: int | None = None, fused: bool = True) -> None:
         self.loaded = loaded
+        self.fused: FusedLlama | None = fused_for(loaded.model) if fused else None
         blocks = num_blocks if num_blocks is not None else sequences * (-(-capacity // block_size))
         self.pool = KVPool(loaded.kv_shape, blocks, block_size, loaded.device, loaded.dtype)
         self.forwards = 0
@@ -35,8 +39,16 @@ class ModelRunner:
         Writes their K/V (unless inside `cache.read_only()`) and appends them to `cache.tokens`.
         """
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
-        out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        if self.fused is not None:
+            logits = self.fused.forward(cache, ids, last_only)
+        else:
+            out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+            logits = out.logits[0].float()
         if not cache._read_only:
             cache.tokens.extend(token_ids)
         self.forwards += 1
-        return out.logits[0].float()
+        return logits
+
+    @property
+    def forward_path(self) -> str:
+        return "fused" if self.fused is not None else "transformers"

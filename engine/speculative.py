@@ -61,7 +61,8 @@ class SpeculativeEngine:
         self.prompt = list(prompt_ids)
         self.tokens = list(prompt_ids)  # committed: prompt + generated
         self.eos_id = eos_id if eos_id is not None else target.tokenizer.eos_token_id
-        self.target_runner = ModelRunner(target, capacity, config.block_size, num_blocks=kv_blocks)
+        self.target_runner = ModelRunner(target, capacity, config.block_size, num_blocks=kv_blocks,
+                                         fused=config.fused_forward)
         self.target_cache = self.target_runner.new_sequence()
         self.gen_verify = torch.Generator().manual_seed(config.seed)
         self.gen_draft = torch.Generator().manual_seed(config.seed + 7919)
@@ -81,7 +82,7 @@ class SpeculativeEngine:
         if self.draft is None:
             raise ValueError("the model drafter needs a draft model")
         check_same_tokenizer(self.draft, self.target)
-        runner = ModelRunner(self.draft, capacity, c.block_size, num_blocks=kv_blocks)
+        runner = ModelRunner(self.draft, capacity, c.block_size, num_blocks=kv_blocks, fused=c.fused_forward)
         return ModelDrafter(runner, c.sampling, self.target.vocab_size, self.target.device, self.gen_draft)
 
     # -- the round ------------------------------------------------------------------------------

@@ -21,8 +21,15 @@ def model() -> LoadedModel:
     return tiny_model(SimpleNamespace(eos_token_id=0), layers=2, seed=3, vocab=512)
 
 
-def new_cache(model: LoadedModel, blocks: int = 16, block_size: int = 4) -> tuple[ModelRunner, PagedCache]:
-    runner = ModelRunner(model, capacity=0, block_size=block_size, num_blocks=blocks)
+@pytest.fixture(params=["fused", "transformers"])
+def path(request) -> str:
+    """Each paging test runs on both forwards: the engine's fused one and transformers' over the Cache API."""
+    return request.param
+
+
+def new_cache(model: LoadedModel, path: str, blocks: int = 16, block_size: int = 4) -> tuple[ModelRunner, PagedCache]:
+    runner = ModelRunner(model, capacity=0, block_size=block_size, num_blocks=blocks, fused=path == "fused")
+    assert runner.forward_path == path
     return runner, runner.new_sequence()
 
 
@@ -52,8 +59,8 @@ def assert_kv_matches(model: LoadedModel, cache: PagedCache, tokens: list[int]) 
         assert (v - ref.layers[layer].values[0]).abs().max() < TOL
 
 
-def test_chunked_appends_with_rollbacks_match_uncached_forward(model: LoadedModel) -> None:
-    runner, cache = new_cache(model)
+def test_chunked_appends_with_rollbacks_match_uncached_forward(model: LoadedModel, path: str) -> None:
+    runner, cache = new_cache(model, path)
     gen = torch.Generator().manual_seed(0)
     seq: list[int] = []
     # (tokens to append, tokens to roll back afterwards): chunks straddle block boundaries.
@@ -70,8 +77,8 @@ def test_chunked_appends_with_rollbacks_match_uncached_forward(model: LoadedMode
     assert_kv_matches(model, cache, seq)
 
 
-def test_sequences_sharing_a_pool_do_not_interfere(model: LoadedModel) -> None:
-    runner, a = new_cache(model)
+def test_sequences_sharing_a_pool_do_not_interfere(model: LoadedModel, path: str) -> None:
+    runner, a = new_cache(model, path)
     b = runner.new_sequence()
     seq_a, seq_b = [5, 6, 7], [9, 8, 7, 6, 5]
     runner.forward(a, seq_a)
@@ -82,8 +89,8 @@ def test_sequences_sharing_a_pool_do_not_interfere(model: LoadedModel) -> None:
     assert_kv_matches(model, b, seq_b)
 
 
-def test_read_only_forward_writes_nothing(model: LoadedModel) -> None:
-    runner, cache = new_cache(model)
+def test_read_only_forward_writes_nothing(model: LoadedModel, path: str) -> None:
+    runner, cache = new_cache(model, path)
     runner.forward(cache, [3, 1, 4, 1, 5])
     keys = [k.clone() for k in cache.pool.keys]
     values = [v.clone() for v in cache.pool.values]
@@ -98,8 +105,8 @@ def test_read_only_forward_writes_nothing(model: LoadedModel) -> None:
     assert (runner.forward(cache, [9, 2, 6]) - logits).abs().max() < TOL
 
 
-def test_crop_follows_the_transformers_convention(model: LoadedModel) -> None:
-    runner, cache = new_cache(model)
+def test_crop_follows_the_transformers_convention(model: LoadedModel, path: str) -> None:
+    runner, cache = new_cache(model, path)
     runner.forward(cache, list(range(1, 10)))
     slots = cache.physical_slots()
     cache.drain_log()
@@ -113,8 +120,8 @@ def test_crop_follows_the_transformers_convention(model: LoadedModel) -> None:
         cache.crop(2)
 
 
-def test_free_returns_every_block(model: LoadedModel) -> None:
-    runner, cache = new_cache(model, blocks=5)
+def test_free_returns_every_block(model: LoadedModel, path: str) -> None:
+    runner, cache = new_cache(model, path, blocks=5)
     runner.forward(cache, list(range(1, 18)))       # 17 slots -> all 5 blocks of 4
     assert cache.pool.manager.free_blocks == 0
     cache.free()
@@ -133,8 +140,8 @@ def test_usable_as_hf_generate_cache(model: LoadedModel) -> None:
     assert cache.get_seq_length() == prompt.shape[1] + 12 - 1   # the last token's K/V is never needed
 
 
-def test_interleaved_sequences_take_the_gather_path_and_match(model: LoadedModel) -> None:
-    runner, a = new_cache(model, blocks=16, block_size=2)
+def test_interleaved_sequences_take_the_gather_path_and_match(model: LoadedModel, path: str) -> None:
+    runner, a = new_cache(model, path, blocks=16, block_size=2)
     b = runner.new_sequence()
     seq_a, seq_b = [], []
     for step in range(4):  # alternate growth, so each sequence's blocks interleave with the other's
@@ -145,8 +152,8 @@ def test_interleaved_sequences_take_the_gather_path_and_match(model: LoadedModel
     assert a._contiguous_span() is None and b._contiguous_span() is None
 
 
-def test_lone_sequence_stays_contiguous_through_rollbacks(model: LoadedModel) -> None:
-    runner, cache = new_cache(model, blocks=16, block_size=2)
+def test_lone_sequence_stays_contiguous_through_rollbacks(model: LoadedModel, path: str) -> None:
+    runner, cache = new_cache(model, path, blocks=16, block_size=2)
     seq: list[int] = []
     for append, back in [(5, 3), (4, 4), (3, 1), (6, 2)]:
         chunk = list(range(20 + len(seq), 20 + len(seq) + append))

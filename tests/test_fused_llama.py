@@ -1,0 +1,135 @@
+"""The fused forward computes what the transformers forward computes, over the same paged cache."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import Mode, SpecConfig
+from engine.fused_llama import FusedLlama, fused_for
+from engine.models import LoadedModel
+from engine.runner import ModelRunner
+from engine.speculative import SpeculativeEngine
+
+TOL = 1e-5
+VOCAB = 512
+
+
+def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A small random model of one Llama family member: GQA, and Qwen2's Q/K/V biases."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    extra = {"mistral": {"sliding_window": None}}.get(family, {})
+    model = model_cls(config_cls(**{**common, **extra, **overrides})).eval()
+    if family == "qwen2":  # random init leaves biases at zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model
+
+
+def loaded(model: torch.nn.Module) -> LoadedModel:
+    return LoadedModel("test", model, SimpleNamespace(eos_token_id=0), torch.device("cpu"), torch.float32,
+                       VOCAB, 256)
+
+
+def script(runner: ModelRunner, cache, gen: torch.Generator) -> list[torch.Tensor]:
+    """Prefill, decodes, a K+1 verify, rollbacks, a read-only forward and last-only logits."""
+    out = []
+    ids = lambda n: torch.randint(1, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
+    out.append(runner.forward(cache, ids(21)))
+    out.append(runner.forward(cache, ids(1)))
+    out.append(runner.forward(cache, ids(5)))
+    cache.rollback(3)
+    out.append(runner.forward(cache, ids(1)))
+    with cache.read_only():
+        out.append(runner.forward(cache, ids(4)))
+    out.append(runner.forward(cache, ids(9), last_only=True))
+    cache.rollback(7)
+    out.append(runner.forward(cache, ids(2)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_logits_match_the_transformers_forward(family: str) -> None:
+    model = loaded(build(family))
+    fused = ModelRunner(model, 64, block_size=4, fused=True)
+    plain = ModelRunner(model, 64, block_size=4, fused=False)
+    assert (fused.forward_path, plain.forward_path) == ("fused", "transformers")
+    a = script(fused, fused.new_sequence(), torch.Generator().manual_seed(1))
+    b = script(plain, plain.new_sequence(), torch.Generator().manual_seed(1))
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.shape == y.shape, i
+        assert (x - y).abs().max() < TOL, (family, i, (x - y).abs().max())
+
+
+def test_builtin_pair_logits_are_the_transformers_logits(builtin_pair) -> None:
+    for model in builtin_pair:
+        fused = ModelRunner(model, 64, fused=True)
+        plain = ModelRunner(model, 64, fused=False)
+        a = script(fused, fused.new_sequence(), torch.Generator().manual_seed(2))
+        b = script(plain, plain.new_sequence(), torch.Generator().manual_seed(2))
+        for x, y in zip(a, b):
+            assert (x - y).abs().max() < TOL
+
+
+def test_fusing_keeps_the_model_and_costs_no_memory() -> None:
+    model = build("qwen2", seed=4)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        before = model(ids).logits
+    params = sum(p.numel() for p in model.parameters())
+    fast = FusedLlama(model)
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == fast.layers[0].qkv[fast.layers[0].q_size:].data_ptr()
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_unsupported_models_say_why_and_run_the_transformers_forward(builtin_tokenizer) -> None:
+    import transformers
+
+    sliding = build("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert "sliding" in FusedLlama.unsupported(sliding)
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=4096, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+        eos_token_id=builtin_tokenizer.eos_token_id)).eval()
+    assert "gpt2" in FusedLlama.unsupported(gpt2)
+    assert fused_for(gpt2) is None
+    with pytest.raises(ValueError, match="does not support"):
+        FusedLlama(gpt2)
+    # The engine still decodes it, through the transformers forward, token for token like generate.
+    target = LoadedModel("gpt2", gpt2, builtin_tokenizer, torch.device("cpu"), torch.float32, 4096, 256)
+    prompt = builtin_tokenizer("import os\ndef main():")["input_ids"]
+    engine = SpeculativeEngine(target, None, prompt, SpecConfig(mode=Mode.TARGET, max_new_tokens=12,
+                                                               stop_at_eos=False, record=False))
+    assert engine.target_runner.forward_path == "transformers"
+    engine.run()
+    with torch.inference_mode():
+        ref = gpt2.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    assert engine.generated == ref
+
+
+def test_greedy_runs_are_identical_on_both_forwards(builtin_pair, builtin_tokenizer) -> None:
+    draft, target = builtin_pair
+    prompt = builtin_tokenizer("import numpy as np\n\n\ndef load(path):\n")["input_ids"]
+    runs = {}
+    for fused in (True, False):
+        for mode in (Mode.V2, Mode.TARGET):
+            engine = SpeculativeEngine(target, draft, prompt, SpecConfig(
+                mode=mode, k=4, max_new_tokens=40, stop_at_eos=False, record=False, fused_forward=fused))
+            engine.run()
+            runs[fused, mode] = engine.generated
+    assert len(set(map(tuple, runs.values()))) == 1
