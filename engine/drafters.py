@@ -9,7 +9,7 @@ import torch
 from engine.config import DrafterKind
 from engine.kv_cache import PagedCache
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
+from engine.sampling import SamplingParams, draw, draw_uniform, logits_to_probs
 from engine.verify import align_vocab
 
 
@@ -70,7 +70,7 @@ class ModelDrafter:
         rows, tokens = [], []
         for _ in range(k):
             q = self._q_row(self.runner.forward(self.cache, feed, last_only=True))
-            token = int(sample_from(q, draw_uniform(1, self.generator, q.device))[0])
+            token = int(draw(q, draw_uniform(1, self.generator, q.device), self.sampling)[0])
             rows.append(q[0]), tokens.append(token)
             feed = self._draftable([token])
         return Proposal(tokens, torch.stack(rows), k)

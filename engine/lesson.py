@@ -572,13 +572,15 @@ def round_rows(target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[
                rounds: list[RoundRecord] | tuple[RoundRecord, ...], index: int, config: SpecConfig) -> RoundRows:
     """Re-run round `index`'s verify forward (and the draft's forwards) on fresh KV caches.
 
-    Raises ValueError for a round that drafted nothing (target-only, or no n-gram match).
+    Raises ValueError for a round that drafted nothing (the prefill round, target-only, or no n-gram match).
     Side effects: none on the run; the temporary caches are freed.
     """
     record = rounds[index]
     drafted = [p.token for p in record.positions]
     if not drafted:
-        raise ValueError(f"Round {index + 1} drafted nothing (target-only, or no n-gram match): no q rows to test.")
+        why = "the prefill round, whose token comes from the target alone" if index == 0 else \
+            "target-only, or no n-gram match"
+        raise ValueError(f"Round {index + 1} drafted nothing ({why}): no q rows to test. Pick a later round.")
     context = round_context(prompt_ids, rounds, index)
     p_target = _target_rows(target, context, drafted, config)
     if config.drafter is DrafterKind.NGRAM or draft is None:

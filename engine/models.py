@@ -1,6 +1,7 @@
 """Model loading: the built-in pair or any Hugging Face id/path, placement, dtype, tokenizer checks."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,8 +106,28 @@ def load_model(source: str, role: str = "target", *, device: torch.device | str 
     return LoadedModel(name, model, tokenizer, device, torch_dtype, vocab, max_context)
 
 
+_MATCHED: "weakref.WeakKeyDictionary[object, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
 def check_same_tokenizer(draft: LoadedModel, target: LoadedModel, probes: int = 2000) -> None:
-    """Draft and target must give shared tokens the same ids. Vocabulary sizes may differ."""
+    """Draft and target must give shared tokens the same ids. Vocabulary sizes may differ.
+
+    A pair that passed is remembered (weakly, by tokenizer objects): reading two vocabularies costs
+    about a millisecond and a half, which every new run would otherwise pay."""
+    td, tt = draft.tokenizer, target.tokenizer
+    try:
+        if tt in _MATCHED.get(td, ()):
+            return
+    except TypeError:  # a tokenizer that cannot be weakly referenced is simply checked every time
+        pass
+    _compare_tokenizers(draft, target, probes)
+    try:
+        _MATCHED.setdefault(td, weakref.WeakSet()).add(tt)
+    except TypeError:
+        pass
+
+
+def _compare_tokenizers(draft: LoadedModel, target: LoadedModel, probes: int) -> None:
     td, tt = draft.tokenizer, target.tokenizer
     vd, vt = td.get_vocab(), tt.get_vocab()
     shared = min(len(vd), len(vt))

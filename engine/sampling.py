@@ -57,33 +57,36 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     respect to this *processed* target distribution: the output is distributed as
     logits_to_probs(target_logits, params), not as the raw softmax of the target logits.
     """
-    _check_logits(logits)
+    row_max = _check_logits(logits)
     if params.greedy:
-        return _one_hot_argmax(logits)
+        return _one_hot(row_max.indices, logits.shape[1])
     scaled = logits.float() / params.temperature
     keep = _top_k_top_p_mask(scaled, params)
     probs = torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
     return probs
 
 
-def _check_logits(logits: Tensor) -> None:
+def _check_logits(logits: Tensor):
+    """Raise for NaN, +inf or an all -inf row; return the row maxima (values, indices).
+
+    One reduction and one host sync in the normal case: a row's max is NaN if the row holds a NaN
+    (torch.max propagates NaN), +inf if it holds +inf, and -inf if every entry is -inf. Indices
+    are the first maximal position, so greedy ties go to the lowest id.
+    """
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
     if logits.shape[1] == 0:
         raise ValueError("logits have an empty vocabulary (V = 0)")
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
-        raise ValueError("logits contain NaN or +inf")
-    if not torch.isfinite(logits).any(dim=-1).all():
+    row_max = logits.max(dim=-1)
+    if not bool(torch.isfinite(row_max.values).all()):
+        if torch.isnan(logits).any() or torch.isposinf(logits).any():
+            raise ValueError("logits contain NaN or +inf")
         raise ValueError("a logits row is entirely -inf: no token can be sampled")
+    return row_max
 
 
-def _one_hot_argmax(logits: Tensor) -> Tensor:
-    """One-hot on the row maximum; explicit lowest-id tie-break rather than relying on argmax."""
-    n, v = logits.shape
-    is_max = logits == logits.max(dim=-1, keepdim=True).values
-    ids = torch.arange(v, device=logits.device).expand(n, v)
-    first = torch.where(is_max, ids, v).min(dim=-1).values
-    return torch.nn.functional.one_hot(first, v).to(torch.float32)
+def _one_hot(ids: Tensor, v: int) -> Tensor:
+    return torch.zeros(ids.shape[0], v, device=ids.device).scatter_(1, ids.unsqueeze(-1), 1.0)
 
 
 def _top_k_top_p_mask(scaled: Tensor, params: SamplingParams) -> Tensor:
@@ -120,6 +123,17 @@ def sample_from(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:
     if u.dim() != 1 or (probs.dim() == 2 and u.shape[0] != probs.shape[0]):
         raise ValueError(f"u must have shape [N] = [{probs.shape[0]}], got {tuple(u.shape)}")
     return sample_many(probs, u.unsqueeze(-1), check_mass=check_mass).squeeze(-1)
+
+
+def draw(probs: Tensor, u: Tensor, params: SamplingParams) -> Tensor:
+    """Token ids Tensor[N] from processed rows (`logits_to_probs(..., params)`) and their uniforms.
+
+    A greedy row is one-hot, and inverse-CDF sampling returns its hot id for every u, so greedy
+    rows skip the CDF. The caller has drawn u either way: the random stream stays in lockstep.
+    """
+    if params.greedy:
+        return probs.argmax(dim=-1)
+    return sample_from(probs, u)
 
 
 def sample_many(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:

@@ -23,7 +23,7 @@ from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, check_same_tokenizer
 from engine.records import Candidate, FinalRecord, KVState, PositionRecord, RoundRecord, RoundTimings, RunSummary, summarize
 from engine.runner import ModelRunner
-from engine.sampling import draw_uniform, logits_to_probs, sample_from
+from engine.sampling import draw, draw_uniform, logits_to_probs
 from engine.verify import Outcome, VerifyResult, verify
 
 
@@ -91,26 +91,37 @@ class SpeculativeEngine:
         return self.tokens[len(self.prompt):]
 
     def step(self) -> RoundRecord:
-        """Run one round and return its record. Raises RuntimeError once the run is finished."""
+        """Run one round and return its record. Raises RuntimeError once the run is finished.
+
+        The first round is the prefill: one target forward over the whole prompt, whose last row
+        gives the first token (as `generate` does), while the draft prefills alongside. Every
+        later round drafts, verifies and commits.
+        """
         if self.finished:
             raise RuntimeError("the run is finished; reset to decode again")
         t_start = time.perf_counter()
-        prefill_ms = 0.0 if self._started else self._prefill()
         forwards_before = self.target_runner.forwards
         remaining = self.config.max_new_tokens - len(self.generated)
-        k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
-
-        t = time.perf_counter()
-        proposal = self.drafter.propose(self.tokens, k) if k else None
-        drafted = proposal.tokens if proposal else []
-        draft_ms = (time.perf_counter() - t) * 1000
-
-        t = time.perf_counter()
-        p_rows = self._verify_forward(drafted)
-        if drafted:
-            result = verify(proposal.q_draft, p_rows, drafted, self.gen_verify, validate=False)
-        else:
+        prefill_ms = draft_ms = 0.0
+        drafted: list[int] = []
+        proposal = None
+        if not self._started:
+            p_rows, prefill_ms = self._prefill()
+            t = time.perf_counter()
             result = self._sample_only(p_rows)
+        else:
+            k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
+            t = time.perf_counter()
+            proposal = self.drafter.propose(self.tokens, k) if k else None
+            drafted = proposal.tokens if proposal else []
+            draft_ms = (time.perf_counter() - t) * 1000
+
+            t = time.perf_counter()
+            p_rows = self._verify_forward(drafted)
+            if drafted:
+                result = verify(proposal.q_draft, p_rows, drafted, self.gen_verify, validate=False)
+            else:
+                result = self._sample_only(p_rows)
         verify_ms = (time.perf_counter() - t) * 1000
 
         t = time.perf_counter()
@@ -126,14 +137,15 @@ class SpeculativeEngine:
         self._busy_s = record.elapsed_s
         return record
 
-    def _prefill(self) -> float:
+    def _prefill(self) -> tuple[torch.Tensor, float]:
+        """Write the whole prompt's K/V (the invariant: every committed token but the last, which
+        will be the first generated one) and return the target's processed row after it."""
         t0 = time.perf_counter()
         self._started = True
-        if len(self.prompt) > 1:
-            self.target_runner.forward(self.target_cache, self.prompt[:-1], last_only=True)
+        logits = self.target_runner.forward(self.target_cache, self.prompt, last_only=True)
         if self.drafter is not None:
             self.drafter.prefill(self.prompt)
-        return (time.perf_counter() - t0) * 1000
+        return logits_to_probs(logits, self.config.sampling), (time.perf_counter() - t0) * 1000
 
     def _verify_forward(self, drafted: list[int]) -> torch.Tensor:
         """Target rows for [last, d1..dK]: K+1 processed distributions, row K the bonus row."""
@@ -149,7 +161,7 @@ class SpeculativeEngine:
         """K = 0: the token comes from the bonus row alone (target-only decoding, or no n-gram match).
         Consumes one uniform, as verify does for its final sample."""
         u = draw_uniform(1, self.gen_verify, p_rows.device)
-        token = int(sample_from(p_rows[-1:], u)[0])
+        token = int(draw(p_rows[-1:], u, self.config.sampling)[0])
         return VerifyResult(tokens=[token], accepted_count=0, rejected=False, target_positions_checked=0,
                             positions=[], final_token=token, final_outcome=Outcome.BONUS, final_row=0,
                             final_u=float(u[0]), residual=None)

@@ -43,7 +43,8 @@ def rows(run) -> RoundRows:
 
 def test_recomputed_rows_match_every_value_the_record_holds(run):
     target, draft, ids, rounds = run
-    for r in rounds:
+    assert rounds[0].k == 0 and all(r.k > 0 for r in rounds[1:-1])  # the prefill round drafts nothing
+    for r in rounds[1:]:
         rows = round_rows(target, draft, ids, rounds, r.index, sampled())
         assert rows.q_draft.shape == (r.k, target.vocab_size) and rows.p_target.shape == (r.k + 1, target.vocab_size)
         assert torch.allclose(rows.p_target.sum(-1), torch.ones(r.k + 1), atol=1e-5)
@@ -61,9 +62,10 @@ def test_ngram_rows_are_one_hot_on_the_drafts(builtin_pair):
     draft, target = builtin_pair
     ids = encode_prompt(target.tokenizer, PROMPT * 3)
     engine = SpeculativeEngine(target, None, ids, sampled(drafter=DrafterKind.NGRAM))
-    engine.step()
-    r = engine.rounds[0]
-    rows = round_rows(target, None, ids, engine.rounds, 0, sampled(drafter=DrafterKind.NGRAM))
+    while not engine.rounds or engine.rounds[-1].k == 0:
+        engine.step()
+    r = engine.rounds[-1]
+    rows = round_rows(target, None, ids, engine.rounds, r.index, sampled(drafter=DrafterKind.NGRAM))
     engine.close()
     assert r.k > 0 and rows.q_draft.sum().item() == r.k
     assert [int(rows.q_draft[i].argmax()) for i in range(r.k)] == [p.token for p in r.positions]
@@ -74,8 +76,12 @@ def test_a_round_without_drafts_has_no_rows(builtin_pair):
     ids = encode_prompt(target.tokenizer, "zzqx")
     engine = SpeculativeEngine(target, None, ids, sampled(drafter=DrafterKind.NGRAM))
     engine.step()
-    with pytest.raises(ValueError, match="drafted nothing"):
+    with pytest.raises(ValueError, match="drafted nothing .the prefill round"):
         round_rows(target, None, ids, engine.rounds, 0, sampled(drafter=DrafterKind.NGRAM))
+    engine.step()
+    assert engine.rounds[1].k == 0  # "zzqx" plus one token: no earlier n-gram to copy
+    with pytest.raises(ValueError, match="drafted nothing .target-only, or no n-gram match"):
+        round_rows(target, None, ids, engine.rounds, 1, sampled(drafter=DrafterKind.NGRAM))
     engine.close()
 
 
@@ -163,9 +169,13 @@ def test_the_lab_page_builds_and_runs_on_a_playground_session(builtin_pair, tmp_
     try:
         session.run.step()
         session.cursor = Cursor(shown=1)
+        with pytest.raises(ValueError, match="the prefill round"):
+            page_lab.session_rows(session)
+        session.run.step()
+        session.cursor = Cursor(shown=2)
         out = page_lab.on_run(session, Rule.CORRECT.value, 4000, 0, True, 1, 1)
         held, verdict = out[0], out[1]
-        assert "✓" in verdict and held[0].round == 0 and isinstance(held[1], dict)
+        assert "✓" in verdict and held[0].round == 1 and isinstance(held[1], dict)
         out = page_lab.on_run(session, Rule.BONUS_FROM_ROW_K_MINUS_1.value, 4000, 0, False, 1, 1)
         assert "✗" in out[1] and out[0][0].start == 0 and out[0][0].length == 1
         assert page_lab.on_index(out[0], 0).layout.title.text.startswith("output index 0")

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from, sample_many
+from engine.sampling import SamplingParams, draw, draw_uniform, logits_to_probs, sample_from, sample_many
 
 
 def probs_logits(*probs: float) -> torch.Tensor:
@@ -50,6 +50,36 @@ def test_greedy_is_one_hot_with_ties_to_lowest_id():
     expected = torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0]])
     assert probs.dtype == torch.float32
     assert torch.equal(probs, expected)
+
+
+def test_greedy_ties_go_to_lowest_id_across_a_wide_row():
+    # Vectorised reductions split a wide row into chunks; the first maximum must still win.
+    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(0))
+    ties = [(0, [7, 4000]), (1, [4095, 3]), (2, [1024, 1025, 2048]), (3, [0, 4095]), (4, [2000, 17]), (5, [9])]
+    for row, ids in ties:
+        logits[row, ids] = 50.0
+    probs = logits_to_probs(logits, SamplingParams())
+    assert probs.argmax(dim=-1).tolist() == [min(ids) for _, ids in ties]
+    assert torch.equal(probs.sum(dim=-1), torch.ones(6))
+
+
+def test_draw_on_greedy_rows_is_inverse_cdf_sampling():
+    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams()
+    probs = logits_to_probs(logits, params)
+    u = draw_uniform(32, torch.Generator().manual_seed(2))
+    assert torch.equal(draw(probs, u, params), sample_from(probs, u))
+    hot = draw(probs, torch.full((32,), 0.999999), params)
+    assert torch.equal(hot, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_positive_inf_anywhere_is_rejected(temperature, bad):
+    logits = torch.zeros(3, 4096)
+    logits[1, 3000] = bad
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        logits_to_probs(logits, SamplingParams(temperature=temperature))
 
 
 def test_temperature_scales_logits():

@@ -106,7 +106,7 @@ def test_greedy_parity_self_draft_accepts_everything(tiny_pair, tiny_prompt, tin
     engine.close()
     assert engine.generated == tiny_reference
     assert all(r.accepted == r.k and r.final.outcome is Outcome.BONUS for r in engine.rounds)
-    assert len(engine.rounds) == TINY_NEW // 4
+    assert len(engine.rounds) == 1 + -(-(TINY_NEW - 1) // 4)  # the prefill round's token, then K+1 a round
 
 
 @pytest.mark.parametrize("mode, drafter, k", [("v2", "model", 1), ("v2", "model", 4), ("v1", "model", 2),
@@ -177,14 +177,15 @@ def test_heuristic_k_schedule(tiny_pair, tiny_prompt, self_draft: bool) -> None:
     engine = SpeculativeEngine(target, target if self_draft else draft, tiny_prompt, config)
     rounds = engine.run()
     engine.close()
-    k, made = 2, 0
-    for r in rounds:
+    assert rounds[0].k == 0 and len(rounds[0].emitted) == 1  # the prefill round
+    k, made = 2, 1
+    for r in rounds[1:]:
         assert r.k == min(k, config.max_new_tokens - made - 1)   # the last rounds are cut by max_new_tokens
         k = min(6, k + 2) if r.accepted == r.k else max(1, k - 1)
         made = r.tokens_total
     ks = [r.k for r in rounds]
     if self_draft:
-        assert ks[:4] == [2, 4, 6, 6]
+        assert ks[:5] == [0, 2, 4, 6, 6]
     else:
         assert ks.count(1) > 0 and any(r.accepted < r.k for r in rounds)  # fell back to the lower bound
 

@@ -49,7 +49,7 @@ def test_curves_follow_the_formulas():
 @pytest.fixture(scope="module")
 def live_view(builtin_pair):
     draft, target = builtin_pair
-    config = SpecConfig(k=3, sampling=SamplingParams(temperature=1.0), seed=1, max_new_tokens=20)
+    config = SpecConfig(k=3, sampling=SamplingParams(temperature=1.0), seed=1, max_new_tokens=20, stop_at_eos=False)
     run = ComparedRun(target, draft, PROMPT, config)
     run.run_to_end()
     view = view_from_run(run, info_for_run(run, target, draft))
