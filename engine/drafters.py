@@ -9,7 +9,7 @@ import torch
 from engine.config import DrafterKind
 from engine.kv_cache import PagedCache
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, draw, draw_uniform, logits_to_probs
+from engine.sampling import SamplingParams, draw, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows
 from engine.verify import align_vocab
 
 
@@ -60,20 +60,33 @@ class ModelDrafter:
         if len(prompt) > 1:
             self.runner.forward(self.cache, self._draftable(prompt[:-1]), last_only=True)
 
-    def _q_row(self, logits: torch.Tensor) -> torch.Tensor:
-        aligned = align_vocab(logits[-1:], self.target_vocab, fill=float("-inf"),
-                              device=self.target_device, dtype=torch.float32)
-        return logits_to_probs(aligned, self.sampling)
+    def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
+        return align_vocab(logits[-1:], self.target_vocab, fill=float("-inf"),
+                           device=self.target_device, dtype=torch.float32)
 
     def propose(self, committed: list[int], k: int) -> Proposal:
+        """K tokens, one forward each, every one drawn with one uniform from the generator.
+
+        Greedy q rows are one-hot on the drafted tokens, so they are built once at the end
+        instead of per step (the draft forward is cheap enough that per-step [1, V] work shows)."""
         feed = self._draftable(committed[self.cache.table.length:])
         rows, tokens = [], []
         for _ in range(k):
-            q = self._q_row(self.runner.forward(self.cache, feed, last_only=True))
-            token = int(draw(q, draw_uniform(1, self.generator, q.device), self.sampling)[0])
-            rows.append(q[0]), tokens.append(token)
+            logits = self._aligned(self.runner.forward(self.cache, feed, last_only=True))
+            u = draw_uniform(1, self.generator, logits.device)
+            if self.sampling.greedy:
+                token = int(greedy_ids(logits)[0])
+            else:
+                q = logits_to_probs(logits, self.sampling)
+                token = int(draw(q, u, self.sampling)[0])
+                rows.append(q[0])
+            tokens.append(token)
             feed = self._draftable([token])
-        return Proposal(tokens, torch.stack(rows), k)
+        if self.sampling.greedy:
+            q_draft = one_hot_rows(torch.tensor(tokens, dtype=torch.long, device=self.target_device), self.target_vocab)
+        else:
+            q_draft = torch.stack(rows)
+        return Proposal(tokens, q_draft, k)
 
     def _draftable(self, tokens: list[int]) -> list[int]:
         # A target with more vocabulary rows can emit ids the draft has no embedding for (padding

@@ -59,6 +59,8 @@ def _fuse(linears: list[torch.nn.Linear], name: str) -> torch.Tensor:
 
 def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     weight, eps = norm  # as LlamaRMSNorm: in fp32, then back to the input dtype, then the weight
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # the same arithmetic in one kernel
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -153,12 +155,11 @@ class FusedLlama:
         h, d = self.heads, self.head_dim
         for i, layer in enumerate(self.layers):
             qkv = F.linear(_rms_norm(x, layer.norm_in), layer.qkv, layer.qkv_bias)
-            qs, ks, vs = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            qs = qs.view(1, q, h, d).transpose(1, 2)
-            ks = ks.view(1, q, self.kv_heads, d).transpose(1, 2)
+            qk, vs = qkv.split([layer.q_size + layer.kv_size, layer.kv_size], dim=-1)
+            qk = qk.view(1, q, h + self.kv_heads, d).transpose(1, 2)
+            qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated together
+            qs, ks = qk.split([h, self.kv_heads], dim=1)
             vs = vs.view(1, q, self.kv_heads, d).transpose(1, 2)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
             keys, values = cache.layer_update(i, ks, vs)
             attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=layer.scaling,
                                                   enable_gqa=self.kv_heads != h)

@@ -85,6 +85,18 @@ def _check_logits(logits: Tensor):
     return row_max
 
 
+def greedy_ids(logits: Tensor) -> Tensor:
+    """Tensor[N] long: each row's argmax (lowest id on ties), after the checks logits_to_probs makes.
+    `one_hot_rows(greedy_ids(x), V)` is `logits_to_probs(x, greedy)`, without the [N, V] rows
+    until they are needed."""
+    return _check_logits(logits).indices
+
+
+def one_hot_rows(ids: Tensor, v: int) -> Tensor:
+    """Tensor[N, v] float32: the greedy distributions with all mass on `ids`."""
+    return _one_hot(ids, v)
+
+
 def _one_hot(ids: Tensor, v: int) -> Tensor:
     return torch.zeros(ids.shape[0], v, device=ids.device).scatter_(1, ids.unsqueeze(-1), 1.0)
 

@@ -69,6 +69,8 @@ def final_chip(r: RoundRecord, f: FinalRecord) -> Chip:
         how = f"correction sampled from the residual norm(max(0, p−q)) at row {f.row}"
     elif r.k:
         how = f"bonus sampled from the target's row {f.row} (all {r.k} drafts accepted)"
+    elif r.index == 0:
+        how = "the prefill round: sampled from the target's row after the whole prompt, before any drafting"
     else:
         how = "sampled from the target alone (no drafts this round)"
     return Chip(f.text, f.outcome, f"{how}: p={_num(f.p_target)} u={_num(f.u)}", r.index, r.k)
