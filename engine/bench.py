@@ -11,7 +11,9 @@ Methods
   the confidence early-stop switched off, so every round drafts exactly K like ours.
 - `hf-prompt-lookup`: `generate(prompt_lookup_num_tokens=K)`, n-grams up to the n-gram drafter's.
 - `v2`, `v1`: this engine with the model drafter and constant K; `v2-heuristic`, `v1-heuristic`:
-  the K+2 / K-1 schedule from K=4; `ngram`: v2 with the prompt-lookup drafter.
+  the K+2 / K-1 schedule from K=4; `ngram`: v2 with the prompt-lookup drafter; `hybrid`: v2 with the
+  hybrid drafter (a copy of up to 2K tokens when the last 2+ tokens occurred before, else K from the
+  draft model).
 
 Measures (what the JSON records and the table show)
 - tokens/s = exact generated tokens / wall time of the whole call (engine construction and KV
@@ -65,7 +67,7 @@ HEURISTIC_START_K = 4
 BASELINES = ("hf-generate", "target")      # always run: the speed-up reference and the token reference
 REFERENCE = "hf-generate"
 METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "hf-prompt-lookup",
-                "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram")
+                "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid")
 UNDRAFTED = ("hf-generate", "target", "target-transformers")  # target-only: no K
 NGRAM_MAX = 4
 
@@ -91,6 +93,8 @@ class Method:
     def drafter(self) -> str:
         if self.k is None:
             return "none"
+        if self.name == "hybrid":
+            return "hybrid"
         return "ngram" if self.name in ("ngram", "hf-prompt-lookup") else "model"
 
     @property
@@ -103,7 +107,7 @@ class Method:
         """The engine config of an engine method: greedy, no EOS stop (exact token counts), no UI records."""
         mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1,
                 "v1-heuristic": Mode.V1}.get(self.name, Mode.V2)
-        drafter = DrafterKind.NGRAM if self.name == "ngram" else DrafterKind.MODEL
+        drafter = {"ngram": DrafterKind.NGRAM, "hybrid": DrafterKind.HYBRID}.get(self.name, DrafterKind.MODEL)
         schedule = KSchedule.HEURISTIC if self.schedule == "heuristic" else KSchedule.CONSTANT
         return SpecConfig(mode=mode, drafter=drafter, k=self.k or 1, k_schedule=schedule, k_max=max(8, self.k or 1),
                           max_new_tokens=new_tokens, stop_at_eos=False, record=False, ngram_max=NGRAM_MAX,
@@ -262,6 +266,7 @@ class RunSample:
     target_fwd: list[ForwardTime]   # every forward, in order; the first is the prefill
     draft_fwd: list[ForwardTime]    # likewise (empty without a draft model)
     phases: Phases | None           # engine methods only
+    rounds_draft_forwards: list[int] | None = None  # draft-model forwards per round (engine); None: rounds_k
 
     @property
     def decode_forwards(self) -> tuple[list[ForwardTime], list[ForwardTime]]:
@@ -272,7 +277,7 @@ class RunSample:
 def run_engine(method: Method, target: LoadedModel, draft: LoadedModel | None, prompt: list[int],
                new_tokens: int) -> RunSample:
     """Decode with SpeculativeEngine; the clock starts before the engine (and its KV pools) exist."""
-    uses_draft = method.drafter == "model"
+    uses_draft = method.drafter in ("model", "hybrid")
     with ForwardClock(target) as tc, ForwardClock(draft if uses_draft else None) as dc:
         t0 = time.perf_counter()
         engine = SpeculativeEngine(target, draft if uses_draft else None, prompt, method.spec_config(new_tokens))
@@ -286,7 +291,7 @@ def run_engine(method: Method, target: LoadedModel, draft: LoadedModel | None, p
     phases = Phases(*(sum(getattr(r.timings, f"{p}_ms") for r in rounds)
                       for p in ("prefill", "draft", "verify", "commit", "other")), wall * 1000 - busy)
     return RunSample(-1, list(engine.generated), wall, ttft, [r.k for r in rounds], sum(r.accepted for r in rounds),
-                     tc.times, dc.times, phases)
+                     tc.times, dc.times, phases, [r.draft_forwards for r in rounds])
 
 
 @contextmanager
@@ -360,7 +365,7 @@ class MethodResult:
     method: str
     label: str
     family: str                  # "engine" or "hf"
-    drafter: str                 # "model", "ngram" or "none"
+    drafter: str                 # "model", "ngram", "hybrid" or "none"
     schedule: str                # "constant", "heuristic" or "none"
     k: int | None                # constant K, or the heuristic's starting K; None for target-only
     mean_k: float                # tokens drafted per round, on average
@@ -399,7 +404,7 @@ def reference_forward_s(samples: Sequence[RunSample]) -> float:
 def cost_ratios(method: Method, samples: Sequence[RunSample], t1: float) -> tuple[float, dict[int, float]]:
     """(c, {k: r(k)}) from this method's hooked forward times, relative to `t1` seconds."""
     draft = [t.seconds for s in samples for t in s.decode_forwards[1]]
-    c = _median(draft, 0.0) / t1 if method.drafter == "model" else 0.0
+    c = _median(draft, 0.0) / t1 if method.drafter in ("model", "hybrid") else 0.0
     by_k: dict[int, list[float]] = {}
     for s in samples:
         for t in s.decode_forwards[0]:
@@ -415,10 +420,13 @@ def r_at(r: dict[int, float], k: int) -> float:
     return r.get(k, r[min(r, key=lambda j: (abs(j - k), j))])
 
 
-def predicted(alpha: float, rounds_k: Sequence[int], c: float, r: dict[int, float]) -> float:
-    """Leviathan et al.'s speed-up generalised to rounds of varying K (see the module docstring)."""
+def predicted(alpha: float, rounds_k: Sequence[int], c: float, r: dict[int, float],
+              draft_forwards: Sequence[int] | None = None) -> float:
+    """Leviathan et al.'s speed-up generalised to rounds of varying K (see the module docstring).
+    `draft_forwards` per round, when not one per drafted token (the hybrid's copied rounds cost none)."""
     tokens = sum(metrics.expected_tokens_per_round(alpha, k) if k else 1.0 for k in rounds_k)
-    cost = sum(c * k + r_at(r, k) for k in rounds_k)
+    forwards = rounds_k if draft_forwards is None else draft_forwards
+    cost = sum(c * f + r_at(r, k) for k, f in zip(rounds_k, forwards, strict=True))
     return tokens / cost if cost > 0 else math.nan
 
 
@@ -458,7 +466,9 @@ def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest_t
     alpha = metrics.acceptance_rate(accepted, drafted)
     c, r = cost_ratios(method, samples, t1)
     tps = tokens_per_s(samples)
-    pred = predicted(alpha, rounds_k, c, r) if method.k is not None else 1.0
+    per_round = [s.rounds_draft_forwards for s in first]
+    forwards = None if any(f is None for f in per_round) else [f for fs in per_round for f in fs]
+    pred = predicted(alpha, rounds_k, c, r, forwards) if method.k is not None else 1.0
     mean_k = drafted / len(rounds_k) if rounds_k else 0.0
     mismatched = sorted({s.prompt for s in samples if s.tokens != reference[s.prompt]})
     speedup = tps / fastest_tps
@@ -626,7 +636,7 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
     Hugging Face assisted generation and v1 at the same K, the engine's target-only against `generate`."""
     by_label = {r.label: r for r in results}
     lines = []
-    for name in ("v2", "v1", "v2-heuristic", "ngram", "hf-assisted", "hf-prompt-lookup"):
+    for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hf-assisted", "hf-prompt-lookup"):
         best = max((r for r in results if r.method == name), key=lambda r: r.speedup, default=None)
         if best:
             lines.append(f"best {name}: {best.label} at {best.speedup:.2f}x (predicted {best.predicted_speedup:.2f}x)")
@@ -860,7 +870,7 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)
-    target, draft = load_pair(a, needs_draft=any(m.drafter == "model" for m in drafters))
+    target, draft = load_pair(a, needs_draft=any(m.drafter in ("model", "hybrid") for m in drafters))
     if draft is not None:
         from engine.models import check_same_tokenizer
         check_same_tokenizer(draft, target)

@@ -43,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the text to continue (the built-in pair knows Python code)")
     p.add_argument("--target", default=BUILTIN, help="target model: 'builtin', a Hugging Face id or a local path "
                                                      "(default: builtin)")
-    p.add_argument("--draft", default=BUILTIN, help="draft model for --drafter model: 'builtin', a Hugging Face id "
+    p.add_argument("--draft", default=BUILTIN, help="draft model for --drafter model or hybrid: 'builtin', a Hugging Face id "
                                                     "or a local path; must share the target's tokenizer (default: builtin)")
     p.add_argument("--drafter", choices=[d.value for d in DrafterKind], default="model",
-                   help="model: a small draft LM proposes tokens; ngram: prompt lookup, no draft model (default: model)")
+                   help="model: a small draft LM proposes tokens; ngram: prompt lookup, no draft model; hybrid: prompt "
+                        "lookup when the context repeats, else the draft model (default: model)")
     p.add_argument("--mode", choices=[m.value for m in Mode], default="v2",
                    help="v2: one target forward per round, rejected KV rolled back; v1: the seed system's "
                         "read-only verify plus a commit forward; target: target-only decoding (default: v2)")
@@ -127,7 +128,7 @@ def load_models(args: argparse.Namespace, config: SpecConfig) -> tuple[LoadedMod
     draft_dev, target_dev = default_devices(args.draft_device, args.target_device)
     target = load_model(args.target, "target", device=target_dev, dtype=args.dtype,
                         trust_remote_code=args.trust_remote_code)
-    if config.mode is Mode.TARGET or config.drafter is DrafterKind.NGRAM:
+    if not config.uses_draft_model:
         return target, None
     draft = load_model(args.draft, "draft", device=draft_dev, dtype=args.dtype,
                        trust_remote_code=args.trust_remote_code)

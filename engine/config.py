@@ -18,6 +18,11 @@ class Mode(str, Enum):
 class DrafterKind(str, Enum):
     MODEL = "model"    # a small draft model with its own paged cache
     NGRAM = "ngram"    # prompt lookup: copy what followed the last matching n-gram
+    HYBRID = "hybrid"  # prompt lookup when the context repeats, else the draft model
+
+    @property
+    def uses_model(self) -> bool:
+        return self is not DrafterKind.NGRAM
 
 
 class KSchedule(str, Enum):
@@ -43,6 +48,7 @@ class SpecConfig:
     record: bool = True     # build per-position candidate lists and token texts (the UI); off for benches
     ngram_max: int = 4
     ngram_min: int = 1
+    hybrid_min_n: int = 2   # hybrid: copy when the last hybrid_min_n+ tokens occurred before, else draft
     block_size: int = 16
     fused_forward: bool = True  # the engine's own Llama-family forward; False runs the transformers one
 
@@ -68,8 +74,15 @@ class SpecConfig:
             raise ValueError(f"top_n must be >= 1, got {self.top_n}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if not 1 <= self.hybrid_min_n <= self.ngram_max:
+            raise ValueError(f"need 1 <= hybrid_min_n <= ngram_max, got {self.hybrid_min_n}, {self.ngram_max}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Whether a run with this config runs the draft model (and so needs one loaded)."""
+        return self.mode is not Mode.TARGET and self.drafter.uses_model
 
     def next_k(self, k: int, fully_accepted: bool) -> int:
         if self.k_schedule is KSchedule.CONSTANT:

@@ -24,7 +24,7 @@ class Drafter(Protocol):
     kind: DrafterKind
 
     def prefill(self, prompt: list[int]) -> None: ...
-    def propose(self, committed: list[int], k: int) -> Proposal: ...
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal: ...
     def commit(self, committed: list[int]) -> None: ...
     def close(self) -> None: ...
 
@@ -64,7 +64,7 @@ class ModelDrafter:
         return align_vocab(logits[-1:], self.target_vocab, fill=float("-inf"),
                            device=self.target_device, dtype=torch.float32)
 
-    def propose(self, committed: list[int], k: int) -> Proposal:
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
         """K tokens, one forward each, every one drawn with one uniform from the generator.
 
         Greedy q rows are one-hot on the drafted tokens, so they are built once at the end
@@ -118,16 +118,24 @@ class NgramDrafter:
         pass
 
     def lookup(self, committed: list[int], k: int) -> list[int]:
+        return self.match(committed, k)[1]
+
+    def match(self, committed: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, up to k tokens): the longest suffix of n tokens (ngram_max..ngram_min) that occurred
+        before, and what followed its latest earlier occurrence; (0, []) when none did."""
         n_tokens = len(committed)
         for n in range(min(self.ngram_max, n_tokens - 1), self.ngram_min - 1, -1):
             pattern = committed[-n:]
             for start in range(n_tokens - n - 1, -1, -1):
                 if committed[start : start + n] == pattern:
-                    return committed[start + n : start + n + k]
-        return []
+                    return n, committed[start + n : start + n + k]
+        return 0, []
 
-    def propose(self, committed: list[int], k: int) -> Proposal:
-        tokens = [t for t in self.lookup(committed, k) if t < self.target_vocab]
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
+        return self.proposal(self.lookup(committed, k))
+
+    def proposal(self, tokens: list[int]) -> Proposal:
+        tokens = [t for t in tokens if t < self.target_vocab]
         q = torch.zeros(len(tokens), self.target_vocab, device=self.target_device)
         if tokens:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
@@ -138,3 +146,36 @@ class NgramDrafter:
 
     def close(self) -> None:
         pass
+
+
+class HybridDrafter:
+    """Prompt lookup when the context repeats, the draft model otherwise.
+
+    If the last `min_n` or more committed tokens occurred earlier, the round copies what followed
+    them (up to 2K tokens: a copy costs no draft forward, so a longer guess is cheap); otherwise
+    the draft model proposes K. Repetitive stretches (loops, repeated identifiers, boilerplate)
+    then cost no drafting, and the model covers the rest. The model's cache catches up on the
+    tokens it skipped at its next proposal, in one forward.
+    """
+
+    kind = DrafterKind.HYBRID
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_n: int) -> None:
+        self.model, self.ngram, self.min_n = model, ngram, min_n
+        self.cache, self.runner = model.cache, model.runner
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.model.prefill(prompt)
+
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
+        """`limit`: the most tokens this round may draft (the engine's remaining budget and K bound)."""
+        n, copied = self.ngram.match(committed, min(2 * k, limit if limit is not None else 2 * k))
+        if n >= self.min_n and copied:
+            return self.ngram.proposal(copied)
+        return self.model.propose(committed, k)
+
+    def commit(self, committed: list[int]) -> None:
+        self.model.commit(committed)
+
+    def close(self) -> None:
+        self.model.close()

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from engine.config import DrafterKind, Mode, SpecConfig
-from engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from engine.config import K_BOUND, DrafterKind, Mode, SpecConfig
+from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, check_same_tokenizer
 from engine.records import Candidate, FinalRecord, KVState, PositionRecord, RoundRecord, RoundTimings, RunSummary, summarize
@@ -77,13 +77,17 @@ class SpeculativeEngine:
         c = self.config
         if c.mode is Mode.TARGET:
             return None
+        ngram = NgramDrafter(c.ngram_max, c.ngram_min, self.target.vocab_size, self.target.device)
         if c.drafter is DrafterKind.NGRAM:
-            return NgramDrafter(c.ngram_max, c.ngram_min, self.target.vocab_size, self.target.device)
+            return ngram
         if self.draft is None:
-            raise ValueError("the model drafter needs a draft model")
+            raise ValueError(f"the {c.drafter.value} drafter needs a draft model")
         check_same_tokenizer(self.draft, self.target)
         runner = ModelRunner(self.draft, capacity, c.block_size, num_blocks=kv_blocks, fused=c.fused_forward)
-        return ModelDrafter(runner, c.sampling, self.target.vocab_size, self.target.device, self.gen_draft)
+        model = ModelDrafter(runner, c.sampling, self.target.vocab_size, self.target.device, self.gen_draft)
+        if c.drafter is DrafterKind.HYBRID:
+            return HybridDrafter(model, ngram, c.hybrid_min_n)
+        return model
 
     # -- the round ------------------------------------------------------------------------------
     @property
@@ -112,7 +116,7 @@ class SpeculativeEngine:
         else:
             k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
             t = time.perf_counter()
-            proposal = self.drafter.propose(self.tokens, k) if k else None
+            proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1)) if k else None
             drafted = proposal.tokens if proposal else []
             draft_ms = (time.perf_counter() - t) * 1000
 
@@ -228,7 +232,7 @@ class SpeculativeEngine:
             candidates=self._candidates(p_rows[row], q_final, [result.final_token],
                                         result.residual if result.final_outcome is Outcome.CORRECTED else None))
         kv = [self._kv_state("target", self.target_cache, self.target)]
-        if isinstance(self.drafter, ModelDrafter):
+        if isinstance(self.drafter, (ModelDrafter, HybridDrafter)):
             kv.append(self._kv_state("draft", self.drafter.cache, self.draft))
         now = time.perf_counter()
         total_ms = (now - t_start) * 1000
@@ -265,7 +269,7 @@ class SpeculativeEngine:
     def summary(self) -> RunSummary:
         weights: dict[str, int] = {}
         kv: dict[str, int] = {}
-        runners = [self.target_runner] + ([self.drafter.runner] if isinstance(self.drafter, ModelDrafter) else [])
+        runners = [self.target_runner] + ([self.drafter.runner] if isinstance(self.drafter, (ModelDrafter, HybridDrafter)) else [])
         for r in runners:
             dev = str(r.loaded.device)
             weights[dev] = weights.get(dev, 0) + r.loaded.weight_bytes

@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.config import K_BOUND, DrafterKind, Mode, SpecConfig
+from engine.config import K_BOUND, SpecConfig
 from engine.models import LoadedModel
 from engine.records import RoundRecord, RunSummary
 from engine.sampling import SamplingParams
@@ -92,10 +92,6 @@ def config_from_dict(data: dict) -> SpecConfig:
         raise TraceError(f"config is not a valid SpecConfig: {exc}") from None
 
 
-def _uses_draft_model(config: SpecConfig) -> bool:
-    return config.mode is not Mode.TARGET and config.drafter is DrafterKind.MODEL
-
-
 def _specplay_version() -> str:
     from importlib import metadata
 
@@ -111,7 +107,7 @@ def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: 
     import torch
     import transformers
 
-    used = draft if draft is not None and _uses_draft_model(config) else None
+    used = draft if draft is not None and config.uses_draft_model else None
     roles = {"target": target} | ({"draft": used} if used is not None else {})
     return TraceHeader(
         version=TRACE_VERSION, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),

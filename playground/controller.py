@@ -90,8 +90,7 @@ def reset(ctx: Context, session: Session, req: DecodeRequest) -> None:
         raise PromptError(f"The prompt has {len(req.prompt)} characters; this server takes at most "
                           f"{ctx.settings.max_prompt_chars}.")
     pair = ctx.registry.pair(req.preset, req.custom_draft, req.custom_target)
-    uses_draft = config.mode is not Mode.TARGET and config.drafter is DrafterKind.MODEL
-    draft = pair.draft if uses_draft else None
+    draft = pair.draft if config.uses_draft_model else None
     prompt_ids = encode_prompt(pair.target.tokenizer, req.prompt)
     session.drop_run()
     ctx.pool.reserve_kv(session, kv_bytes_needed(pair.target, draft, len(prompt_ids), config))

@@ -19,7 +19,8 @@ EXAMPLE_PROMPTS = (
 MODES = (("v2: one target forward, rejected slots rolled back", Mode.V2.value),
          ("v1: verify read-only, then a second forward commits", Mode.V1.value),
          ("target only (the baseline)", Mode.TARGET.value))
-DRAFTERS = (("draft model", DrafterKind.MODEL.value), ("n-gram (prompt lookup)", DrafterKind.NGRAM.value))
+DRAFTERS = (("draft model", DrafterKind.MODEL.value), ("n-gram (prompt lookup)", DrafterKind.NGRAM.value),
+            ("hybrid: copy repeats, else the draft model", DrafterKind.HYBRID.value))
 SCHEDULES = (("constant", KSchedule.CONSTANT.value), ("heuristic (+2 after a full accept, −1 otherwise)",
                                                       KSchedule.HEURISTIC.value))
 

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import DrafterKind, Mode, SpecConfig
+from engine.config import Mode, SpecConfig
 from engine.models import LoadedModel
 from engine.session import ComparedRun
 from engine.speculative import K_SLACK
@@ -29,7 +29,7 @@ def kv_bytes_needed(target: LoadedModel, draft: LoadedModel | None, prompt_token
     """KV pool bytes a ComparedRun allocates: target pools for the run and its baseline, plus the draft's."""
     slots = -(-(prompt_tokens + config.max_new_tokens + K_SLACK) // config.block_size) * config.block_size
     total = target.kv_shape.bytes_per_slot(target.dtype) * slots * (1 if config.mode is Mode.TARGET else 2)
-    if draft is not None and config.mode is not Mode.TARGET and config.drafter is DrafterKind.MODEL:
+    if draft is not None and config.uses_draft_model:
         total += draft.kv_shape.bytes_per_slot(draft.dtype) * slots
     return total
 

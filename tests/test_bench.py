@@ -31,7 +31,7 @@ def quick_run(tmp_path_factory) -> tuple[dict, str]:
 def test_json_has_every_field_for_every_method(quick_run):
     doc, _ = quick_run
     expected = {m.label for m in build_methods(("target-transformers", "hf-assisted", "hf-prompt-lookup", "v2", "v1",
-                                                "v2-heuristic", "v1-heuristic", "ngram"), (2,))}
+                                                "v2-heuristic", "v1-heuristic", "ngram", "hybrid"), (2,))}
     records = doc["records"]
     assert {r["label"] for r in records} == expected | {"hf-generate", "target"}
     names = {f.name for f in fields(MethodResult)}
@@ -95,6 +95,11 @@ def test_predicted_is_leviathan_at_constant_k():
     e4 = metrics.expected_tokens_per_round(alpha, 4)
     assert mixed == pytest.approx((e4 + 1) / (c * 4 + 1.3 + 1))
     assert math.isfinite(predicted(0.0, [3], 0.0, {}))
+    # A hybrid round that copied its drafts spent no draft forward: only the verify is paid.
+    copied = predicted(alpha, [4, 8], c, {4: 1.3, 8: 1.9}, draft_forwards=[4, 0])
+    e8 = metrics.expected_tokens_per_round(alpha, 8)
+    assert copied == pytest.approx((e4 + e8) / (c * 4 + 1.3 + 1.9))
+    assert copied > predicted(alpha, [4, 8], c, {4: 1.3, 8: 1.9})
 
 
 @pytest.mark.parametrize("argv", [["--ks", "0"], ["--methods", "v3"], ["--repeats", "0"], ["--profile", "v2:x"]])

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, SpecConfig
-from engine.drafters import ModelDrafter
+from engine.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, ModelLoadError, check_same_tokenizer, load_model
 from engine.sampling import SamplingParams
@@ -89,7 +89,7 @@ def test_target_only_matches_hf_generate(tiny_pair, tiny_prompt, tiny_reference)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 @pytest.mark.parametrize("mode", ["v2", "v1"])
 def test_greedy_parity_tiny(tiny_pair, tiny_prompt, tiny_reference, mode: str, drafter: str, k: int) -> None:
     draft, target = tiny_pair
@@ -110,7 +110,8 @@ def test_greedy_parity_self_draft_accepts_everything(tiny_pair, tiny_prompt, tin
 
 
 @pytest.mark.parametrize("mode, drafter, k", [("v2", "model", 1), ("v2", "model", 4), ("v1", "model", 2),
-                                              ("v1", "model", 8), ("v2", "ngram", 4), ("v1", "ngram", 2)])
+                                              ("v1", "model", 8), ("v2", "ngram", 4), ("v1", "ngram", 2),
+                                              ("v2", "hybrid", 2), ("v1", "hybrid", 3)])
 def test_greedy_parity_builtin(builtin_pair, builtin_prompt, builtin_reference, mode: str, drafter: str,
                                k: int) -> None:
     draft, target = builtin_pair
@@ -120,13 +121,15 @@ def test_greedy_parity_builtin(builtin_pair, builtin_prompt, builtin_reference, 
 
 # ---------------------------------------------------------------------------- KV correctness
 
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
 @pytest.mark.parametrize("self_draft", [False, True], ids=["random-draft", "self-draft"])
 @pytest.mark.parametrize("mode", ["v2", "v1"])
-def test_kv_equals_fresh_prefill_after_every_round(tiny_pair, tiny_prompt, mode: str, self_draft: bool) -> None:
+def test_kv_equals_fresh_prefill_after_every_round(tiny_pair, tiny_prompt, mode: str, self_draft: bool,
+                                                   drafter: str) -> None:
     draft, target = tiny_pair
-    config = SpecConfig(mode=mode, k=4, max_new_tokens=16, block_size=4, record=False)
+    config = SpecConfig(mode=mode, drafter=drafter, k=4, max_new_tokens=16, block_size=4, record=False)
     engine = SpeculativeEngine(target, target if self_draft else draft, tiny_prompt, config)
-    assert isinstance(engine.drafter, ModelDrafter)
+    assert isinstance(engine.drafter, ModelDrafter if drafter == "model" else HybridDrafter)
     while not engine.finished:
         engine.step()
         # Invariant: the target cache holds every committed token but the last.
@@ -138,11 +141,11 @@ def test_kv_equals_fresh_prefill_after_every_round(tiny_pair, tiny_prompt, mode:
     engine.close()
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 def test_block_pools_return_to_start_after_close(tiny_pair, tiny_prompt, drafter: str) -> None:
     draft, target = tiny_pair
     engine = SpeculativeEngine(target, draft, tiny_prompt, SpecConfig(drafter=drafter, max_new_tokens=12, block_size=4))
-    pools = [engine.target_runner.pool] + ([engine.drafter.runner.pool] if drafter == "model" else [])
+    pools = [engine.target_runner.pool] + ([engine.drafter.runner.pool] if drafter != "ngram" else [])
     start = [p.manager.free_blocks for p in pools]
     engine.run()
     assert engine.target_runner.pool.manager.free_blocks < start[0]
@@ -157,7 +160,7 @@ def test_block_pools_return_to_start_after_close(tiny_pair, tiny_prompt, drafter
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 def test_sampled_runs_reproduce_with_seed(tiny_pair, tiny_prompt, drafter: str) -> None:
     draft, target = tiny_pair
     run = lambda mode, seed: decode(target, draft, tiny_prompt, mode=mode, drafter=drafter, sampling=SAMPLED,
@@ -188,6 +191,41 @@ def test_heuristic_k_schedule(tiny_pair, tiny_prompt, self_draft: bool) -> None:
         assert ks[:5] == [0, 2, 4, 6, 6]
     else:
         assert ks.count(1) > 0 and any(r.accepted < r.k for r in rounds)  # fell back to the lower bound
+
+
+# ---------------------------------------------------------------------------- hybrid drafter
+
+def test_hybrid_copies_repeats_and_drafts_the_rest(builtin_pair, builtin_tokenizer) -> None:
+    """Each hybrid round either copies (no draft forward, up to 2K tokens, after a repeated
+    n-gram of at least hybrid_min_n tokens) or runs the draft model for exactly K tokens."""
+    draft, target = builtin_pair
+    prompt = builtin_tokenizer("class Stack:\n    def __init__(self):\n        self.items = []\n")["input_ids"]
+    config = SpecConfig(drafter="hybrid", k=3, max_new_tokens=60, stop_at_eos=False, record=False, hybrid_min_n=2)
+    engine = SpeculativeEngine(target, draft, prompt, config)
+    lookup = NgramDrafter(config.ngram_max, config.ngram_min, target.vocab_size, target.device)
+    sources = []
+    while not engine.finished:
+        before = list(engine.tokens)
+        r = engine.step()
+        if r.index == 0:
+            continue
+        n, copied = lookup.match(before, 6)
+        remaining = config.max_new_tokens - (len(before) - len(prompt))
+        if n >= 2 and copied:
+            sources.append("copy")
+            assert r.draft_forwards == 0 and [p.token for p in r.positions] == copied[: len(r.positions)]
+            assert r.k == min(len(copied), remaining - 1)
+        else:
+            sources.append("model")
+            assert r.draft_forwards == r.k == min(3, remaining - 1)
+    engine.close()
+    assert "copy" in sources and "model" in sources, sources
+    assert engine.generated == decode(target, None, prompt, mode="target", max_new_tokens=60, stop_at_eos=False)
+
+
+def test_hybrid_min_n_is_validated() -> None:
+    with pytest.raises(ValueError, match="hybrid_min_n"):
+        SpecConfig(drafter="hybrid", hybrid_min_n=5, ngram_max=4)
 
 
 # ---------------------------------------------------------------------------- mixed pairs
