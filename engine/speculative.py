@@ -23,8 +23,8 @@ from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, check_same_tokenizer
 from engine.records import Candidate, FinalRecord, KVState, PositionRecord, RoundRecord, RoundTimings, RunSummary, summarize
 from engine.runner import ModelRunner
-from engine.sampling import draw, draw_uniform, logits_to_probs
-from engine.verify import Outcome, VerifyResult, verify
+from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
+from engine.verify import Outcome, VerifyResult, verify, verify_greedy
 
 
 class PromptError(ValueError):
@@ -110,22 +110,17 @@ class SpeculativeEngine:
         drafted: list[int] = []
         proposal = None
         if not self._started:
-            p_rows, prefill_ms = self._prefill()
+            logits, prefill_ms = self._prefill()
             t = time.perf_counter()
-            result = self._sample_only(p_rows)
         else:
             k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
             t = time.perf_counter()
             proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1)) if k else None
             drafted = proposal.tokens if proposal else []
             draft_ms = (time.perf_counter() - t) * 1000
-
             t = time.perf_counter()
-            p_rows = self._verify_forward(drafted)
-            if drafted:
-                result = verify(proposal.q_draft, p_rows, drafted, self.gen_verify, validate=False)
-            else:
-                result = self._sample_only(p_rows)
+            logits = self._verify_forward(drafted)
+        p_rows, result = self._verify(logits, drafted, proposal)
         verify_ms = (time.perf_counter() - t) * 1000
 
         t = time.perf_counter()
@@ -143,29 +138,41 @@ class SpeculativeEngine:
 
     def _prefill(self) -> tuple[torch.Tensor, float]:
         """Write the whole prompt's K/V (the invariant: every committed token but the last, which
-        will be the first generated one) and return the target's processed row after it."""
+        will be the first generated one) and return the target's logits row after it."""
         t0 = time.perf_counter()
         self._started = True
         logits = self.target_runner.forward(self.target_cache, self.prompt, last_only=True)
         if self.drafter is not None:
             self.drafter.prefill(self.prompt)
-        return logits_to_probs(logits, self.config.sampling), (time.perf_counter() - t0) * 1000
+        return logits, (time.perf_counter() - t0) * 1000
 
     def _verify_forward(self, drafted: list[int]) -> torch.Tensor:
-        """Target rows for [last, d1..dK]: K+1 processed distributions, row K the bonus row."""
+        """Target logits for [last, d1..dK]: K+1 rows, row K the bonus row."""
         feed = [self.tokens[-1], *drafted]
         if self.config.mode is Mode.V1:
             with self.target_cache.read_only():
-                logits = self.target_runner.forward(self.target_cache, feed)
-        else:
-            logits = self.target_runner.forward(self.target_cache, feed)
-        return logits_to_probs(logits, self.config.sampling)
+                return self.target_runner.forward(self.target_cache, feed)
+        return self.target_runner.forward(self.target_cache, feed)
 
-    def _sample_only(self, p_rows: torch.Tensor) -> VerifyResult:
+    def _verify(self, logits: torch.Tensor, drafted: list[int], proposal) -> tuple[torch.Tensor, VerifyResult]:
+        """(processed target rows, the round's verdict). Greedy rounds verify from the argmaxes
+        (`verify_greedy`, the same result as `verify` on one-hot rows, without the [K+1, V] work)."""
+        if self.config.sampling.greedy:
+            ids = greedy_ids(logits)
+            p_rows = one_hot_rows(ids, logits.shape[1])
+            if drafted:
+                return p_rows, verify_greedy(drafted, ids.tolist(), logits.shape[1], self.gen_verify)
+            return p_rows, self._sample_only(p_rows, int(ids[-1]))
+        p_rows = logits_to_probs(logits, self.config.sampling)
+        if drafted:
+            return p_rows, verify(proposal.q_draft, p_rows, drafted, self.gen_verify, validate=False)
+        return p_rows, self._sample_only(p_rows)
+
+    def _sample_only(self, p_rows: torch.Tensor, greedy_token: int | None = None) -> VerifyResult:
         """K = 0: the token comes from the bonus row alone (target-only decoding, or no n-gram match).
         Consumes one uniform, as verify does for its final sample."""
         u = draw_uniform(1, self.gen_verify, p_rows.device)
-        token = int(draw(p_rows[-1:], u, self.config.sampling)[0])
+        token = greedy_token if greedy_token is not None else int(sample_from(p_rows[-1:], u)[0])
         return VerifyResult(tokens=[token], accepted_count=0, rejected=False, target_positions_checked=0,
                             positions=[], final_token=token, final_outcome=Outcome.BONUS, final_row=0,
                             final_u=float(u[0]), residual=None)

@@ -112,6 +112,43 @@ def verify(
     return _build_result(scalars, final_dist, k)
 
 
+def verify_greedy(
+    draft_tokens: Sequence[int],
+    target_ids: Sequence[int],
+    vocab_size: int,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """`verify` for greedy rows, from the row argmaxes alone: the same result, draws and record.
+
+    With temperature 0 every processed row is one-hot, so for draft i: q = 1, p = 1 if it is the
+    target's argmax target_ids[i] else 0, alpha = p, and u < alpha accepts exactly the matches. The
+    residual at a rejection is max(0, p - q) = the target's one-hot, so the correction is its
+    argmax, as is the bonus from row K. The K + 1 uniforms are still drawn, so a greedy run's
+    random stream matches `verify`'s. Skipping the [K+1, V] arithmetic matters on CPU, where it
+    runs cold right after the verify forward has swept the caches.
+
+    draft_tokens: K ids; target_ids: K + 1 argmaxes (`sampling.greedy_ids` of the verify logits).
+    """
+    k = len(draft_tokens)
+    if len(target_ids) != k + 1:
+        raise ValueError(f"need K + 1 = {k + 1} target argmaxes for K = {k} drafts, got {len(target_ids)}")
+    u_accept, u_final = _draw_round_uniforms(k, generator, torch.device("cpu"))
+    u = u_accept.tolist()
+    n = 0
+    while n < k and draft_tokens[n] == target_ids[n]:
+        n += 1
+    checked = n + 1 if n < k else k
+    positions = [PositionVerdict(i, int(draft_tokens[i]), float(i < n), 1.0, float(i < n), u[i],
+                                 Outcome.ACCEPTED if i < n else Outcome.REJECTED) for i in range(checked)]
+    final = int(target_ids[n])
+    rejected = n < k
+    residual = torch.zeros(vocab_size).index_fill_(0, torch.tensor([final]), 1.0) if rejected else None
+    return VerifyResult(tokens=[int(t) for t in draft_tokens[:n]] + [final], accepted_count=n, rejected=rejected,
+                        target_positions_checked=checked, positions=positions, final_token=final,
+                        final_outcome=Outcome.CORRECTED if rejected else Outcome.BONUS, final_row=n,
+                        final_u=float(u_final[0]), residual=residual)
+
+
 def verify_reference(
     q_draft: Tensor,
     p_target: Tensor,

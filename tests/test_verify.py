@@ -9,7 +9,7 @@ import torch
 
 from engine.losslessness import Rule, check_rule, goodness_of_fit, passes, simulate
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
-from engine.verify import ROW_SUM_TOL, Outcome, VerifyResult, align_vocab, verify, verify_reference
+from engine.verify import ROW_SUM_TOL, Outcome, VerifyResult, align_vocab, verify, verify_greedy, verify_reference
 
 SIGNIFICANCE = 1e-3
 TRIALS = 120_000
@@ -396,3 +396,32 @@ def test_wrong_rules_are_caught(rule):
     assert min(r.p_value for r in results) < SIGNIFICANCE
     if rule is Rule.BONUS_FROM_ROW_K_MINUS_1:
         assert [r.index for r in results if not r.passed] == [2]  # only the bonus index is wrong
+
+
+# --- verify_greedy: the greedy fast path ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_verify_greedy_is_verify_on_one_hot_rows(seed: int) -> None:
+    """Same tokens, verdicts, uniforms, residual and generator state as `verify` on the one-hot rows."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = int(torch.randint(1, 9, (1,), generator=g)), 50
+    target_ids = torch.randint(0, v, (k + 1,), generator=g)
+    drafts = target_ids[:k].clone()
+    wrong = int(torch.randint(0, k + 1, (1,), generator=g))  # k = all accepted
+    if wrong < k:
+        drafts[wrong] = (drafts[wrong] + 1 + int(torch.randint(0, v - 1, (1,), generator=g))) % v
+    greedy = SamplingParams()
+    q = logits_to_probs(torch.nn.functional.one_hot(drafts, v).float(), greedy)
+    p = logits_to_probs(torch.nn.functional.one_hot(target_ids, v).float(), greedy)
+    ga, gb = gen(seed), gen(seed)
+    fast = verify_greedy(drafts.tolist(), target_ids.tolist(), v, ga)
+    full = verify(q, p, drafts.tolist(), gb)
+    assert_same_result(fast, full)
+    assert fast.accepted_count == min(wrong, k) and fast.rejected == (wrong < k)
+    assert torch.equal(ga.get_state(), gb.get_state())
+
+
+def test_verify_greedy_needs_k_plus_one_argmaxes() -> None:
+    with pytest.raises(ValueError, match="K \\+ 1 = 4"):
+        verify_greedy([1, 2, 3], [1, 2, 3], 10)
