@@ -13,7 +13,7 @@ Methods
 - `v2`, `v1`: this engine with the model drafter and constant K; `v2-heuristic`, `v1-heuristic`:
   the K+2 / K-1 schedule from K=4; `ngram`: v2 with the prompt-lookup drafter; `hybrid`: v2 with the
   hybrid drafter (a copy of up to 2K tokens when the last 2+ tokens occurred before, else K from the
-  draft model).
+  draft model); `hybrid-heuristic`: the same with the K+2 / K-1 schedule from K=4.
 
 Measures (what the JSON records and the table show)
 - tokens/s = exact generated tokens / wall time of the whole call (engine construction and KV
@@ -67,7 +67,7 @@ HEURISTIC_START_K = 4
 BASELINES = ("hf-generate", "target")      # always run: the speed-up reference and the token reference
 REFERENCE = "hf-generate"
 METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "hf-prompt-lookup",
-                "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid")
+                "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic")
 UNDRAFTED = ("hf-generate", "target", "target-transformers")  # target-only: no K
 NGRAM_MAX = 4
 # Code prompts keep the last 192 tokens of each file's first half: the built-in pair was trained on
@@ -97,9 +97,10 @@ class Method:
     def drafter(self) -> str:
         if self.k is None:
             return "none"
-        if self.name == "hybrid":
+        base = self.name.removesuffix("-heuristic")
+        if base == "hybrid":
             return "hybrid"
-        return "ngram" if self.name in ("ngram", "hf-prompt-lookup") else "model"
+        return "ngram" if base in ("ngram", "hf-prompt-lookup") else "model"
 
     @property
     def schedule(self) -> str:
@@ -109,9 +110,9 @@ class Method:
 
     def spec_config(self, new_tokens: int) -> SpecConfig:
         """The engine config of an engine method: greedy, no EOS stop (exact token counts), no UI records."""
-        mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1,
-                "v1-heuristic": Mode.V1}.get(self.name, Mode.V2)
-        drafter = {"ngram": DrafterKind.NGRAM, "hybrid": DrafterKind.HYBRID}.get(self.name, DrafterKind.MODEL)
+        base = self.name.removesuffix("-heuristic")
+        mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1}.get(base, Mode.V2)
+        drafter = {"ngram": DrafterKind.NGRAM, "hybrid": DrafterKind.HYBRID}.get(base, DrafterKind.MODEL)
         schedule = KSchedule.HEURISTIC if self.schedule == "heuristic" else KSchedule.CONSTANT
         return SpecConfig(mode=mode, drafter=drafter, k=self.k or 1, k_schedule=schedule, k_max=max(8, self.k or 1),
                           max_new_tokens=new_tokens, stop_at_eos=False, record=False, ngram_max=NGRAM_MAX,
@@ -640,7 +641,7 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
     Hugging Face assisted generation and v1 at the same K, the engine's target-only against `generate`."""
     by_label = {r.label: r for r in results}
     lines = []
-    for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hf-assisted", "hf-prompt-lookup"):
+    for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hybrid-heuristic", "hf-assisted", "hf-prompt-lookup"):
         best = max((r for r in results if r.method == name), key=lambda r: r.speedup, default=None)
         if best:
             lines.append(f"best {name}: {best.label} at {best.speedup:.2f}x (predicted {best.predicted_speedup:.2f}x)")

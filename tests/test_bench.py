@@ -31,7 +31,8 @@ def quick_run(tmp_path_factory) -> tuple[dict, str]:
 def test_json_has_every_field_for_every_method(quick_run):
     doc, _ = quick_run
     expected = {m.label for m in build_methods(("target-transformers", "hf-assisted", "hf-prompt-lookup", "v2", "v1",
-                                                "v2-heuristic", "v1-heuristic", "ngram", "hybrid"), (2,))}
+                                                "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic"),
+                                               (2,))}
     records = doc["records"]
     assert {r["label"] for r in records} == expected | {"hf-generate", "target"}
     names = {f.name for f in fields(MethodResult)}
