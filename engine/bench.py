@@ -200,6 +200,7 @@ class ForwardClock:
     def __init__(self, loaded: LoadedModel | None) -> None:
         self.loaded, self.times, self._handles, self._t0 = loaded, [], [], 0.0
         self._fused: FusedLlama | None = None
+        self._shadowed = None
 
     def _sync(self) -> None:
         if self.loaded.device.type == "cuda":
@@ -232,6 +233,7 @@ class ForwardClock:
                              m.register_forward_hook(self._post, with_kwargs=True)]
             self._fused = fused_for(m)
             if self._fused is not None:
+                self._shadowed = self._fused.__dict__.get("forward")  # another clock's, when nested
                 self._fused.forward = self._timed(self._fused.forward)  # an instance attribute shadows the method
         return self
 
@@ -240,7 +242,10 @@ class ForwardClock:
             h.remove()
         self._handles = []
         if self.loaded is not None and self._fused is not None:
-            del self._fused.forward
+            if self._shadowed is None:
+                del self._fused.forward
+            else:
+                self._fused.forward = self._shadowed
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,3 +114,20 @@ def test_profile_reports_phases(capsys):
     out = capsys.readouterr().out
     for phase in ("draft", "verify", "commit", "other", "model forwards", "cProfile"):
         assert phase in out
+
+
+def test_forward_clocks_time_the_fused_forward_and_restore_it(builtin_pair):
+    from engine.bench import ForwardClock
+    from engine.runner import ModelRunner
+
+    draft = builtin_pair[0]
+    runner = ModelRunner(draft, 64)
+    assert runner.forward_path == "fused"
+    cache = runner.new_sequence()
+    with ForwardClock(draft) as outer, ForwardClock(draft) as inner:  # nested: one model, two clocks
+        runner.forward(cache, [1, 2, 3], last_only=True)
+        runner.forward(cache, [4])
+    assert [(t.q, t.rows) for t in outer.times] == [(t.q, t.rows) for t in inner.times] == [(3, 1), (1, 0)]
+    assert "forward" not in vars(runner.fused)  # the class's method again
+    runner.forward(cache, [5])
+    assert len(outer.times) == 2
