@@ -91,6 +91,10 @@ class FusedLlama:
         self._cos = self._sin = torch.empty(0)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
+    def current(self, model: torch.nn.Module) -> bool:
+        """Whether the model's parameters are still the views of this forward's fused weights."""
+        return model.model.layers[0].self_attn.q_proj.weight.data_ptr() == self.layers[0].qkv.data_ptr()
+
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:
         """Why the fused forward cannot run this model, or None when it can."""
@@ -176,8 +180,10 @@ _LOCK = threading.Lock()
 
 
 def fused_for(model: torch.nn.Module) -> FusedLlama | None:
-    """The model's fused forward (built once, shared), or None when its architecture is not covered."""
+    """The model's fused forward (built once, shared), or None when its architecture is not covered.
+    Rebuilt if the model's weights were replaced since (moved to another device or dtype)."""
     with _LOCK:
-        if model not in _FUSED:
+        fused = _FUSED.get(model)
+        if model not in _FUSED or (fused is not None and not fused.current(model)):
             _FUSED[model] = None if FusedLlama.unsupported(model) else FusedLlama(model)
         return _FUSED[model]

@@ -51,15 +51,23 @@ class Chip:
         return f"<span {attrs}>{body}</span>{tail}"
 
 
+def draft_source(r: RoundRecord) -> str:
+    """Who proposed a round's drafts: the draft model, or a copy of an earlier occurrence (the
+    n-gram drafter always, the hybrid in rounds where it spent no draft forward)."""
+    if r.drafter == "ngram" or (r.drafter == "hybrid" and r.draft_forwards == 0):
+        return "copied by prompt lookup"
+    return "from the draft model"
+
+
 def position_chip(r: RoundRecord, p: PositionRecord, revealed: bool) -> Chip:
+    name = f"drafted #{p.index + 1} ({draft_source(r)})"
     if not revealed:
-        return Chip(p.text, Outcome.PENDING, f"drafted #{p.index + 1}: q={_num(p.q_draft)} · not yet verified",
-                    r.index, p.index)
+        return Chip(p.text, Outcome.PENDING, f"{name}: q={_num(p.q_draft)} · not yet verified", r.index, p.index)
     if not p.checked:
-        return Chip(p.text, Outcome.REJECTED, f"drafted #{p.index + 1}: q={_num(p.q_draft)} · discarded "
+        return Chip(p.text, Outcome.REJECTED, f"{name}: q={_num(p.q_draft)} · discarded "
                     "unchecked (an earlier draft was rejected)", r.index, p.index, unchecked=True)
     verdict = "u < α: accepted" if p.outcome is Outcome.ACCEPTED else "u ≥ α: rejected"
-    title = (f"drafted #{p.index + 1}: p={_num(p.p_target)} q={_num(p.q_draft)} "
+    title = (f"{name}: p={_num(p.p_target)} q={_num(p.q_draft)} "
              f"α=min(1,p/q)={_num(p.alpha)} u={_num(p.u)} · {verdict}")
     return Chip(p.text, p.outcome, title, r.index, p.index)
 

@@ -96,6 +96,21 @@ def test_fusing_keeps_the_model_and_costs_no_memory() -> None:
     assert sum(p.numel() for p in model.parameters()) == params
 
 
+def test_a_moved_model_gets_a_fresh_fused_forward() -> None:
+    model = build("llama", seed=6)
+    first = fused_for(model)
+    assert fused_for(model) is first
+    model.to(torch.float64)  # replaces every parameter's storage: the old fused weights are stale
+    second = fused_for(model)
+    assert second is not first and second.layers[0].qkv.dtype == torch.float64
+    runner = ModelRunner(LoadedModel("test", model, SimpleNamespace(eos_token_id=0), torch.device("cpu"),
+                                     torch.float64, VOCAB, 256), 64, block_size=4)
+    plain = ModelRunner(runner.loaded, 64, block_size=4, fused=False)
+    a = script(runner, runner.new_sequence(), torch.Generator().manual_seed(3))
+    b = script(plain, plain.new_sequence(), torch.Generator().manual_seed(3))
+    assert all((x - y).abs().max() < 1e-10 for x, y in zip(a, b))
+
+
 def test_unsupported_models_say_why_and_run_the_transformers_forward(builtin_tokenizer) -> None:
     import transformers
 

@@ -80,6 +80,19 @@ def test_chips_follow_each_rounds_outcomes(sampled):
         assert sum(not c.unchecked for c in rejected) == (1 if _rejected(r) else 0)
 
 
+def test_chip_titles_say_who_drafted(sampled):
+    from dataclasses import replace
+
+    view, _ = sampled
+    r = next(r for r in view.rounds if r.k and r.draft_forwards)
+    titles = lambda rec: [c.title for c in round_chips(rec) if c.position < rec.k]  # noqa: E731
+    assert all("(from the draft model)" in t for t in titles(r))
+    copied = replace(r, drafter="hybrid", draft_forwards=0)
+    assert all("(copied by prompt lookup)" in t for t in titles(copied))
+    assert all("(from the draft model)" in t for t in titles(replace(r, drafter="hybrid")))
+    assert all("(copied by prompt lookup)" in t for t in titles(replace(r, drafter="ngram", draft_forwards=0)))
+
+
 def test_stream_html_has_every_outcome_class_and_hover_values(sampled):
     view, _ = sampled
     page = stream_html(view, Cursor(shown=len(view.rounds)))
