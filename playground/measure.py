@@ -48,7 +48,7 @@ def cost_ratio(view: RunView) -> CostRatio | None:
     """c from this run: the median round's ms per draft forward over the median ms of one baseline
     decode step (medians, so a first call's warm-up does not dominate a short run). None until
     both streams have timed at least one step."""
-    steps = [b.timings.verify_ms for b in view.baseline]
+    steps = [b.timings.verify_ms for b in view.baseline if b.index > 0]  # round 0's forward is the prefill
     if not steps:
         return None
     target_ms = statistics.median(steps)

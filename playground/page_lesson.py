@@ -49,7 +49,7 @@ def step_stream(step: LessonStep, view: RunView) -> str:
 def cost_figure(view: RunView, upto_round: int) -> go.Figure:
     """Measured forward times: one target-only decode step vs one verify step over K+1 tokens
     (and one draft forward), medians over the rounds so far."""
-    step = [b.timings.verify_ms for b in view.baseline]
+    step = [b.timings.verify_ms for b in view.baseline if b.index > 0]  # round 0's forward is the prefill
     rounds = [r for r in view.rounds[: upto_round + 1] if r.k]
     if not step or not rounds:
         return empty_figure("Not measured yet.")
