@@ -4,8 +4,8 @@ The transformers forward spends most of a small model's decode step in Python: o
 mask construction, per-layer module dispatch. Like nano-vllm and gpt-fast, the engine runs its own
 forward over the model's own weights instead: per layer, one fused QKV matmul, rotary from a
 precomputed table, the K/V written into the paged pool, SDPA with GQA, and one fused gate/up
-matmul. On the built-in target that is 3.4 ms a decode step instead of 5.0 ms, and on the
-one-layer draft 0.45 ms instead of 0.86 ms (`python -m engine cache-bench`), so it also lowers c.
+matmul. On the built-in target that is 3.35 ms a decode step instead of 4.95 ms, and on the
+one-layer draft 0.42 ms instead of 0.80 ms (`python -m engine cache-bench`), so it also lowers c.
 
 It computes what the transformers forward computes, in the same order (on the built-in pair the
 logits are bit-identical; tests compare logits, and greedy runs token for token against
@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from engine.kv_cache import PagedCache
 
 FAMILIES = ("llama", "qwen2", "mistral")
-STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
+# Rotary types whose cos/sin depend on the position alone, so one table serves every length
+# (dynamic NTK and longrope rescale with the sequence length: those run the transformers forward).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 class _Layer:
@@ -109,6 +111,8 @@ class FusedLlama:
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not layers or type(getattr(model, "lm_head", None)) is not torch.nn.Linear:
             return "no decoder layers or LM head where a Llama-family model has them"
+        if model.lm_head.bias is not None:
+            return "an LM head with a bias"
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if type(getattr(layers[0].self_attn, name, None)) is not torch.nn.Linear:
                 return f"self_attn.{name} is not a plain Linear (quantized or replaced)"
