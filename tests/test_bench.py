@@ -58,10 +58,14 @@ def test_identical_tokens_for_every_greedy_method(quick_run):
 def test_baselines_and_constant_k_accounting(quick_run):
     doc, _ = quick_run
     by_label = {r["label"]: r for r in doc["records"]}
-    for name in ("hf-generate", "target"):
+    baselines = ("hf-generate", "target", "target-transformers")
+    for name in baselines:
         r = by_label[name]
         assert r["target_forwards_per_token"] == 1.0 and r["drafted"] == 0 and r["predicted_speedup"] == 1.0
-    assert max(by_label["hf-generate"]["speedup"], by_label["target"]["speedup"]) == pytest.approx(1.0)
+    # Speed-ups are over the fastest target-only method, whichever it was in this (noisy) tiny run.
+    fastest = max(baselines, key=lambda n: by_label[n]["tokens_per_s"])
+    assert by_label[fastest]["speedup"] == pytest.approx(1.0) and doc["meta"]["fastest_baseline"] == fastest
+    assert all(by_label[n]["speedup"] <= 1.0 + 1e-9 for n in baselines)
     for name in ("v2 K=2", "v1 K=2", "hf-assisted K=2"):
         # Model drafters draft K per round, except a last round capped by the token budget.
         r = by_label[name]
