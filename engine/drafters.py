@@ -9,7 +9,7 @@ import torch
 from engine.config import DrafterKind
 from engine.kv_cache import PagedCache
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, draw, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows
+from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.verify import align_vocab
 
 
@@ -78,7 +78,7 @@ class ModelDrafter:
                 token = int(greedy_ids(logits)[0])
             else:
                 q = logits_to_probs(logits, self.sampling)
-                token = int(draw(q, u, self.sampling)[0])
+                token = int(sample_from(q, u)[0])
                 rows.append(q[0])
             tokens.append(token)
             feed = self._draftable([token])

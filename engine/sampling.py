@@ -59,14 +59,14 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """
     row_max = _check_logits(logits)
     if params.greedy:
-        return _one_hot(row_max.indices, logits.shape[1])
+        return one_hot_rows(row_max.indices, logits.shape[1])
     scaled = logits.float() / params.temperature
     keep = _top_k_top_p_mask(scaled, params)
     probs = torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
     return probs
 
 
-def _check_logits(logits: Tensor):
+def _check_logits(logits: Tensor) -> torch.return_types.max:
     """Raise for NaN, +inf or an all -inf row; return the row maxima (values, indices).
 
     One reduction and one host sync in the normal case: a row's max is NaN if the row holds a NaN
@@ -93,11 +93,7 @@ def greedy_ids(logits: Tensor) -> Tensor:
 
 
 def one_hot_rows(ids: Tensor, v: int) -> Tensor:
-    """Tensor[N, v] float32: the greedy distributions with all mass on `ids`."""
-    return _one_hot(ids, v)
-
-
-def _one_hot(ids: Tensor, v: int) -> Tensor:
+    """Tensor[N, v] float32: the greedy distributions with all mass on `ids` (Tensor[N] long)."""
     return torch.zeros(ids.shape[0], v, device=ids.device).scatter_(1, ids.unsqueeze(-1), 1.0)
 
 
@@ -135,17 +131,6 @@ def sample_from(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:
     if u.dim() != 1 or (probs.dim() == 2 and u.shape[0] != probs.shape[0]):
         raise ValueError(f"u must have shape [N] = [{probs.shape[0]}], got {tuple(u.shape)}")
     return sample_many(probs, u.unsqueeze(-1), check_mass=check_mass).squeeze(-1)
-
-
-def draw(probs: Tensor, u: Tensor, params: SamplingParams) -> Tensor:
-    """Token ids Tensor[N] from processed rows (`logits_to_probs(..., params)`) and their uniforms.
-
-    A greedy row is one-hot, and inverse-CDF sampling returns its hot id for every u, so greedy
-    rows skip the CDF. The caller has drawn u either way: the random stream stays in lockstep.
-    """
-    if params.greedy:
-        return probs.argmax(dim=-1)
-    return sample_from(probs, u)
 
 
 def sample_many(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from engine.config import K_BOUND, DrafterKind, Mode, SpecConfig
-from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, check_same_tokenizer
 from engine.records import Candidate, FinalRecord, KVState, PositionRecord, RoundRecord, RoundTimings, RunSummary, summarize
@@ -154,7 +154,8 @@ class SpeculativeEngine:
                 return self.target_runner.forward(self.target_cache, feed)
         return self.target_runner.forward(self.target_cache, feed)
 
-    def _verify(self, logits: torch.Tensor, drafted: list[int], proposal) -> tuple[torch.Tensor, VerifyResult]:
+    def _verify(self, logits: torch.Tensor, drafted: list[int],
+                proposal: Proposal | None) -> tuple[torch.Tensor, VerifyResult]:
         """(processed target rows, the round's verdict). Greedy rounds verify from the argmaxes
         (`verify_greedy`, the same result as `verify` on one-hot rows, without the [K+1, V] work)."""
         if self.config.sampling.greedy:

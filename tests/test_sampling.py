@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, draw, draw_uniform, logits_to_probs, sample_from, sample_many
+from engine.sampling import (SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from,
+                             sample_many)
 
 
 def probs_logits(*probs: float) -> torch.Tensor:
@@ -63,14 +64,14 @@ def test_greedy_ties_go_to_lowest_id_across_a_wide_row():
     assert torch.equal(probs.sum(dim=-1), torch.ones(6))
 
 
-def test_draw_on_greedy_rows_is_inverse_cdf_sampling():
+def test_greedy_ids_and_one_hot_rows_are_logits_to_probs():
     logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(1))
-    params = SamplingParams()
-    probs = logits_to_probs(logits, params)
+    ids = greedy_ids(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    assert torch.equal(one_hot_rows(ids, 300), logits_to_probs(logits, SamplingParams()))
+    # and inverse-CDF sampling of a greedy row returns its hot id for any u
     u = draw_uniform(32, torch.Generator().manual_seed(2))
-    assert torch.equal(draw(probs, u, params), sample_from(probs, u))
-    hot = draw(probs, torch.full((32,), 0.999999), params)
-    assert torch.equal(hot, logits.argmax(dim=-1))
+    assert torch.equal(sample_from(one_hot_rows(ids, 300), u), ids)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
