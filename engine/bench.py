@@ -103,6 +103,10 @@ class Method:
         return "ngram" if base in ("ngram", "hf-prompt-lookup") else "model"
 
     @property
+    def uses_draft_model(self) -> bool:
+        return self.drafter in ("model", "hybrid")
+
+    @property
     def schedule(self) -> str:
         if self.k is None:
             return "none"
@@ -287,7 +291,7 @@ class RunSample:
 def run_engine(method: Method, target: LoadedModel, draft: LoadedModel | None, prompt: list[int],
                new_tokens: int) -> RunSample:
     """Decode with SpeculativeEngine; the clock starts before the engine (and its KV pools) exist."""
-    uses_draft = method.drafter in ("model", "hybrid")
+    uses_draft = method.uses_draft_model
     with ForwardClock(target) as tc, ForwardClock(draft if uses_draft else None) as dc:
         t0 = time.perf_counter()
         engine = SpeculativeEngine(target, draft if uses_draft else None, prompt, method.spec_config(new_tokens))
@@ -414,7 +418,7 @@ def reference_forward_s(samples: Sequence[RunSample]) -> float:
 def cost_ratios(method: Method, samples: Sequence[RunSample], t1: float) -> tuple[float, dict[int, float]]:
     """(c, {k: r(k)}) from this method's hooked forward times, relative to `t1` seconds."""
     draft = [t.seconds for s in samples for t in s.decode_forwards[1]]
-    c = _median(draft, 0.0) / t1 if method.drafter in ("model", "hybrid") else 0.0
+    c = _median(draft, 0.0) / t1 if method.uses_draft_model else 0.0
     by_k: dict[int, list[float]] = {}
     for s in samples:
         for t in s.decode_forwards[0]:
@@ -880,7 +884,7 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)
-    target, draft = load_pair(a, needs_draft=any(m.drafter in ("model", "hybrid") for m in drafters))
+    target, draft = load_pair(a, needs_draft=any(m.uses_draft_model for m in drafters))
     if draft is not None:
         from engine.models import check_same_tokenizer
         check_same_tokenizer(draft, target)
