@@ -5,10 +5,10 @@ import sys
 def main() -> int:
     commands = {
         "generate": "engine.cli",
-        "bench": "engine.bench",
-        "train-builtin": "engine.train_builtin",
-        "eval-builtin": "engine.builtin_eval",
-        "cache-bench": "engine.cache_bench",
+        "bench": "engine.bench.cli",
+        "train-builtin": "engine.train.builtin",
+        "eval-builtin": "engine.train.builtin_eval",
+        "cache-bench": "engine.bench.cache_bench",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m engine {{{','.join(commands)}}} [options]  (--help on each)", file=sys.stderr)

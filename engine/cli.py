@@ -17,9 +17,10 @@ import torch
 
 from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
-from engine.models import BUILTIN, LoadedModel, ModelLoadError, default_devices, load_model
+from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
 from engine.records import RunSummary
 from engine.sampling import SamplingParams
+from engine.sources import BUILTIN
 from engine.speculative import PromptError
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -136,7 +137,7 @@ def load_models(args: argparse.Namespace, config: SpecConfig) -> tuple[LoadedMod
 
 
 def generate(args: argparse.Namespace) -> GenerateResult:
-    from engine.session import ComparedRun
+    from engine.compared import ComparedRun
 
     config = config_from_args(args)
     if args.kv_blocks is not None and args.kv_blocks < 1:

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from engine.kv_cache import KVShape
-
-from engine.sources import BUILTIN, BUILTIN_DIR, SMOLLM2, Progress, SourceError, missing_hint, resolve
+from engine.sources import Progress, SourceError, missing_hint, resolve
 
 
 class ModelLoadError(RuntimeError):

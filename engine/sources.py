@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ASSETS = REPO_ROOT / "assets"
 BUILTIN = "builtin"
 BUILTIN_DIR = ASSETS / "builtin"
 BUILTIN_REBUILD = "python -m engine train-builtin"

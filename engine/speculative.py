@@ -21,7 +21,16 @@ from engine.config import K_BOUND, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, check_same_tokenizer
-from engine.records import Candidate, FinalRecord, KVState, PositionRecord, RoundRecord, RoundTimings, RunSummary, summarize
+from engine.records import (
+    Candidate,
+    FinalRecord,
+    KVState,
+    PositionRecord,
+    RoundRecord,
+    RoundTimings,
+    RunSummary,
+    summarize,
+)
 from engine.runner import ModelRunner
 from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.verify import Outcome, VerifyResult, verify, verify_greedy

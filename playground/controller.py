@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.block_manager import KVPoolExhausted
+from engine.compared import ComparedRun
 from engine.config import DrafterKind, KSchedule, Mode, SpecConfig
 from engine.models import ModelLoadError
 from engine.sampling import SamplingParams
-from engine.session import ComparedRun
 from engine.speculative import PromptError, encode_prompt
 from engine.trace import TraceError, load_trace
 from playground.registry import ModelRegistry

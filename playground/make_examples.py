@@ -10,12 +10,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.compared import ComparedRun
 from engine.config import Mode, SpecConfig
-from engine.models import BUILTIN, load_model
+from engine.models import load_model
 from engine.sampling import SamplingParams
-from engine.session import ComparedRun
+from engine.sources import BUILTIN
 from playground.controls import EXAMPLE_PROMPTS
-from playground.page_traces import EXAMPLES_DIR
+from playground.pages.traces import EXAMPLES_DIR
 
 
 @dataclass(frozen=True, slots=True)

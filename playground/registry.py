@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models import BUILTIN, LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
+from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
+from engine.sources import BUILTIN
 
 CUSTOM = "custom"
 MEMORY_HEADROOM = 1.2   # weights plus activations, allocator slack and the KV pools

@@ -14,9 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.compared import ComparedRun
 from engine.config import Mode, SpecConfig
 from engine.models import LoadedModel
-from engine.session import ComparedRun
 from engine.speculative import K_SLACK
 from playground.view import Cursor, RunInfo, RunView, view_from_run
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.models import BUILTIN
+from engine.sources import BUILTIN
 
 ALLOW_CUSTOM_ENV = "SPECPLAY_ALLOW_CUSTOM_MODELS"
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

@@ -12,13 +12,21 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from playground import (controller, page_charts, page_compare, page_detail, page_kv, page_lab, page_lesson, page_stream,
-                        page_theory, page_traces)
+from playground import controller
 from playground.controller import USER_ERRORS, Context, DecodeRequest
 from playground.controls import Controls, build_controls
-from playground.frame import render_frame
-from playground.palette import stylesheet
+from playground.pages import charts as page_charts
+from playground.pages import compare as page_compare
+from playground.pages import detail as page_detail
+from playground.pages import kv as page_kv
+from playground.pages import lab as page_lab
+from playground.pages import lesson as page_lesson
+from playground.pages import stream as page_stream
+from playground.pages import theory as page_theory
+from playground.pages import traces as page_traces
 from playground.registry import ModelRegistry
+from playground.render.frame import render_frame
+from playground.render.palette import stylesheet
 from playground.sessions import Session, SessionPool
 from playground.settings import AppSettings
 from playground.spaces_shim import gpu

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.compared import ComparedRun
 from engine.config import KSchedule, Mode, SpecConfig
 from engine.models import LoadedModel
 from engine.records import RoundRecord
-from engine.session import ComparedRun
 from engine.trace import Trace, TraceHeader, config_from_dict, make_header
 from engine.verify import Outcome
 

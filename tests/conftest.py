@@ -6,7 +6,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from engine.models import BUILTIN, LoadedModel, load_model
+from engine.models import LoadedModel, load_model
+from engine.sources import BUILTIN
 
 torch.set_num_threads(2)
 
@@ -35,7 +36,7 @@ def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: 
 def builtin_tokenizer():
     from transformers import AutoTokenizer
 
-    from engine.models import BUILTIN_DIR
+    from engine.sources import BUILTIN_DIR
 
     return AutoTokenizer.from_pretrained(str(BUILTIN_DIR / "target"))
 

@@ -5,8 +5,13 @@ import gradio as gr
 import pytest
 
 import app
-from playground import page_charts, page_compare, page_detail, page_kv, page_stream, page_traces
 from playground.controls import build_controls
+from playground.pages import charts as page_charts
+from playground.pages import compare as page_compare
+from playground.pages import detail as page_detail
+from playground.pages import kv as page_kv
+from playground.pages import stream as page_stream
+from playground.pages import traces as page_traces
 from playground.registry import ModelRegistry
 from playground.ui import build_app, make_context
 

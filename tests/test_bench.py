@@ -8,8 +8,11 @@ from dataclasses import fields
 import pytest
 
 from engine import metrics
-from engine.bench import (ForwardTime, Method, MethodResult, RunSample, build_methods, main, predicted,
-                          summarize)
+from engine.bench.cli import main
+from engine.bench.clock import ForwardTime
+from engine.bench.methods import Method, build_methods
+from engine.bench.results import MethodResult, predicted, summarize
+from engine.bench.runs import RunSample
 
 NEW = 6
 
@@ -121,7 +124,7 @@ def test_profile_reports_phases(capsys):
 
 
 def test_forward_clocks_time_the_fused_forward_and_restore_it(builtin_pair):
-    from engine.bench import ForwardClock
+    from engine.bench.clock import ForwardClock
     from engine.runner import ModelRunner
 
     draft = builtin_pair[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.verify import Outcome
-from playground.palette import chip_class
+from playground.render.palette import chip_class
 from tests.conftest import launched_app
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 
-from engine import corpus
-from engine.models import BUILTIN, BUILTIN_DIR, ModelLoadError, load_model
+from engine.models import ModelLoadError, load_model
+from engine.sources import BUILTIN, BUILTIN_DIR
 from engine.sources import BUILTIN_REBUILD as REBUILD_COMMAND
+from engine.train import corpus
 
 # Held-out loss (nats/token) the built-in target must stay under, on 16 windows of the stdlib's
 # test folders. A model that learned nothing sits near ln(4096) = 8.3; the shipped target measures
@@ -54,8 +55,8 @@ def test_tokenizer_round_trips_source_exactly(builtin_tokenizer, name):
 
 
 def test_heldout_loss_below_ceiling(builtin_pair):
-    from engine.builtin_eval import heldout_windows
-    from engine.train_builtin import heldout_loss
+    from engine.train.builtin import heldout_loss
+    from engine.train.builtin_eval import heldout_windows
 
     _, target = builtin_pair
     loss = heldout_loss(target.model, heldout_windows(16, 257, seed=7))

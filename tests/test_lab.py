@@ -6,14 +6,14 @@ import gradio as gr
 import pytest
 import torch
 
+from engine.compared import ComparedRun
 from engine.config import DrafterKind, SpecConfig
-from engine.lesson import WRONG_RULES, RoundRows, best_window, round_rows, rule_output, separation, window
-from engine.losslessness import Rule, goodness_of_fit, simulate
 from engine.sampling import SamplingParams
-from engine.session import ComparedRun
 from engine.speculative import SpeculativeEngine, encode_prompt
-from playground import page_lab
+from playground.pages import lab as page_lab
 from playground.sessions import Session
+from playground.teach.lesson import WRONG_RULES, RoundRows, best_window, round_rows, rule_output, separation, window
+from playground.teach.losslessness import Rule, goodness_of_fit, simulate
 from playground.view import Cursor, info_for_run
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"

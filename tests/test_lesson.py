@@ -8,11 +8,25 @@ import json
 import gradio as gr
 import pytest
 
-from engine.lesson import (LESSONS_DIR, NO, STEP_SPECS, YES, LessonDriver, LessonError, LessonSettings, StepId, View,
-                           find_plan, is_bonus_round, is_reject_round, load_lesson_text, parse_lesson_text,
-                           placeholders)
 from engine.verify import Outcome
-from playground import page_lesson
+from playground.pages import lesson as page_lesson
+from playground.teach.lesson import (
+    LESSONS_DIR,
+    NO,
+    STEP_SPECS,
+    YES,
+    LessonDriver,
+    LessonError,
+    LessonSettings,
+    StepId,
+    View,
+    find_plan,
+    is_bonus_round,
+    is_reject_round,
+    load_lesson_text,
+    parse_lesson_text,
+    placeholders,
+)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from engine.models import BUILTIN, ModelLoadError
+from engine.models import ModelLoadError
+from engine.sources import BUILTIN
 from engine.speculative import PromptError
 from engine.trace import TraceError
 from engine.verify import Outcome
 from playground import controller
 from playground.controller import Context, DecodeRequest
-from playground.frame import render_frame
 from playground.registry import CUSTOM, ModelRegistry, check_fits, estimate_parameters
+from playground.render.frame import render_frame
 from playground.sessions import SessionLimitReached, SessionPool
 from playground.settings import AppSettings, allow_custom_default
 

@@ -6,18 +6,19 @@ import statistics
 import plotly.graph_objects as go
 import pytest
 
+from engine.compared import ComparedRun
 from engine.config import Mode, SpecConfig
 from engine.records import RoundRecord
 from engine.sampling import SamplingParams
-from engine.session import ComparedRun
 from engine.trace import load_trace
 from engine.verify import Outcome
-from playground import charts, measure
-from playground.frame import render_frame
-from playground.kv_plots import kv_figure, kv_table_html, slot_states
-from playground.palette import OUTCOME_STYLES, SLOT_COLOURS, SlotState, chip_class
-from playground.round_plots import position_choices, position_figure
-from playground.tokens import legend_html, round_chips, stream_html, visible
+from playground import measure
+from playground.render import charts
+from playground.render.frame import render_frame
+from playground.render.kv_plots import kv_figure, kv_table_html, slot_states
+from playground.render.palette import OUTCOME_STYLES, SLOT_COLOURS, SlotState, chip_class
+from playground.render.round_plots import position_choices, position_figure
+from playground.render.tokens import legend_html, round_chips, stream_html, visible
 from playground.view import Cursor, RunView, info_for_run, view_from_run, view_from_trace
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"

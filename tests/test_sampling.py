@@ -4,8 +4,15 @@ import math
 import pytest
 import torch
 
-from engine.sampling import (SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from,
-                             sample_many)
+from engine.sampling import (
+    SamplingParams,
+    draw_uniform,
+    greedy_ids,
+    logits_to_probs,
+    one_hot_rows,
+    sample_from,
+    sample_many,
+)
 
 
 def probs_logits(*probs: float) -> torch.Tensor:

@@ -7,12 +7,13 @@ from dataclasses import replace
 import gradio as gr
 import pytest
 
+from engine.compared import ComparedRun
 from engine.config import K_BOUND, Mode, SpecConfig
 from engine.metrics import best_k
 from engine.sampling import SamplingParams
-from engine.session import ComparedRun
-from playground import measure, page_theory
-from playground.page_theory import TIE_RTOL, NotMeasured, TheoryInputs, theory_curves, theory_inputs
+from playground import measure
+from playground.pages import theory as page_theory
+from playground.pages.theory import TIE_RTOL, NotMeasured, TheoryInputs, theory_curves, theory_inputs
 from playground.sessions import Session
 from playground.view import Cursor, info_for_run, view_from_run
 

@@ -10,12 +10,25 @@ import pandas as pd
 import pytest
 
 from engine import trace as trace_mod
+from engine.compared import ComparedRun
 from engine.config import SpecConfig
 from engine.records import RoundRecord
-from engine.session import ComparedRun
-from engine.trace import (ROUND_COLUMNS, TRACE_VERSION, TraceError, TraceWriter, config_from_dict, config_to_dict,
-                          export_csv, load_trace, make_header, round_from_dict, round_to_dict, rounds_dataframe,
-                          summary_from_dict, summary_to_dict)
+from engine.trace import (
+    ROUND_COLUMNS,
+    TRACE_VERSION,
+    TraceError,
+    TraceWriter,
+    config_from_dict,
+    config_to_dict,
+    export_csv,
+    load_trace,
+    make_header,
+    round_from_dict,
+    round_to_dict,
+    rounds_dataframe,
+    summary_from_dict,
+    summary_to_dict,
+)
 from engine.verify import Outcome
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add"

@@ -1,4 +1,4 @@
-"""Tests for engine.verify (one round's rejection sampling) and engine.losslessness (its statistics).
+"""Tests for engine.verify (one round's rejection sampling) and playground.teach.losslessness (its statistics).
 
 Statistical tests use fixed seeds and significance level alpha = 1e-3 per output index.
 """
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.losslessness import Rule, check_rule, goodness_of_fit, passes, simulate
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
 from engine.verify import ROW_SUM_TOL, Outcome, VerifyResult, align_vocab, verify, verify_greedy, verify_reference
+from playground.teach.losslessness import Rule, check_rule, goodness_of_fit, passes, simulate
 
 SIGNIFICANCE = 1e-3
 TRIALS = 120_000

@@ -13,9 +13,10 @@ import random
 import re
 import sys
 from functools import lru_cache
-from pathlib import Path
 
-CHAT_PROMPTS = Path(__file__).resolve().parent.parent.parent / "assets" / "prompts" / "chat.json"
+from engine.sources import ASSETS
+
+CHAT_PROMPTS = ASSETS / "prompts" / "chat.json"
 SETS = ("bench", "heldout")
 
 # Words that mark a held-out prompt's subject; no training prompt may contain one.

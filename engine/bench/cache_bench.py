@@ -61,7 +61,8 @@ def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from engine.models import BUILTIN, load_model
+    from engine.models import load_model
+    from engine.sources import BUILTIN
 
     ap = argparse.ArgumentParser(prog="python -m engine cache-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

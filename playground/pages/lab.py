@@ -1,8 +1,8 @@
 """The Losslessness lab: re-verify a real round N times with fresh draws, under the correct rule or a
 deliberately wrong one, and test the emitted tokens against p_target.
 
-The round's full-vocabulary rows come from engine.lesson.round_rows (its forwards re-run on fresh
-caches); the Monte-Carlo and the chi-square test are engine.losslessness's. Pure pieces
+The round's full-vocabulary rows come from playground.teach.lesson.round_rows (its forwards re-run on fresh
+caches); the Monte-Carlo and the chi-square test are playground.teach.losslessness's. Pure pieces
 (`run_lab`, `lab_figure`, `fits_table_html`, `verdict_html`) need no Gradio.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ import plotly.graph_objects as go
 import torch
 from torch import Tensor
 
-from engine.losslessness import MIN_SAMPLES, FitResult, Rule, goodness_of_fit, simulate
-from engine.lesson import RoundRows, RuleOutput, best_window, round_rows, rule_output, window
-from playground.charts import empty_figure
-from playground.palette import BLUE, ORANGE, VERMILLION
-from playground.tokens import visible
+from playground.render.charts import empty_figure
+from playground.render.palette import BLUE, ORANGE, VERMILLION
+from playground.render.tokens import visible
+from playground.teach.lesson import RoundRows, RuleOutput, best_window, round_rows, rule_output, window
+from playground.teach.losslessness import MIN_SAMPLES, FitResult, Rule, goodness_of_fit, simulate
 
 ALPHA_LEVEL = 1e-3     # each index's test rejects "counts ~ p_target" below this p-value
 DEFAULT_TRIALS = 10_000
@@ -54,9 +54,9 @@ class LabResult:
 
 def run_lab(rows: RoundRows, rule: Rule | str, trials: int, seed: int,
             start: int | None = None, length: int | None = None) -> LabResult:
-    """Simulate `trials` rounds on the fixed rows (engine.losslessness.simulate) and test every
+    """Simulate `trials` rounds on the fixed rows (playground.teach.losslessness.simulate) and test every
     output index with at least MIN_SAMPLES tokens against p_target. start/length None: the window
-    where the wrong rules show most (engine.lesson.best_window)."""
+    where the wrong rules show most (playground.teach.lesson.best_window)."""
     if not 1 <= trials <= MAX_TRIALS:
         raise ValueError(f"N must be between 1 and {MAX_TRIALS:,}, got {trials}")
     if start is None or length is None:

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine import corpus
+from engine.sources import BUILTIN_DIR, REPO_ROOT
+from engine.train import corpus
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BUILTIN_DIR = REPO_ROOT / "assets" / "builtin"
 WORK_DIR = REPO_ROOT / ".cache" / "train-builtin"
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import gradio as gr
 
 from engine.trace import TraceError, load_trace
-from playground.compare import compare_per_position, compare_table_html, compare_tokens_time
-from playground.tokens import stream_html
+from playground.render.compare import compare_per_position, compare_table_html, compare_tokens_time
+from playground.render.tokens import stream_html
 from playground.view import Cursor, RunView, view_from_trace
 
 

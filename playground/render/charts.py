@@ -8,7 +8,7 @@ from collections import Counter
 import plotly.graph_objects as go
 
 from playground import measure
-from playground.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR
+from playground.render.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR
 from playground.view import RunView
 
 HEIGHT = 300

@@ -11,7 +11,7 @@ import html
 import plotly.graph_objects as go
 
 from engine.records import KVState
-from playground.palette import SLOT_COLOURS, SLOT_LABELS, SLOT_MARKS, SlotState
+from playground.render.palette import SLOT_COLOURS, SLOT_LABELS, SLOT_MARKS, SlotState
 
 
 def slot_states(kv: KVState) -> list[list[SlotState]]:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import gradio as gr
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "assets" / "traces"
+from engine.sources import ASSETS
+
+EXAMPLES_DIR = ASSETS / "traces"
 
 
 def example_traces(folder: Path = EXAMPLES_DIR) -> list[tuple[str, str]]:

@@ -16,8 +16,8 @@ from plotly.subplots import make_subplots
 from engine import metrics
 from engine.config import K_BOUND
 from playground import measure
-from playground.charts import empty_figure
-from playground.palette import GREY, PREDICTED_COLOUR, SPEC_COLOUR
+from playground.render.charts import empty_figure
+from playground.render.palette import GREY, PREDICTED_COLOUR, SPEC_COLOUR
 from playground.view import RunView
 
 R_VERIFY = 1.0   # Leviathan's assumption: a verify forward over K+1 tokens costs one target step

@@ -5,8 +5,8 @@ import plotly.graph_objects as go
 
 from engine.records import Candidate, RoundRecord
 from engine.verify import Outcome
-from playground.palette import BLUE, ORANGE, OUTCOME_STYLES, PURPLE, VERMILLION
-from playground.tokens import visible
+from playground.render.palette import BLUE, ORANGE, OUTCOME_STYLES, PURPLE, VERMILLION
+from playground.render.tokens import visible
 
 P_COLOUR, Q_COLOUR, RESIDUAL_COLOUR = BLUE, ORANGE, VERMILLION
 HIGHLIGHT_WIDTH = 4

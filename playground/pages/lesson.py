@@ -1,6 +1,6 @@
 """The Lesson tab: a guided walk through one speculative round on the real built-in pair.
 
-engine.lesson's driver decides what each step says, shows and asks (from the real records);
+playground.teach.lesson's driver decides what each step says, shows and asks (from the real records);
 this page renders it with the playground's own renderers (chips, p/q bars, residual, KV grid,
 theory curves) in one shared view under a gr.Walkthrough, and wires Back/Next/Check/Reveal.
 """
@@ -14,16 +14,17 @@ from functools import partial
 import gradio as gr
 import plotly.graph_objects as go
 
-from engine.lesson import LessonDriver, LessonError, LessonStep, LessonText, StepId, View, load_lesson_text
-from engine.models import BUILTIN, LoadedModel, ModelLoadError, load_model
+from engine.models import LoadedModel, ModelLoadError, load_model
 from engine.records import RoundRecord
-from playground.charts import empty_figure
-from playground.kv_plots import kv_figure
-from playground.page_theory import theory_figure
-from playground.palette import BASELINE_COLOUR, SPEC_COLOUR
+from engine.sources import BUILTIN
+from playground.pages.theory import theory_figure
 from playground.registry import ModelRegistry
-from playground.round_plots import draft_figure, final_figure
-from playground.tokens import legend_html, stream_html
+from playground.render.charts import empty_figure
+from playground.render.kv_plots import kv_figure
+from playground.render.palette import BASELINE_COLOUR, SPEC_COLOUR
+from playground.render.round_plots import draft_figure, final_figure
+from playground.render.tokens import legend_html, stream_html
+from playground.teach.lesson import LessonDriver, LessonError, LessonStep, LessonText, StepId, View, load_lesson_text
 from playground.view import Cursor, RunView, info_for_run, view_from_run
 
 # Steps whose question is about the round's mechanics, not its verdicts: their chips stay pending.

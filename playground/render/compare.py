@@ -7,8 +7,8 @@ import math
 import plotly.graph_objects as go
 
 from playground import measure
-from playground.charts import HEIGHT, empty_figure
-from playground.palette import BLUE, ORANGE
+from playground.render.charts import HEIGHT, empty_figure
+from playground.render.palette import BLUE, ORANGE
 from playground.view import RunView
 
 COLOURS = (BLUE, ORANGE)   # run A, run B

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from playground import charts
-from playground.kv_plots import kv_figure, kv_table_html
-from playground.round_plots import position_choices, position_figure
-from playground.tokens import stream_html
+from playground.render import charts
+from playground.render.kv_plots import kv_figure, kv_table_html
+from playground.render.round_plots import position_choices, position_figure
+from playground.render.tokens import stream_html
 from playground.view import Cursor, RunView
 
 

@@ -20,17 +20,18 @@ import torch
 from torch import Tensor
 
 from engine import metrics
+from engine.compared import ComparedRun
 from engine.config import DrafterKind, Mode, SpecConfig
-from engine.losslessness import Rule
 from engine.models import LoadedModel
 from engine.records import PositionRecord, RoundRecord
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
-from engine.session import ComparedRun
+from engine.sources import ASSETS
 from engine.speculative import SpeculativeEngine, encode_prompt
 from engine.verify import Outcome, align_vocab
+from playground.teach.losslessness import Rule
 
-LESSONS_DIR = Path(__file__).resolve().parent.parent / "assets" / "lessons"
+LESSONS_DIR = ASSETS / "lessons"
 SCHEMA, SCHEMA_VERSION = "specplay.lesson", 1
 
 

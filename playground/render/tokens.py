@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.records import FinalRecord, PositionRecord, RoundRecord
 from engine.verify import Outcome
-from playground.palette import OUTCOME_STYLES, chip_class
+from playground.render.palette import OUTCOME_STYLES, chip_class
 from playground.view import Cursor, RunView
 
 # Visible stand-ins: the built-in pair writes code, where spaces and newlines are the content.

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from engine import corpus
-from engine.models import BUILTIN, BUILTIN_DIR, load_model
+from engine.models import load_model
+from engine.sources import BUILTIN, BUILTIN_DIR
+from engine.train import corpus
 
 CARD_JSON = BUILTIN_DIR / "card.json"
 SAMPLE_PROMPTS = ("import os\n\n\ndef ", "def main(", "import os\n")
@@ -103,7 +104,7 @@ def engine_decode_ms(loaded, context: int = 256, reps: int = 20, query: int = 1)
 
 
 def measure(alpha_windows: int = 64, loss_windows: int = 64, progress=print) -> PairFigures:
-    from engine.train_builtin import heldout_loss
+    from engine.train.builtin import heldout_loss
 
     torch.set_num_threads(2)
     draft, target = load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")

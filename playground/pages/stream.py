@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from playground.tokens import CHIP_CLICK_JS, legend_html
+from playground.render.tokens import CHIP_CLICK_JS, legend_html
 
 
 @dataclass(frozen=True)

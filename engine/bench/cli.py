@@ -1,0 +1,171 @@
+"""`python -m engine bench`: the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from engine.bench.methods import (
+    CODE_PROMPT_TOKENS,
+    DEFAULT_KS,
+    METHOD_NAMES,
+    BenchSettings,
+    build_methods,
+    parse_method,
+)
+from engine.bench.plot import write_plot
+from engine.bench.prompts import make_prompts
+from engine.bench.report import format_table, make_meta, profile, write_json
+from engine.bench.results import summarize_all
+from engine.bench.runs import run_bench
+from engine.cli import DTYPES, check_device
+from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
+from engine.sources import BUILTIN
+from engine.speculative import PromptError
+
+
+class UsageError(ValueError):
+    """Bad command-line input: printed as one `error:` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+QUICK = {"num_prompts": 1, "prompt_tokens": 32, "new_tokens": 8, "repeats": 1, "warmup": 0, "ks": "2"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m engine bench",
+                description="Benchmark speculative decoding (v2, v1, heuristic K, n-gram) against target-only "
+                            "decoding and Hugging Face assisted generation, interleaved, medians over repeats.")
+    p.add_argument("--target", default=BUILTIN, help="target: 'builtin', a Hugging Face id or a path (default: builtin)")
+    p.add_argument("--draft", default=BUILTIN, help="draft model, sharing the target's tokenizer (default: builtin)")
+    p.add_argument("--draft-device", default=None, help="default: cuda:0 if present, else cpu")
+    p.add_argument("--target-device", default=None, help="default: cuda:1 with 2+ GPUs, cuda:0 with one, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype; auto = fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--prompts", choices=("heldout", "code"), default="heldout",
+                   help="heldout: windows of held-out stdlib test files; code: their first halves, to continue")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts (default: 8)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help=f"heldout: window length (default 128); code: most prompt tokens kept (default {CODE_PROMPT_TOKENS})")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt (default: 64)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats; medians are reported (default: 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up runs per method (default: 1)")
+    p.add_argument("--ks", default=None, help="comma-separated K values (default: 1,2,3,4,6,8)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated subset of {','.join(METHOD_NAMES)} (the target-only baselines always run)")
+    p.add_argument("--seed", type=int, default=0, help="prompt selection seed (default: 0)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write one record per method and K")
+    p.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                   help="speed-up against K, measured beside predicted: .png if kaleido is installed, else .html")
+    p.add_argument("--profile", default=None, metavar="METHOD[:K]",
+                   help="instead of the bench, show where one method's time goes (phases and cProfile)")
+    p.add_argument("--profile-top", type=int, default=25, help="cProfile functions listed (default: 25)")
+    p.add_argument("--quick", action="store_true", help="a tiny run (1 prompt of 32 tokens, 8 new, K=2, 1 repeat)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def settings_from_args(a: argparse.Namespace) -> BenchSettings:
+    """Explicit flags win; otherwise --quick's tiny values; otherwise the defaults."""
+    base = {**asdict(BenchSettings()), "ks": ",".join(map(str, DEFAULT_KS))}
+    if a.prompts == "code":
+        base["prompt_tokens"] = CODE_PROMPT_TOKENS
+    pick = lambda name: getattr(a, name) if getattr(a, name) is not None else (QUICK if a.quick else base).get(name, base[name])
+    methods = tuple(m.strip() for m in a.methods.split(",")) if a.methods else METHOD_NAMES
+    try:
+        return BenchSettings(prompt_set=a.prompts, num_prompts=pick("num_prompts"), prompt_tokens=pick("prompt_tokens"),
+                             new_tokens=pick("new_tokens"), repeats=pick("repeats"), warmup=pick("warmup"),
+                             ks=_int_list(pick("ks"), "--ks"), methods=methods, seed=a.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def load_pair(a: argparse.Namespace, needs_draft: bool) -> tuple[LoadedModel, LoadedModel | None]:
+    for spec in (a.draft_device, a.target_device):
+        if spec is not None:
+            check_device(spec)
+    draft_dev, target_dev = default_devices(a.draft_device, a.target_device)
+    target = load_model(a.target, "target", device=target_dev, dtype=a.dtype)
+    return target, load_model(a.draft, "draft", device=draft_dev, dtype=a.dtype) if needs_draft else None
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Assisted generation warns on every call about its own internal kwargs; keep the report readable."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
+    """Run the bench (or --profile) and return the report text; writes --json and --plot."""
+    settings = settings_from_args(a)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        chosen = parse_method(a.profile, settings.ks[0]) if a.profile else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)
+    target, draft = load_pair(a, needs_draft=any(m.uses_draft_model for m in drafters))
+    if draft is not None:
+        from engine.models import check_same_tokenizer
+        check_same_tokenizer(draft, target)
+    with quiet_transformers():
+        prompts = make_prompts(settings, target)
+        if chosen:
+            return profile(chosen, settings, target, draft, prompts, a.profile_top)
+        t0 = time.perf_counter()
+        samples = run_bench(settings, target, draft, prompts, progress=not a.no_progress)
+    results = summarize_all(list(samples), samples)
+    meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0)
+    report = format_table(results, meta)
+    if a.json:
+        write_json(a.json, meta, results)
+        report += f"\nwrote {a.json}"
+    if a.plot:
+        report += f"\nwrote {write_plot(results, meta, a.plot)}"
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine bench [options]`: 0 on success, 2 on bad input."""
+    from engine.block_manager import KVPoolExhausted
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = build_parser().parse_args(argv)
+        report = bench(argv, a)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except (UsageError, PromptError, ModelLoadError, KVPoolExhausted) as exc:
+        print(f"error: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

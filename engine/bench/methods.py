@@ -1,0 +1,124 @@
+"""The bench's methods (engine and Hugging Face decoders, each at a K) and its settings."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
+
+DEFAULT_KS = (1, 2, 3, 4, 6, 8)
+HEURISTIC_START_K = 4
+BASELINES = ("hf-generate", "target")      # always run: the speed-up reference and the token reference
+REFERENCE = "hf-generate"
+METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "hf-prompt-lookup",
+                "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic")
+UNDRAFTED = ("hf-generate", "target", "target-transformers")  # target-only: no K
+NGRAM_MAX = 4
+# Code prompts keep the last 192 tokens of each file's first half: the built-in pair was trained on
+# 256-token windows, so 192 + 64 new tokens stay inside what it learned. Past that both models are
+# out of distribution (at 512 tokens the draft's acceptance at K=2 falls from 0.73 to 0.44).
+CODE_PROMPT_TOKENS = 192
+
+
+# ---------------------------------------------------------------------------- methods and prompts
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One way of decoding. `k` is the (starting) K; None for target-only decoding."""
+
+    name: str
+    k: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name if self.k is None else f"{self.name} K={self.k}"
+
+    @property
+    def family(self) -> str:
+        return "hf" if self.name.startswith("hf-") else "engine"
+
+    @property
+    def drafter(self) -> str:
+        if self.k is None:
+            return "none"
+        base = self.name.removesuffix("-heuristic")
+        if base == "hybrid":
+            return "hybrid"
+        return "ngram" if base in ("ngram", "hf-prompt-lookup") else "model"
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.drafter in ("model", "hybrid")
+
+    @property
+    def schedule(self) -> str:
+        if self.k is None:
+            return "none"
+        return "heuristic" if self.name.endswith("-heuristic") else "constant"
+
+    def spec_config(self, new_tokens: int) -> SpecConfig:
+        """The engine config of an engine method: greedy, no EOS stop (exact token counts), no UI records."""
+        base = self.name.removesuffix("-heuristic")
+        mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1}.get(base, Mode.V2)
+        drafter = {"ngram": DrafterKind.NGRAM, "hybrid": DrafterKind.HYBRID}.get(base, DrafterKind.MODEL)
+        schedule = KSchedule.HEURISTIC if self.schedule == "heuristic" else KSchedule.CONSTANT
+        return SpecConfig(mode=mode, drafter=drafter, k=self.k or 1, k_schedule=schedule, k_max=max(8, self.k or 1),
+                          max_new_tokens=new_tokens, stop_at_eos=False, record=False, ngram_max=NGRAM_MAX,
+                          fused_forward=self.name != "target-transformers")
+
+
+def build_methods(names: Sequence[str], ks: Sequence[int]) -> list[Method]:
+    """The baselines first, then each selected method at each K (heuristic ones once, from K=4)."""
+    out = [Method(n) for n in BASELINES]
+    for name in METHOD_NAMES:
+        if name in BASELINES or name not in names:
+            continue
+        if name in UNDRAFTED:
+            out.append(Method(name))
+        elif name.endswith("-heuristic"):
+            out.append(Method(name, HEURISTIC_START_K))
+        else:
+            out.extend(Method(name, k) for k in ks)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    prompt_set: str = "heldout"        # "heldout" or "code"
+    num_prompts: int = 8
+    prompt_tokens: int = 128           # heldout: window length; code: the most prompt tokens kept
+    new_tokens: int = 64
+    repeats: int = 3
+    warmup: int = 1                    # untimed runs of every method before timing
+    ks: tuple[int, ...] = DEFAULT_KS
+    methods: tuple[str, ...] = METHOD_NAMES
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_set not in ("heldout", "code"):
+            raise ValueError(f"--prompts must be heldout or code, not {self.prompt_set!r}")
+        for name in ("num_prompts", "prompt_tokens", "new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not self.ks or any(not 1 <= k <= K_BOUND for k in self.ks):
+            raise ValueError(f"every K must lie in 1..{K_BOUND}, got {list(self.ks)}")
+        unknown = sorted(set(self.methods) - set(METHOD_NAMES))
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHOD_NAMES)}")
+
+
+def parse_method(spec: str, default_k: int) -> Method:
+    """'v2', 'v2:4', 'target', 'hf-assisted:2', ... -> Method."""
+    name, _, k = spec.partition(":")
+    if name not in METHOD_NAMES:
+        raise ValueError(f"unknown method {name!r}; choose from {list(METHOD_NAMES)}")
+    if name in UNDRAFTED:
+        return Method(name)
+    if name.endswith("-heuristic"):
+        return Method(name, HEURISTIC_START_K)
+    try:
+        return Method(name, int(k) if k else default_k)
+    except ValueError:
+        raise ValueError(f"bad K in {spec!r}; write METHOD:K, e.g. v2:4") from None

@@ -1,0 +1,62 @@
+"""The bench's prompt sets: held-out stdlib windows, code continuations and chat questions."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from engine.bench.methods import BenchSettings
+from engine.models import LoadedModel
+from engine.speculative import K_SLACK, PromptError
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    name: str          # where it came from: "<file>@<token offset>" or "<file> (first half)"
+    ids: list[int]
+
+
+def heldout_prompts(tokenizer, count: int, length: int, seed: int) -> list[Prompt]:
+    """`count` windows of `length` tokens from distinct held-out stdlib test files (seeded choice)."""
+    from engine.train.corpus import list_sources
+
+    files = list_sources("heldout")
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out = []
+    for f in files:
+        ids = tokenizer(f.text, add_special_tokens=False)["input_ids"]
+        if len(ids) > length:
+            start = rng.randrange(len(ids) - length)
+            out.append(Prompt(f"{f.path.name}@{start}", list(ids[start:start + length])))
+        if len(out) == count:
+            return out
+    raise PromptError(f"found only {len(out)} held-out files longer than {length} tokens")
+
+
+def code_prompts(tokenizer, count: int, max_tokens: int, seed: int) -> list[Prompt]:
+    """Code continuation: the first half (by lines) of held-out test files, cut from the left to
+    `max_tokens` so it fits the context. The continuation is what the file really says next."""
+    from engine.train.corpus import list_sources
+
+    files = [f for f in list_sources("heldout") if 120 <= f.text.count("\n") <= 1500]
+    random.Random(seed).shuffle(files)
+    out = []
+    for f in files[:count]:
+        lines = f.text.splitlines(keepends=True)
+        ids = list(tokenizer("".join(lines[: len(lines) // 2]))["input_ids"])
+        out.append(Prompt(f"{f.path.name} (first half)", ids[-max_tokens:]))
+    if len(out) < count:
+        raise PromptError(f"found only {len(out)} held-out files of 120-1500 lines for code prompts")
+    return out
+
+
+def make_prompts(settings: BenchSettings, target: LoadedModel) -> list[Prompt]:
+    """The prompt set, cut so that prompt + new tokens + a round's slack fit the target's context."""
+    room = target.max_context - settings.new_tokens - K_SLACK
+    if room < 2:
+        raise PromptError(f"{settings.new_tokens} new tokens leave no room for a prompt in a "
+                          f"{target.max_context}-token context")
+    length = min(settings.prompt_tokens, room)
+    if settings.prompt_set == "code":
+        return code_prompts(target.tokenizer, settings.num_prompts, length, settings.seed)
+    return heldout_prompts(target.tokenizer, settings.num_prompts, length, settings.seed)

@@ -1,0 +1,172 @@
+"""The bench's outputs: the text table, its headlines, the JSON file and --profile."""
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import math
+import platform
+import pstats
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from engine.bench.methods import UNDRAFTED, BenchSettings, Method
+from engine.bench.prompts import Prompt
+from engine.bench.results import MethodResult, phases_per_token
+from engine.bench.runs import Phases, run_once
+from engine.fused_llama import fused_for
+from engine.models import LoadedModel
+
+
+@dataclass(frozen=True, slots=True)
+class BenchMeta:
+    """The command, machine, models and settings behind a set of results."""
+
+    command: str
+    date: str
+    machine: str
+    torch: str
+    transformers: str
+    threads: int
+    target: str
+    draft: str
+    target_device: str
+    draft_device: str
+    dtype: str
+    forward: str                     # the engine's forward for the target: "fused" or "transformers"
+    prompt_set: str
+    prompt_names: list[str]
+    prompt_lengths: list[int]
+    new_tokens: int
+    repeats: int
+    warmup: int
+    ks: list[int]
+    fastest_baseline: str
+    fastest_baseline_tokens_per_s: float
+    all_identical: bool
+    wall_s: float
+
+
+def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel, draft: LoadedModel | None,
+              prompts: Sequence[Prompt], results: Sequence[MethodResult], wall_s: float) -> BenchMeta:
+    import transformers
+
+    fastest = max((r for r in results if r.method in UNDRAFTED), key=lambda r: r.tokens_per_s)
+    cpu = platform.processor() or platform.machine()
+    return BenchMeta(
+        command="python -m engine bench " + " ".join(argv), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        machine=f"{platform.system()} {cpu}, {torch.get_num_threads()} torch threads"
+                + (f", {torch.cuda.get_device_name(target.device)}" if target.device.type == "cuda" else ""),
+        torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads(),
+        target=target.name, draft=draft.name if draft else "", target_device=str(target.device),
+        draft_device=str(draft.device) if draft else "", dtype=str(target.dtype).replace("torch.", ""),
+        forward="fused" if fused_for(target.model) else "transformers",
+        prompt_set=settings.prompt_set, prompt_names=[p.name for p in prompts], prompt_lengths=[len(p.ids) for p in prompts],
+        new_tokens=settings.new_tokens, repeats=settings.repeats, warmup=settings.warmup, ks=list(settings.ks),
+        fastest_baseline=fastest.label, fastest_baseline_tokens_per_s=fastest.tokens_per_s,
+        all_identical=all(r.identical_tokens for r in results), wall_s=wall_s)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+COLUMNS = (("method", 22, lambda r: r.label), ("tok/s", 8, lambda r: _fmt(r.tokens_per_s, ".1f")),
+           ("TTFT ms", 8, lambda r: _fmt(r.ttft_ms, ".1f")), ("TPOT ms", 8, lambda r: _fmt(r.tpot_ms, ".2f")),
+           ("alpha", 6, lambda r: _fmt(r.acceptance_rate, ".3f") if r.k else "-"),
+           ("tau", 5, lambda r: _fmt(r.mean_accepted_length, ".2f")),
+           ("fwd/tok", 7, lambda r: _fmt(r.target_forwards_per_token, ".3f")),
+           ("c", 6, lambda r: _fmt(r.c, ".3f") if r.k else "-"), ("r", 5, lambda r: _fmt(r.r, ".2f") if r.k else "-"),
+           ("speed-up", 8, lambda r: _fmt(r.speedup, ".2f") + "x"),
+           ("predicted", 9, lambda r: _fmt(r.predicted_speedup, ".2f") + "x"),
+           ("meas/pred", 9, lambda r: _fmt(r.efficiency, ".2f")),
+           ("same tokens", 11, lambda r: "yes" if r.identical_tokens else f"NO {r.mismatched_prompts}"))
+
+
+def headlines(results: Sequence[MethodResult]) -> list[str]:
+    """The comparisons the project's targets are stated in: best of each method, v2 against
+    Hugging Face assisted generation and v1 at the same K, the engine's target-only against `generate`."""
+    by_label = {r.label: r for r in results}
+    lines = []
+    for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hybrid-heuristic", "hf-assisted", "hf-prompt-lookup"):
+        best = max((r for r in results if r.method == name), key=lambda r: r.speedup, default=None)
+        if best:
+            lines.append(f"best {name}: {best.label} at {best.speedup:.2f}x (predicted {best.predicted_speedup:.2f}x)")
+    for r in (r for r in results if r.method == "v2"):
+        others = [(o, by_label.get(f"{o} K={r.k}")) for o in ("hf-assisted", "v1")]
+        ratios = [f"{r.tokens_per_s / o.tokens_per_s:.2f}x {name}" for name, o in others if o]
+        if ratios:
+            lines.append(f"v2 K={r.k} is " + ", ".join(ratios))
+    if "target" in by_label and "hf-generate" in by_label:
+        ratio = by_label["target"].tokens_per_s / by_label["hf-generate"].tokens_per_s
+        lines.append(f"engine target-only is {ratio:.2f}x hf-generate")
+    if "target" in by_label and "target-transformers" in by_label:
+        ratio = by_label["target"].tokens_per_s / by_label["target-transformers"].tokens_per_s
+        lines.append(f"the fused forward makes target-only {ratio:.2f}x the transformers forward")
+    return lines
+
+
+def format_table(results: Sequence[MethodResult], meta: BenchMeta) -> str:
+    """The stdout report: one row per method and K, then the headline comparisons."""
+    head = " ".join(name.rjust(w) if i else name.ljust(w) for i, (name, w, _) in enumerate(COLUMNS))
+    rows = [" ".join(f(r).rjust(w) if i else f(r).ljust(w) for i, (_, w, f) in enumerate(COLUMNS)) for r in results]
+    lines = [f"{meta.target} <- {meta.draft or '(no draft)'} on {meta.machine}; {meta.prompt_set} prompts "
+             f"x{len(meta.prompt_names)}, {meta.new_tokens} new tokens, greedy, median of {meta.repeats}",
+             head, "-" * len(head), *rows, ""]
+    lines.append(f"speed-up is over the fastest target-only baseline: {meta.fastest_baseline} "
+                 f"({meta.fastest_baseline_tokens_per_s:.1f} tokens/s)")
+    lines += headlines(results)
+    bad = [r.label for r in results if not r.identical_tokens]
+    lines.append("identical tokens: all methods" if not bad else f"identical tokens: NO for {', '.join(bad)}")
+    return "\n".join(lines)
+
+
+def _jsonable(value):
+    """asdict output with NaN/inf as null, so the file is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write_json(path: Path, meta: BenchMeta, results: Sequence[MethodResult]) -> None:
+    doc = {"meta": asdict(meta), "records": [asdict(r) for r in results]}
+    path.write_text(json.dumps(_jsonable(doc), indent=2, allow_nan=False) + "\n")
+
+
+def profile(method: Method, settings: BenchSettings, target: LoadedModel, draft: LoadedModel | None,
+            prompts: Sequence[Prompt], top: int) -> str:
+    """Where one method's time goes: per-phase ms/token (engine RoundTimings), time inside model
+    forwards against the Python around them, and cProfile's top functions by own time."""
+    run_once(method, target, draft, prompts[0], 0, min(settings.new_tokens, 16))  # warm-up
+    prof = cProfile.Profile()
+    samples = []
+    prof.enable()
+    for _ in range(settings.repeats):
+        samples.extend(run_once(method, target, draft, p, i, settings.new_tokens) for i, p in enumerate(prompts))
+    prof.disable()
+    tokens = sum(len(s.tokens) for s in samples)
+    wall_ms = sum(s.wall_s for s in samples) * 1000
+    fwd_ms = sum(t.seconds for s in samples for t in (*s.target_fwd, *s.draft_fwd)) * 1000
+    lines = [f"profile of {method.label}: {len(samples)} runs, {tokens} tokens, {wall_ms / tokens:.2f} ms/token "
+             f"({tokens / wall_ms * 1000:.1f} tokens/s; cProfile on, so slower than the bench)", ""]
+    if method.family == "engine":
+        per_token = phases_per_token(samples)
+        lines.append("phase (RoundTimings)        ms/token   share")
+        for f in fields(Phases):
+            ms = getattr(per_token, f.name)
+            lines.append(f"  {f.name:<24}{ms:>10.3f}  {ms * tokens / wall_ms:>6.1%}")
+    lines.append(f"  {'model forwards (hooks)':<24}{fwd_ms / tokens:>10.3f}  {fwd_ms / wall_ms:>6.1%}"
+                 "   (target and draft, prefill included)")
+    lines.append(f"  {'everything else':<24}{(wall_ms - fwd_ms) / tokens:>10.3f}  {1 - fwd_ms / wall_ms:>6.1%}")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    lines += ["", f"cProfile, top {top} functions by own time:", out.getvalue().split("\n", 4)[-1].rstrip()]
+    return "\n".join(lines)

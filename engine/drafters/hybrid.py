@@ -1,0 +1,40 @@
+"""The hybrid drafter: prompt lookup when the context repeats, the draft model otherwise."""
+from __future__ import annotations
+
+from engine.config import DrafterKind
+from engine.drafters.base import Proposal
+from engine.drafters.model import ModelDrafter
+from engine.drafters.ngram import NgramDrafter
+
+
+class HybridDrafter:
+    """Prompt lookup when the context repeats, the draft model otherwise.
+
+    If the last `min_n` or more committed tokens occurred earlier, the round copies what followed
+    them (up to 2K tokens: a copy costs no draft forward, so a longer guess is cheap); otherwise
+    the draft model proposes K. Repetitive stretches (loops, repeated identifiers, boilerplate)
+    then cost no drafting, and the model covers the rest. The model's cache catches up on the
+    tokens it skipped at its next proposal, in one forward.
+    """
+
+    kind = DrafterKind.HYBRID
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_n: int) -> None:
+        self.model, self.ngram, self.min_n = model, ngram, min_n
+        self.cache, self.runner = model.cache, model.runner
+
+    def prefill(self, prompt: list[int]) -> None:
+        self.model.prefill(prompt)
+
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
+        """`limit`: the most tokens this round may draft (the engine's remaining budget and K bound)."""
+        n, copied = self.ngram.match(committed, min(2 * k, limit if limit is not None else 2 * k))
+        if n >= self.min_n and copied:
+            return self.ngram.proposal(copied)
+        return self.model.propose(committed, k)
+
+    def commit(self, committed: list[int]) -> None:
+        self.model.commit(committed)
+
+    def close(self) -> None:
+        self.model.close()

@@ -1,0 +1,77 @@
+"""The draft-model drafter: a small causal LM with its own paged cache proposes K tokens."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import DrafterKind
+from engine.drafters.base import Proposal, common_prefix
+from engine.kv_cache import PagedCache
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
+from engine.verify import align_vocab
+
+
+class ModelDrafter:
+    """A small causal LM with its own paged cache, kept in step with the committed tokens.
+
+    Its cache holds committed[:-1] between rounds, like the target's. A round feeds whatever is
+    pending (the last committed token, plus the last accepted draft if the draft never cached it),
+    then one token per forward. Logits are aligned to the target's vocabulary *before* softmax
+    (padding with -inf), so the draft can never propose an id the target does not have.
+    """
+
+    kind = DrafterKind.MODEL
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingParams, target_vocab: int,
+                 target_device: torch.device, generator: torch.Generator) -> None:
+        self.runner, self.sampling = runner, sampling
+        self.target_vocab, self.target_device = target_vocab, target_device
+        self.generator = generator
+        self.cache: PagedCache = runner.new_sequence()
+        self.stand_in = runner.loaded.tokenizer.eos_token_id or 0
+
+    def prefill(self, prompt: list[int]) -> None:
+        if len(prompt) > 1:
+            self.runner.forward(self.cache, self._draftable(prompt[:-1]), last_only=True)
+
+    def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
+        return align_vocab(logits[-1:], self.target_vocab, fill=float("-inf"),
+                           device=self.target_device, dtype=torch.float32)
+
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
+        """K tokens, one forward each, every one drawn with one uniform from the generator.
+
+        Greedy q rows are one-hot on the drafted tokens, so they are built once at the end
+        instead of per step (the draft forward is cheap enough that per-step [1, V] work shows)."""
+        feed = self._draftable(committed[self.cache.table.length:])
+        rows, tokens = [], []
+        for _ in range(k):
+            logits = self._aligned(self.runner.forward(self.cache, feed, last_only=True))
+            u = draw_uniform(1, self.generator, logits.device)
+            if self.sampling.greedy:
+                token = int(greedy_ids(logits)[0])
+            else:
+                q = logits_to_probs(logits, self.sampling)
+                token = int(sample_from(q, u)[0])
+                rows.append(q[0])
+            tokens.append(token)
+            feed = self._draftable([token])
+        if self.sampling.greedy:
+            q_draft = one_hot_rows(torch.tensor(tokens, dtype=torch.long, device=self.target_device), self.target_vocab)
+        else:
+            q_draft = torch.stack(rows)
+        return Proposal(tokens, q_draft, k)
+
+    def _draftable(self, tokens: list[int]) -> list[int]:
+        # A target with more vocabulary rows can emit ids the draft has no embedding for (padding
+        # rows in real pairs). The draft only proposes, so feeding it a stand-in id can cost
+        # acceptance but never correctness.
+        vocab = self.runner.vocab_size
+        return [t if t < vocab else self.stand_in for t in tokens]
+
+    def commit(self, committed: list[int]) -> None:
+        keep = min(common_prefix(self.cache.tokens, self._draftable(committed)), len(committed) - 1)
+        self.cache.rollback(self.cache.table.length - keep)
+
+    def close(self) -> None:
+        self.cache.free()

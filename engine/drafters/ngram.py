@@ -1,0 +1,52 @@
+"""The n-gram drafter (prompt lookup): copy what followed the latest earlier match of the context's end."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import DrafterKind
+from engine.drafters.base import Proposal
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from ngram_max down
+    to ngram_min) and propose what followed it. q_draft is one-hot, so accept-probability is p(x).
+    Costs no model forward."""
+
+    kind = DrafterKind.NGRAM
+
+    def __init__(self, ngram_max: int, ngram_min: int, target_vocab: int, target_device: torch.device) -> None:
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.target_vocab, self.target_device = target_vocab, target_device
+
+    def prefill(self, prompt: list[int]) -> None:
+        pass
+
+    def lookup(self, committed: list[int], k: int) -> list[int]:
+        return self.match(committed, k)[1]
+
+    def match(self, committed: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, up to k tokens): the longest suffix of n tokens (ngram_max..ngram_min) that occurred
+        before, and what followed its latest earlier occurrence; (0, []) when none did."""
+        n_tokens = len(committed)
+        for n in range(min(self.ngram_max, n_tokens - 1), self.ngram_min - 1, -1):
+            pattern = committed[-n:]
+            for start in range(n_tokens - n - 1, -1, -1):
+                if committed[start : start + n] == pattern:
+                    return n, committed[start + n : start + n + k]
+        return 0, []
+
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
+        return self.proposal(self.lookup(committed, k))
+
+    def proposal(self, tokens: list[int]) -> Proposal:
+        tokens = [t for t in tokens if t < self.target_vocab]
+        q = torch.zeros(len(tokens), self.target_vocab, device=self.target_device)
+        if tokens:
+            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return Proposal(tokens, q, 0)
+
+    def commit(self, committed: list[int]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
