@@ -17,7 +17,8 @@ import torch
 
 from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
-from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
+from engine.metrics import describe
+from engine.models import LoadedModel, ModelLoadError, ModelPair, default_devices, load_model
 from engine.records import RunSummary
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN
@@ -30,7 +31,7 @@ class UsageError(ValueError):
     """Bad command-line input; main() prints it as one `error:` line and exits 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting, so main() owns the error format."""
 
     def error(self, message: str):  # type: ignore[override]
@@ -38,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m engine generate",
+    p = Parser(prog="python -m engine generate",
                 description="Generate a continuation of a prompt with speculative decoding, and (unless "
                             "--no-compare) with plain target-only decoding interleaved on the same hardware.")
     p.add_argument("--prompt", required=True, help="the text to continue (the built-in pair knows Python code)")
@@ -143,7 +144,7 @@ def generate(args: argparse.Namespace) -> GenerateResult:
     if args.kv_blocks is not None and args.kv_blocks < 1:
         raise UsageError(f"--kv-blocks must be >= 1, got {args.kv_blocks}")
     target, draft = load_models(args, config)
-    run = ComparedRun(target, draft, args.prompt, config, compare=not args.no_compare,
+    run = ComparedRun(ModelPair(target, draft), args.prompt, config, compare=not args.no_compare,
                       trace_path=args.trace, kv_blocks=args.kv_blocks)
     try:
         run.run_to_end()
@@ -169,10 +170,11 @@ def to_json(result: GenerateResult) -> str:
 
 def to_text(result: GenerateResult, args: argparse.Namespace) -> str:
     m = result.metrics
-    lines = [result.text, "", f"--- {m.mode} / {m.drafter}: {m.tokens} tokens in {m.rounds} rounds, "
+    lines = [result.text, "", f"--- {describe(m.mode, m.drafter)}: {m.tokens} tokens in {m.rounds} rounds, "
                                f"{m.elapsed_s:.2f} s"]
     if m.drafted:
-        lines.append(f"acceptance {m.acceptance_rate:.1%} ({m.accepted}/{m.drafted} drafted), "
+        lines.append(f"draft acceptance rate {m.draft_acceptance_rate:.1%} ({m.accepted}/{m.drafted} drafted), "
+                     f"per-position α {m.alpha:.3f} ({m.accepted}/{m.verified} verified), "
                      f"mean accepted length {m.mean_accepted_length:.2f} tokens/round")
     lines.append(f"{m.tokens_per_s:.1f} tokens/s, {m.target_forwards_per_token:.2f} target forwards/token")
     if result.baseline is not None:

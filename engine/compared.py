@@ -1,13 +1,24 @@
-"""A speculative run and its target-only baseline, interleaved on the same hardware, optionally traced."""
+"""A speculative run and its target-only baseline, interleaved on the same hardware, optionally traced.
+
+A prompt is text (encoded with the target's tokenizer) or ids already encoded, e.g. by a chat template."""
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
+from engine.calibration import RCurve
 from engine.config import Mode, SpecConfig
-from engine.models import LoadedModel
+from engine.models import ModelPair
 from engine.records import RoundRecord, RunSummary
-from engine.speculative import SpeculativeEngine, encode_prompt
+from engine.speculative import SpeculativeEngine, encode_prompt, kv_bytes
+
+
+def kv_bytes_needed(pair: ModelPair, prompt_tokens: int, config: SpecConfig, compare: bool = True) -> int:
+    """KV pool bytes a ComparedRun allocates: its engine's pools, plus the target-only baseline's."""
+    total = kv_bytes(pair, prompt_tokens, config)
+    if compare and config.mode is not Mode.TARGET:
+        total += kv_bytes(ModelPair(pair.target), prompt_tokens, replace(config, mode=Mode.TARGET))
+    return total
 
 
 class ComparedRun:
@@ -19,22 +30,29 @@ class ComparedRun:
     With `trace_path`, every round is appended to a JSON Lines trace as it happens.
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, prompt: str, config: SpecConfig,
-                 *, compare: bool = True, trace_path: str | Path | None = None, kv_blocks: int | None = None) -> None:
+    def __init__(self, pair: ModelPair, prompt: str | list[int], config: SpecConfig, *, compare: bool = True,
+                 trace_path: str | Path | None = None, kv_blocks: int | None = None) -> None:
         from engine import trace
 
-        self.prompt = prompt
-        prompt_ids = encode_prompt(target.tokenizer, prompt)
-        self.config = config
-        self.spec = SpeculativeEngine(target, draft, prompt_ids, config, kv_blocks=kv_blocks)
+        self.prompt = prompt if isinstance(prompt, str) else pair.target.tokenizer.decode(prompt)
+        prompt_ids = encode_prompt(pair.target.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        self.config, self.pair = config, pair
+        self.spec = SpeculativeEngine(pair, prompt_ids, config, kv_blocks=kv_blocks)
         self.baseline: SpeculativeEngine | None = None
         if compare and config.mode is not Mode.TARGET:
             base_cfg = replace(config, mode=Mode.TARGET)
-            self.baseline = SpeculativeEngine(target, None, prompt_ids, base_cfg, kv_blocks=kv_blocks)
+            self.baseline = SpeculativeEngine(ModelPair(pair.target), prompt_ids, base_cfg, kv_blocks=kv_blocks)
+        self.calibration: RCurve | None = None
         self.writer = None
         if trace_path is not None:
-            header = trace.make_header(prompt, prompt_ids, config, target, draft)
+            header = trace.make_header(self.prompt, prompt_ids, config, pair.target, pair.draft)
             self.writer = trace.TraceWriter(trace_path, header)
+
+    def set_calibration(self, curve: RCurve) -> None:
+        """Attach the target's measured r(n) (it may arrive while the run is under way); traced too."""
+        self.calibration = curve
+        if self.writer:
+            self.writer.write_calibration(curve)
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ from enum import Enum
 from engine.sampling import SamplingParams
 
 K_BOUND = 16  # the largest K the engine accepts; verify rows and UI charts are sized for it
+K_SLACK = K_BOUND + 2  # KV room beyond max_new_tokens for a round's K+1 speculative slots
 
 
 class Mode(str, Enum):

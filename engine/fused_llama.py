@@ -10,13 +10,10 @@ one-layer draft 0.42 ms instead of 0.80 ms (`python -m engine cache-bench`), so 
 It computes what the transformers forward computes, in the same order (on the built-in pair the
 logits are bit-identical; tests compare logits, and greedy runs token for token against
 `generate`). The fused Q/K/V and gate/up matrices cost no memory: the model's own parameters
-become views into them. Architectures it does not cover run the transformers forward;
-`FusedLlama.unsupported(model)` says why.
+become views into them; this happens once, when the model is loaded (`LoadedModel.of`). Architectures
+it does not cover run the transformers forward; `FusedLlama.unsupported(model)` says why.
 """
 from __future__ import annotations
-
-import threading
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -93,10 +90,6 @@ class FusedLlama:
         self._cos = self._sin = torch.empty(0)
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
-    def current(self, model: torch.nn.Module) -> bool:
-        """Whether the model's parameters are still the views of this forward's fused weights."""
-        return model.model.layers[0].self_attn.q_proj.weight.data_ptr() == self.layers[0].qkv.data_ptr()
-
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:
         """Why the fused forward cannot run this model, or None when it can."""
@@ -154,6 +147,14 @@ class FusedLlama:
     # -- the forward ----------------------------------------------------------------------------------
     def forward(self, cache: PagedCache, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Logits [q or 1, V] for ids [1, q] fed after the cache's tokens (K/V written unless read-only)."""
+        return self.forward_features(cache, ids, last_only)[0]
+
+    def forward_features(self, cache: PagedCache, ids: torch.Tensor,
+                         last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [q or 1, V] float32, post-norm features [q or 1, d] in the model's dtype).
+
+        The features are the final norm's output, the rows the LM head reads: an EAGLE-style
+        drafter predicts the next one from them, so the verify forward hands them over for free."""
         q = ids.shape[1]
         past = cache.get_seq_length()
         x = F.embedding(ids, self.embed)
@@ -176,18 +177,5 @@ class FusedLlama:
             x = x + F.linear(F.silu(gate) * up, layer.down)
         if last_only:
             x = x[:, -1:]
-        return F.linear(_rms_norm(x, self.norm), self.lm_head)[0].float()
-
-
-_FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, FusedLlama | None]" = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
-
-
-def fused_for(model: torch.nn.Module) -> FusedLlama | None:
-    """The model's fused forward (built once, shared), or None when its architecture is not covered.
-    Rebuilt if the model's weights were replaced since (moved to another device or dtype)."""
-    with _LOCK:
-        fused = _FUSED.get(model)
-        if model not in _FUSED or (fused is not None and not fused.current(model)):
-            _FUSED[model] = None if FusedLlama.unsupported(model) else FusedLlama(model)
-        return _FUSED[model]
+        features = _rms_norm(x, self.norm)[0]
+        return F.linear(features, self.lm_head).float(), features

@@ -1,21 +1,72 @@
-"""Metrics: the standard speculative-decoding measures and the Leviathan et al. speed-up model.
+"""Metrics: every measure read off round records, and the speed-up model they feed.
 
-Pure functions on plain numbers. Notation: alpha is the per-token acceptance rate (assumed
-i.i.d. across positions), K the number of drafted tokens per round, c the cost of one draft
-forward relative to one target forward, r the cost of the target's verify forward over K+1
-positions relative to one ordinary target decode step.
+Notation. K drafts per round. The *draft acceptance rate* is accepted / drafted (vLLM's and the
+seed system's figure). Leviathan et al.'s alpha is something else: the probability that a *verified*
+position is accepted, accepted / verified positions, where a round verifies every position up to
+and including its first rejection. Under i.i.d. acceptance, accepted / drafted =
+alpha (1 - alpha^K) / (K (1 - alpha)), which is well below alpha at large K; fed to E(alpha, K) it
+under-predicts. c is one draft forward over one target decode step; r(n) is the target's forward
+over n new tokens over one (a verify of K drafts feeds n = K + 1), measured, never assumed.
+
+Round 0 of every run is the prefill: its forward covers the prompt, so it is left out of every
+per-step cost (`decode_rounds`).
 """
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.config import DrafterKind, Mode
+from engine.records import Outcome, RoundRecord, RunSummary
+
+Rounds = Sequence[RoundRecord]
+# Speed-ups within this relative distance of the maximum count as ties, won by the smaller K: with
+# c = 0 the curve creeps up by ~1e-16 per K once alpha^K underflows the sum, and drafting 16 tokens
+# for a gain nobody can measure is not a recommendation.
+TIE_RTOL = 1e-9
 
 
+def median(xs: Sequence[float], default: float = math.nan) -> float:
+    """The median, or `default` for an empty sequence."""
+    return statistics.median(xs) if xs else default
+
+
+def decode_rounds(rounds: Rounds) -> list[RoundRecord]:
+    """The rounds after the prefill round: the ones whose timings are decode steps."""
+    return [r for r in rounds if not r.is_prefill]
+
+
+def drafted_rounds(rounds: Rounds) -> list[RoundRecord]:
+    return [r for r in rounds if r.k > 0]
+
+
+# -- acceptance -----------------------------------------------------------------------------------
 def acceptance_rate(accepted: int, drafted: int) -> float:
-    """Fraction of drafted tokens the target accepted; 0.0 when nothing was drafted."""
+    """Draft acceptance rate: accepted / drafted; 0.0 when nothing was drafted."""
     if drafted < 0 or accepted < 0 or accepted > drafted:
         raise ValueError(f"need 0 <= accepted <= drafted, got accepted={accepted}, drafted={drafted}")
     return accepted / drafted if drafted else 0.0
+
+
+def alpha_rate(accepted: int, verified: int) -> float:
+    """Per-position acceptance alpha: accepted / verified positions; 0.0 when nothing was verified."""
+    if verified < 0 or accepted < 0 or accepted > verified:
+        raise ValueError(f"need 0 <= accepted <= verified, got accepted={accepted}, verified={verified}")
+    return accepted / verified if verified else 0.0
+
+
+def draft_acceptance(rounds: Rounds) -> float | None:
+    """Accepted / drafted over the rounds; None when nothing was drafted."""
+    drafted = sum(r.k for r in rounds)
+    return acceptance_rate(sum(r.accepted for r in rounds), drafted) if drafted else None
+
+
+def alpha(rounds: Rounds) -> float | None:
+    """Accepted / verified positions over the rounds; None when nothing was verified."""
+    verified = sum(r.verified for r in rounds)
+    return alpha_rate(sum(r.accepted for r in rounds), verified) if verified else None
 
 
 def mean_accepted_length(tokens_per_round: Sequence[int]) -> float:
@@ -31,10 +82,10 @@ def mean_accepted_length(tokens_per_round: Sequence[int]) -> float:
 def per_position_acceptance(rounds: Sequence[Sequence[bool]], k_max: int) -> list[float]:
     """Acceptance rate at each draft position 0..k_max-1.
 
-    rounds: per round, the accept results of the positions that were checked, in order (a round
+    rounds: per round, the accept results of the positions that were verified, in order (a round
     stops at its first rejection, so a False can only be last). Position i's rate counts only
-    rounds that checked position i: a position never reached after an earlier rejection is
-    neither an accept nor a reject there. A position no round checked gets NaN (unknown), not 0.
+    rounds that verified position i: a position never reached after an earlier rejection is
+    neither an accept nor a reject there. A position no round verified gets NaN (unknown), not 0.
     """
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -50,6 +101,22 @@ def per_position_acceptance(rounds: Sequence[Sequence[bool]], k_max: int) -> lis
     return rates
 
 
+def position_rates(rounds: Rounds) -> list[float]:
+    """Per-position acceptance over the drafted rounds, positions 0..K_max-1 (NaN where none verified)."""
+    drafted = drafted_rounds(rounds)
+    if not drafted:
+        return []
+    checks = [[p.outcome is Outcome.ACCEPTED for p in r.positions if p.verified] for r in drafted]
+    return per_position_acceptance(checks, max(r.k for r in drafted))
+
+
+def mean_k(rounds: Rounds) -> int | None:
+    """The drafted rounds' mean K, rounded (at least 1); None when no round drafted."""
+    drafted = drafted_rounds(rounds)
+    return max(1, round(sum(r.k for r in drafted) / len(drafted))) if drafted else None
+
+
+# -- the speed-up model ---------------------------------------------------------------------------
 def _check_alpha_k(alpha: float, k: int) -> None:
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -68,28 +135,205 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
     return math.fsum(alpha**i for i in range(k + 1))
 
 
-def predicted_speedup(alpha: float, k: int, c: float, r: float = 1.0) -> float:
-    """Walltime speed-up over target-only decoding: E / (c*K + r) (Leviathan et al. 2023).
+def expected_tokens_from_rates(rates: Sequence[float], k: int) -> float:
+    """E[tokens per round] at K from measured per-position rates, with no i.i.d. assumption:
+    E = 1 + sum_{i<K} prod_{j<=i} a_j. A position without a measured rate (NaN, or beyond the
+    list) takes the last measured one."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    known = [a for a in rates if math.isfinite(a)]
+    if not known:
+        raise ValueError("no measured per-position rate")
+    if any(not 0.0 <= a <= 1.0 for a in known):
+        raise ValueError(f"per-position rates must lie in [0, 1], got {list(rates)}")
+    total, reach, last = 1.0, 1.0, known[0]
+    for i in range(k):
+        a = rates[i] if i < len(rates) and math.isfinite(rates[i]) else last
+        last = a
+        reach *= a
+        total += reach
+    return total
 
-    One round costs K draft forwards (c each) plus one verify forward (r) and yields E tokens;
-    plain decoding pays 1 per token.
+
+def predicted_speedup(alpha: float, k: int, c: float, r: float) -> float:
+    """Walltime speed-up over target-only decoding: E(alpha, K) / (cK + r) (Leviathan et al. 2023).
+
+    One round costs K draft forwards (c each) plus one verify forward over K + 1 tokens (r of a
+    one-token step) and yields E tokens; plain decoding pays 1 per token.
     """
     _check_alpha_k(alpha, k)
+    return _speedup(expected_tokens_per_round(alpha, k), k, c, r)
+
+
+def _speedup(tokens: float, draft_forwards: float, c: float, r: float) -> float:
     if not (math.isfinite(c) and c >= 0):
         raise ValueError(f"c (draft/target cost ratio) must be finite and >= 0, got {c}")
     if not (math.isfinite(r) and r > 0):
         raise ValueError(f"r (verify cost relative to one target forward) must be finite and > 0, got {r}")
-    return expected_tokens_per_round(alpha, k) / (c * k + r)
+    return tokens / (c * draft_forwards + r)
 
 
-def best_k(alpha: float, c: float, r_of_k: Callable[[int], float] | float = 1.0, k_max: int = 16) -> int:
-    """The K in 1..k_max with the highest predicted speed-up (the smallest K on ties).
+def speedup_from_rates(rates: Sequence[float], k: int, c: float, r: float) -> float:
+    """The same prediction from measured per-position rates instead of one i.i.d. alpha."""
+    return _speedup(expected_tokens_from_rates(rates, k), k, c, r)
 
-    r_of_k: the verify cost, constant or as a function of K (verifying more positions can cost
-    more once the target leaves the memory-bound regime).
+
+def speedup_curve(alpha: float, c: float, r_of_n: Callable[[int], float], k_max: int) -> list[float]:
+    """predicted_speedup for K = 1..k_max, the verify cost at K being r_of_n(K + 1)."""
+    return [predicted_speedup(alpha, k, c, r_of_n(k + 1)) for k in range(1, k_max + 1)]
+
+
+def best_k(alpha: float, c: float, r_of_n: Callable[[int], float] | float = 1.0, k_max: int = 16) -> int:
+    """The K in 1..k_max with the highest predicted speed-up; ties within TIE_RTOL go to the smaller K.
+
+    r_of_n: the target's forward over n tokens relative to one (a verify of K drafts is n = K + 1),
+    constant or measured (`calibration.RCurve.at`). On a GPU r stays near 1 while the target is
+    memory-bound; on a CPU it grows with n and pulls the best K down.
     """
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
         raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
-    r_at = r_of_k if callable(r_of_k) else (lambda _k: r_of_k)
-    speedups = [predicted_speedup(alpha, k, c, r_at(k)) for k in range(1, k_max + 1)]
-    return 1 + speedups.index(max(speedups))
+    r_at = r_of_n if callable(r_of_n) else (lambda _n: r_of_n)
+    curve = speedup_curve(alpha, c, r_at, k_max)
+    top = max(curve)
+    return 1 + next(i for i, s in enumerate(curve) if s >= top * (1 - TIE_RTOL))
+
+
+# -- costs and throughput, measured ----------------------------------------------------------------
+def target_step_ms(baseline: Rounds) -> float | None:
+    """Median one-token target forward of a target-only run (its prefill round left out)."""
+    steps = [r.timings.target_forward_ms for r in decode_rounds(baseline)]
+    return median(steps) if steps else None
+
+
+def draft_forward_ms(rounds: Rounds) -> float | None:
+    """Median draft-model forward over the decode rounds; None when no draft forward ran."""
+    times = [t for r in decode_rounds(rounds) for t in r.timings.draft_forward_ms]
+    return median(times) if times else None
+
+
+def cost_ratio(rounds: Rounds, baseline: Rounds) -> float | None:
+    """c = median draft forward / median target-only step, both measured in this run. 0 for rounds
+    that drafted without a model (prompt lookup); None until both sides have a timed step."""
+    step = target_step_ms(baseline)
+    if step is None or step <= 0 or not drafted_rounds(rounds):
+        return None
+    draft = draft_forward_ms(rounds)
+    if draft is None:
+        return 0.0 if all(r.draft_forwards == 0 for r in rounds) else None
+    return draft / step
+
+
+def tokens_per_s(rounds: Rounds) -> float | None:
+    """Generated tokens over decode time (prefill included) after the last of `rounds`."""
+    if not rounds or rounds[-1].elapsed_s <= 0:
+        return None
+    return rounds[-1].tokens_total / rounds[-1].elapsed_s
+
+
+def measured_speedup(rounds: Rounds, baseline: Rounds) -> float | None:
+    """Speculative over target-only throughput, the baseline measured up to the speculative run's token
+    count (a time ratio at equal tokens; a sampled baseline may stop early at its own EOS)."""
+    spec, base = tokens_per_s(rounds), tokens_per_s(baseline)
+    return None if spec is None or base is None or base <= 0 else spec / base
+
+
+def finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+# -- the prediction for a run ---------------------------------------------------------------------------
+def predicted_over_rounds(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draft_forwards: Sequence[int],
+                          c: float, r_of_n: Callable[[int], float]) -> float:
+    """Leviathan's speed-up for rounds of varying K: sum of E(k_i) over sum of (c f_i + r(k_i + 1)).
+
+    tokens_at(k): the expected tokens of a round that drafted k (E(alpha, k), or from per-position
+    rates); a round that drafted nothing yields 1 token for one plain step. f_i: the draft-model
+    forwards the round really ran (a copied hybrid round runs none). With a constant K this is
+    exactly E(K) / (cK + r(K + 1)).
+    """
+    tokens = sum(tokens_at(k) if k else 1.0 for k in rounds_k)
+    cost = sum(c * f + (r_of_n(k + 1) if k else 1.0) for k, f in zip(rounds_k, draft_forwards, strict=True))
+    return tokens / cost if cost > 0 else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What Leviathan's model predicts for a run, from the run's own measured inputs."""
+
+    draft_acceptance: float        # accepted / drafted (for comparison with vLLM and the seed system)
+    alpha: float                   # accepted / verified positions: what E(alpha, K) is defined on
+    rates: list[float]             # per-position acceptance
+    c: float                       # median draft forward / median target-only step, this run
+    k: int                         # the drafted rounds' mean K
+    r: float                       # r(k + 1) from the calibration
+    tokens_iid: float              # predicted tokens per drafted round, E(alpha, k_i) averaged
+    tokens_rates: float            # the same from the per-position rates (no i.i.d. assumption)
+    tokens_measured: float         # tokens per drafted round, counted
+    speedup_iid: float
+    speedup_rates: float
+    best_k: int                    # the argmax of E(alpha, K) / (cK + r(K + 1)) over K
+    best_speedup: float
+
+
+@dataclass(frozen=True, slots=True)
+class NotMeasured:
+    """Why a prediction cannot be made yet."""
+
+    reason: str
+
+
+def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | None,
+            k_max: int = 16) -> Prediction | NotMeasured:
+    """The prediction for the rounds so far, or why there is none yet. `r_of_n` is the calibrated
+    curve (`RCurve.at`); without it there is no prediction, since r is measured, never assumed."""
+    drafted = [r for r in decode_rounds(rounds) if r.k > 0]
+    if not drafted:
+        return NotMeasured("Not measured yet: no round has drafted anything (target-only, or no n-gram match).")
+    c = cost_ratio(rounds, baseline)
+    if c is None:
+        return NotMeasured("c not measured yet: it needs the target-only baseline's timings (not recorded in "
+                           "target-only mode) and a timed draft forward.")
+    if r_of_n is None:
+        return NotMeasured("r(n) not measured yet: the calibration of the target's forward is still running.")
+    a, rates = alpha(drafted), position_rates(drafted)
+    ks = [r.k for r in drafted]
+    steps = decode_rounds(rounds)  # rounds that drafted nothing cost one plain step for one token
+    all_ks, forwards = [r.k for r in steps], [r.draft_forwards for r in steps]
+    iid = lambda k: expected_tokens_per_round(a, k)  # noqa: E731
+    by_rates = lambda k: expected_tokens_from_rates(rates, k)  # noqa: E731
+    best = best_k(a, c, r_of_n, k_max)
+    return Prediction(
+        draft_acceptance=draft_acceptance(drafted), alpha=a, rates=rates, c=c, k=mean_k(drafted),
+        r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(map(iid, ks)) / len(ks),
+        tokens_rates=sum(map(by_rates, ks)) / len(ks),
+        tokens_measured=sum(len(r.emitted) for r in drafted) / len(drafted),
+        speedup_iid=predicted_over_rounds(iid, all_ks, forwards, c, r_of_n),
+        speedup_rates=predicted_over_rounds(by_rates, all_ks, forwards, c, r_of_n),
+        best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1)))
+
+
+# -- the run summary ----------------------------------------------------------------------------------
+def summarize(rounds: Rounds, weight_bytes: dict[str, int], kv_bytes: dict[str, int]) -> RunSummary:
+    """The run-level record of a run's rounds (exact counts, the engine's own times)."""
+    if not rounds:
+        raise ValueError("no rounds to summarise")
+    tokens = rounds[-1].tokens_total
+    drafted, verified = sum(r.k for r in rounds), sum(r.verified for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    elapsed, ttft = rounds[-1].elapsed_s, rounds[0].elapsed_s * 1000
+    return RunSummary(
+        mode=rounds[0].mode, drafter=rounds[0].drafter, rounds=len(rounds), tokens=tokens,
+        drafted=drafted, verified=verified, accepted=accepted,
+        draft_acceptance_rate=acceptance_rate(accepted, drafted), alpha=alpha_rate(accepted, verified),
+        mean_accepted_length=mean_accepted_length([len(r.emitted) for r in rounds]),
+        per_position_acceptance=position_rates(rounds),
+        target_forwards=sum(r.target_forwards for r in rounds), draft_forwards=sum(r.draft_forwards for r in rounds),
+        target_forwards_per_token=sum(r.target_forwards for r in rounds) / max(tokens, 1),
+        ttft_ms=ttft, tpot_ms=(elapsed * 1000 - ttft) / (tokens - 1) if tokens > 1 else 0.0,
+        tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+        elapsed_s=elapsed, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+
+
+def describe(mode: Mode, drafter: DrafterKind | None) -> str:
+    """'v2 / model', 'target / none': how a run is named in one line of text."""
+    return f"{mode.value} / {drafter.value if drafter else 'none'}"

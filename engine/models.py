@@ -1,11 +1,13 @@
-"""Model loading: the built-in pair or any Hugging Face id/path, placement, dtype, tokenizer checks."""
+"""Model loading: sources to loaded models, placement and dtype, the fused forward built at load time,
+and the draft/target pair whose tokenizers are checked once."""
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from engine.fused_llama import FusedLlama
 from engine.kv_cache import KVShape
 from engine.sources import Progress, SourceError, missing_hint, resolve
 
@@ -16,15 +18,32 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A causal LM ready for decoding, with what the engine and UI need to know about it."""
+    """A causal LM ready for decoding, with what the engine and UI need to know about it.
 
-    name: str              # what the user asked for: "builtin:target", a hub id, or a path
+    `fused` is the engine's own forward for Llama-family models, built once when the model is
+    loaded (None when the architecture is not covered: such models run the transformers forward).
+    The loaded model owns its module: moving or replacing its weights afterwards is not supported.
+    """
+
+    name: str              # what the user asked for: "builtin:target", "smollm2", a hub id, or a path
     model: torch.nn.Module
-    tokenizer: object      # a transformers PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
     vocab_size: int        # rows of the LM head (can exceed len(tokenizer))
     max_context: int
+    fused: FusedLlama | None = field(default=None, compare=False, repr=False)
+
+    @staticmethod
+    def of(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+           max_context: int | None = None, fuse: bool = True) -> "LoadedModel":
+        """Wrap a module already on its device and in eval mode; build its fused forward if it can have
+        one (and `fuse`: a model still being trained keeps its weights as they are)."""
+        weight = model.get_output_embeddings().weight
+        config = model.config
+        context = max_context or int(getattr(config, "max_position_embeddings", 2048) or 2048)
+        fused = None if not fuse or FusedLlama.unsupported(model) else FusedLlama(model)
+        return LoadedModel(name, model, tokenizer, weight.device, weight.dtype, int(weight.shape[0]), context, fused)
 
     @property
     def kv_shape(self) -> KVShape:
@@ -82,10 +101,7 @@ def load_model(source: str, role: str = "target", *, device: torch.device | str 
         raise ModelLoadError(f"Could not load {role} model {where.name!r} from {where.path}: "
                              f"{type(exc).__name__}: {_first_line(exc)}.{missing_hint(source)}") from exc
     model.to(device).eval()
-    config = model.config
-    max_context = int(getattr(config, "max_position_embeddings", 2048) or 2048)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    return LoadedModel(where.name, model, tokenizer, device, torch_dtype, vocab, max_context)
+    return LoadedModel.of(where.name, model, tokenizer)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -93,25 +109,26 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-_MATCHED: "weakref.WeakKeyDictionary[object, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+@dataclass(frozen=True, slots=True)
+class ModelPair:
+    """A target and the draft model that proposes for it (None: no draft model), checked once.
+
+    Building a pair checks that the two tokenizers give shared tokens the same ids (vocabulary
+    sizes may differ) and raises ModelLoadError otherwise; every engine over the pair relies on
+    that check instead of repeating it (reading two 150k vocabularies costs tens of milliseconds).
+    """
+
+    target: LoadedModel
+    draft: LoadedModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and self.draft.tokenizer is not self.target.tokenizer:
+            _compare_tokenizers(self.draft, self.target, probes=2000)
 
 
 def check_same_tokenizer(draft: LoadedModel, target: LoadedModel, probes: int = 2000) -> None:
-    """Draft and target must give shared tokens the same ids. Vocabulary sizes may differ.
-
-    A pair that passed is remembered (weakly, by tokenizer objects): reading two vocabularies costs
-    about a millisecond and a half, which every new run would otherwise pay."""
-    td, tt = draft.tokenizer, target.tokenizer
-    try:
-        if tt in _MATCHED.get(td, ()):
-            return
-    except TypeError:  # a tokenizer that cannot be weakly referenced is simply checked every time
-        pass
+    """Raise ModelLoadError unless the draft's tokenizer gives shared tokens the target's ids."""
     _compare_tokenizers(draft, target, probes)
-    try:
-        _MATCHED.setdefault(td, weakref.WeakSet()).add(tt)
-    except TypeError:
-        pass
 
 
 def _compare_tokenizers(draft: LoadedModel, target: LoadedModel, probes: int) -> None:

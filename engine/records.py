@@ -1,9 +1,31 @@
-"""Typed records that flow from the engine to traces and renderers: one per round, one per run."""
+"""Typed records that flow from the engine to traces and renderers: the outcome labels, one record per
+round, one per run.
+
+Every label the UI shows (accepted, rejected, unchecked, corrected, bonus, pending) is an `Outcome`;
+every mode and drafter a `Mode` or `DrafterKind`. Renderers compare these values, never strings.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
-from engine.verify import Outcome
+from engine.config import DrafterKind, Mode
+
+
+class Outcome(str, Enum):
+    """The one home of the per-token labels shared by engine, traces and UI."""
+
+    ACCEPTED = "accepted"      # a draft that passed u < min(1, p/q)
+    REJECTED = "rejected"      # the draft that failed it (at most one per round)
+    UNCHECKED = "unchecked"    # a draft after the rejection: never verified, neither accepted nor rejected
+    CORRECTED = "corrected"    # the final token drawn from the residual max(0, p - q) at the rejection
+    BONUS = "bonus"            # the final token drawn from row K after every draft was accepted
+    PENDING = "pending"        # drafted, verification not yet revealed (a UI state, never recorded)
+
+    @property
+    def verified(self) -> bool:
+        """Whether the accept test ran at this draft position."""
+        return self in (Outcome.ACCEPTED, Outcome.REJECTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +41,7 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class PositionRecord:
-    """A drafted token and what verification made of it. Unchecked drafts follow a rejection."""
+    """A drafted token and what verification made of it. p_target, alpha and u are None when UNCHECKED."""
 
     index: int
     token: int
@@ -29,8 +51,11 @@ class PositionRecord:
     alpha: float | None
     u: float | None
     outcome: Outcome
-    checked: bool
     candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        return self.outcome.verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +75,7 @@ class FinalRecord:
 class KVState:
     """One model's paged cache after a round, and what the round did to it."""
 
-    model: str                 # "target" or "draft"
+    model: str                 # "target", "draft" or "eagle": whose cache
     device: str
     dtype: str
     block_size: int
@@ -67,12 +92,21 @@ class KVState:
 
 @dataclass(frozen=True, slots=True)
 class RoundTimings:
+    """Where one round's time went, ms, from the engine's own clock.
+
+    target_forward_ms is the round's one target forward alone (the prefill in round 0, the verify
+    forward after), and draft_forward_ms each draft-model forward: c and r are read from these.
+    """
+
     prefill_ms: float
     draft_ms: float
     verify_ms: float
     commit_ms: float   # v1's commit forward, or v2's rollbacks
     other_ms: float    # sampling, records, Python overhead
     total_ms: float
+    target_forward_ms: float = 0.0
+    draft_forward_ms: list[float] = field(default_factory=list)
+    commit_forward_ms: float = 0.0     # v1's second target forward (0 in v2 and target-only rounds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +114,10 @@ class RoundRecord:
     """Everything needed to redraw one round without the models."""
 
     index: int
-    mode: str
-    drafter: str
-    k: int                       # tokens drafted this round (0 for target-only steps)
+    mode: Mode
+    drafter: DrafterKind | None  # the configured drafter; None for target-only runs
+    proposer: DrafterKind | None  # who proposed this round's drafts (a hybrid copies or asks its model); None: no drafts
+    k: int                       # tokens drafted this round (0 for target-only steps and the prefill)
     positions: list[PositionRecord]
     final: FinalRecord
     emitted: list[int]           # accepted drafts + the final token (cut at EOS / max_new_tokens)
@@ -96,18 +131,35 @@ class RoundRecord:
     elapsed_s: float             # time spent decoding so far (prefill included, idle time between steps not)
     finished: bool
 
+    @property
+    def verified(self) -> int:
+        """Draft positions whose accept test ran: accepted + 1 at a rejection, K after a full accept."""
+        return sum(p.verified for p in self.positions)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Round 0 runs the prompt's forward; its timings are not a decode step's."""
+        return self.index == 0
+
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
-    """Run-level metrics computed from the rounds (exact token counts, measured times)."""
+    """Run-level metrics computed from the rounds (exact token counts, measured times).
 
-    mode: str
-    drafter: str
+    Two acceptance measures, each under its own name: draft_acceptance_rate = accepted / drafted (what
+    vLLM and the seed system report), and alpha = accepted / verified positions, the per-position
+    acceptance probability that Leviathan et al.'s E(alpha, K) is defined on.
+    """
+
+    mode: Mode
+    drafter: DrafterKind | None
     rounds: int
     tokens: int
     drafted: int
+    verified: int
     accepted: int
-    acceptance_rate: float
+    draft_acceptance_rate: float
+    alpha: float
     mean_accepted_length: float
     per_position_acceptance: list[float]
     target_forwards: int
@@ -119,30 +171,3 @@ class RunSummary:
     elapsed_s: float
     weight_bytes: dict[str, int]   # per device
     kv_bytes: dict[str, int]       # per device
-
-
-def summarize(rounds: list[RoundRecord], weight_bytes: dict[str, int], kv_bytes: dict[str, int]) -> RunSummary:
-    from engine import metrics
-
-    if not rounds:
-        raise ValueError("no rounds to summarise")
-    tokens = rounds[-1].tokens_total
-    drafted = sum(r.k for r in rounds)
-    accepted = sum(r.accepted for r in rounds)
-    elapsed = rounds[-1].elapsed_s
-    ttft = rounds[0].elapsed_s * 1000
-    k_max = max((r.k for r in rounds), default=0)
-    checks = [[p.outcome is Outcome.ACCEPTED for p in r.positions if p.checked] for r in rounds if r.k]
-    return RunSummary(
-        mode=rounds[0].mode, drafter=rounds[0].drafter, rounds=len(rounds), tokens=tokens,
-        drafted=drafted, accepted=accepted,
-        acceptance_rate=metrics.acceptance_rate(accepted, drafted),
-        mean_accepted_length=metrics.mean_accepted_length([len(r.emitted) for r in rounds]),
-        per_position_acceptance=metrics.per_position_acceptance(checks, k_max) if k_max else [],
-        target_forwards=sum(r.target_forwards for r in rounds),
-        draft_forwards=sum(r.draft_forwards for r in rounds),
-        target_forwards_per_token=sum(r.target_forwards for r in rounds) / max(tokens, 1),
-        ttft_ms=ttft,
-        tpot_ms=(elapsed * 1000 - ttft) / (tokens - 1) if tokens > 1 else 0.0,
-        tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
-        elapsed_s=elapsed, weight_bytes=weight_bytes, kv_bytes=kv_bytes)

@@ -1,11 +1,24 @@
-"""A model plus its paged KV pool: the one place forwards happen."""
+"""A model plus its paged KV pool: the one place forwards happen, and where each one is timed."""
 from __future__ import annotations
+
+import time
 
 import torch
 
-from engine.fused_llama import FusedLlama, fused_for
+from engine.clock import Now, sync_cuda
 from engine.kv_cache import KVPool, PagedCache
 from engine.models import LoadedModel
+
+
+def pool_blocks(capacity: int, block_size: int, sequences: int = 1) -> int:
+    """Blocks a pool needs for `sequences` sequences of up to `capacity` tokens each."""
+    return sequences * (-(-capacity // block_size))
+
+
+def pool_bytes(loaded: LoadedModel, capacity: int, block_size: int, sequences: int = 1) -> int:
+    """Bytes of the KV pool a ModelRunner allocates for these sizes (what a server must budget)."""
+    slots = pool_blocks(capacity, block_size, sequences) * block_size
+    return loaded.kv_shape.bytes_per_slot(loaded.dtype) * slots
 
 
 class ModelRunner:
@@ -13,17 +26,22 @@ class ModelRunner:
 
     The pool is sized for `capacity` tokens per sequence times `sequences`. Models are shared and
     read-only; every runner has its own pool, so concurrent sessions never share KV. Forwards use
-    the engine's fused forward when the architecture allows (`fused=True`, the default), else the
-    transformers forward with the paged cache as its `Cache`; `forward_path` says which.
+    the model's fused forward when it has one and `fused=True` (the default), else the transformers
+    forward with the paged cache as its `Cache`; `forward_path` says which.
+
+    Every forward's wall time (device time on CUDA, which is synchronised around it) is appended
+    to `forward_ms`; the engine drains it once a round into the round's timings.
     """
 
-    def __init__(self, loaded: LoadedModel, capacity: int, block_size: int = 16,
-                 sequences: int = 1, num_blocks: int | None = None, fused: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, capacity: int, block_size: int = 16, sequences: int = 1,
+                 num_blocks: int | None = None, fused: bool = True, now: Now = time.perf_counter) -> None:
         self.loaded = loaded
-        self.fused: FusedLlama | None = fused_for(loaded.model) if fused else None
-        blocks = num_blocks if num_blocks is not None else sequences * (-(-capacity // block_size))
+        self.fused = loaded.fused if fused else None
+        blocks = num_blocks if num_blocks is not None else pool_blocks(capacity, block_size, sequences)
         self.pool = KVPool(loaded.kv_shape, blocks, block_size, loaded.device, loaded.dtype)
         self.forwards = 0
+        self.forward_ms: list[float] = []
+        self._now = now
 
     @property
     def vocab_size(self) -> int:
@@ -38,16 +56,32 @@ class ModelRunner:
 
         Writes their K/V (unless inside `cache.read_only()`) and appends them to `cache.tokens`.
         """
+        return self.forward_features(cache, token_ids, last_only, features=False)[0]
+
+    @torch.inference_mode()
+    def forward_features(self, cache: PagedCache, token_ids: list[int], last_only: bool = False,
+                         features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the post-norm features of the same rows ([rows, d]) when `features`."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
+        sync_cuda(self.loaded.device)
+        t0 = self._now()
         if self.fused is not None:
-            logits = self.fused.forward(cache, ids, last_only)
+            logits, hidden = self.fused.forward_features(cache, ids, last_only)
         else:
-            out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+            out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True,
+                                    logits_to_keep=1 if last_only else 0, output_hidden_states=features)
             logits = out.logits[0].float()
+            hidden = out.hidden_states[-1][0, -logits.shape[0]:] if features else None
+        sync_cuda(self.loaded.device)
+        self.forward_ms.append((self._now() - t0) * 1000)
         if not cache._read_only:
             cache.tokens.extend(token_ids)
         self.forwards += 1
-        return logits
+        return logits, (hidden if features else None)
+
+    def drain_forward_ms(self) -> list[float]:
+        times, self.forward_ms = self.forward_ms, []
+        return times
 
     @property
     def forward_path(self) -> str:

@@ -16,35 +16,44 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from engine.config import K_BOUND, DrafterKind, Mode, SpecConfig
+from engine.clock import Now, PhaseClock
+from engine.config import K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
-from engine.kv_cache import PagedCache
-from engine.models import LoadedModel, check_same_tokenizer
-from engine.records import (
-    Candidate,
-    FinalRecord,
-    KVState,
-    PositionRecord,
-    RoundRecord,
-    RoundTimings,
-    RunSummary,
-    summarize,
-)
-from engine.runner import ModelRunner
+from engine.metrics import summarize
+from engine.models import ModelPair
+from engine.recorder import RoundRecorder, RoundResult, RunState, drafter_of, kv_state
+from engine.records import Outcome, RoundRecord, RoundTimings, RunSummary
+from engine.runner import ModelRunner, pool_bytes
 from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
-from engine.verify import Outcome, VerifyResult, verify, verify_greedy
+from engine.sequence import Sequence
+from engine.verify import VerifyResult, verify, verify_greedy
 
 
 class PromptError(ValueError):
     """The prompt cannot be decoded with these settings (empty, or too long for the context)."""
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The prompt's ids as the tokenizer gives them (special tokens included); PromptError if empty."""
     if not text or not text.strip():
         raise PromptError("The prompt is empty: type some text (for the built-in pair, some Python code).")
-    ids = tokenizer(text)["input_ids"]
-    return list(ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def kv_capacity(prompt_tokens: int, config: SpecConfig) -> int:
+    """Tokens each of an engine's KV pools holds: the prompt, the new tokens, and one round's slack."""
+    return prompt_tokens + config.max_new_tokens + K_SLACK
+
+
+def kv_bytes(pair: ModelPair, prompt_tokens: int, config: SpecConfig) -> int:
+    """Bytes of the KV pools one engine allocates (the target's, plus the draft model's if it runs one)."""
+    capacity = kv_capacity(prompt_tokens, config)
+    total = pool_bytes(pair.target, capacity, config.block_size)
+    if pair.draft is not None and config.uses_draft_model:
+        total += pool_bytes(pair.draft, capacity, config.block_size)
+    return total
 
 
 class SpeculativeEngine:
@@ -53,34 +62,36 @@ class SpeculativeEngine:
     Owns its KV pools (one per model), so each session can have its own; the models are shared
     and read-only. Randomness comes from two generators seeded from `config.seed` (verification
     and drafting), so a seed reproduces a run exactly, and v1 and v2 consume draws identically.
+    Times come from `now` (see engine.clock).
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int],
-                 config: SpecConfig, kv_blocks: int | None = None, eos_id: int | None = None) -> None:
+    def __init__(self, pair: ModelPair, prompt_ids: list[int], config: SpecConfig, kv_blocks: int | None = None,
+                 eos_id: int | None = None, now: Now = time.perf_counter) -> None:
         if not prompt_ids:
             raise PromptError("The prompt is empty.")
-        self.config, self.target, self.draft = config, target, draft
+        target = pair.target
         need = len(prompt_ids) + config.max_new_tokens
         if need > target.max_context:
             raise PromptError(
                 f"The prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
                 f"{need} tokens exceed the target's context of {target.max_context}. Shorten the prompt "
                 f"or ask for fewer new tokens.")
-        capacity = need + K_SLACK
-        self.prompt = list(prompt_ids)
-        self.tokens = list(prompt_ids)  # committed: prompt + generated
-        self.eos_id = eos_id if eos_id is not None else target.tokenizer.eos_token_id
+        self.config, self.pair, self.target = config, pair, target
+        self.sequence = Sequence(prompt_ids, config.max_new_tokens,
+                                 eos_id if eos_id is not None else target.tokenizer.eos_token_id, config.stop_at_eos)
+        self._now = now
+        capacity = kv_capacity(len(prompt_ids), config)
         self.target_runner = ModelRunner(target, capacity, config.block_size, num_blocks=kv_blocks,
-                                         fused=config.fused_forward)
+                                         fused=config.fused_forward, now=now)
         self.target_cache = self.target_runner.new_sequence()
         self.gen_verify = torch.Generator().manual_seed(config.seed)
         self.gen_draft = torch.Generator().manual_seed(config.seed + 7919)
         self.drafter = self._make_drafter(capacity, kv_blocks)
+        self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config))
         self.k = config.k
         self.rounds: list[RoundRecord] = []
         self._started = False
         self._busy_s = 0.0  # time spent inside step(): a stepping UI's idle time never counts
-        self.finished = False
 
     def _make_drafter(self, capacity: int, kv_blocks: int | None) -> Drafter | None:
         c = self.config
@@ -89,19 +100,30 @@ class SpeculativeEngine:
         ngram = NgramDrafter(c.ngram_max, c.ngram_min, self.target.vocab_size, self.target.device)
         if c.drafter is DrafterKind.NGRAM:
             return ngram
-        if self.draft is None:
+        draft = self.pair.draft
+        if draft is None:
             raise ValueError(f"the {c.drafter.value} drafter needs a draft model")
-        check_same_tokenizer(self.draft, self.target)
-        runner = ModelRunner(self.draft, capacity, c.block_size, num_blocks=kv_blocks, fused=c.fused_forward)
+        runner = ModelRunner(draft, capacity, c.block_size, num_blocks=kv_blocks, fused=c.fused_forward,
+                             now=self._now)
         model = ModelDrafter(runner, c.sampling, self.target.vocab_size, self.target.device, self.gen_draft)
-        if c.drafter is DrafterKind.HYBRID:
-            return HybridDrafter(model, ngram, c.hybrid_min_n)
-        return model
+        return HybridDrafter(model, ngram, c.hybrid_min_n) if c.drafter is DrafterKind.HYBRID else model
 
     # -- the round ------------------------------------------------------------------------------
     @property
+    def prompt(self) -> list[int]:
+        return self.sequence.prompt
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.sequence.tokens
+
+    @property
     def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        return self.sequence.generated
+
+    @property
+    def finished(self) -> bool:
+        return self.sequence.finished
 
     def step(self) -> RoundRecord:
         """Run one round and return its record. Raises RuntimeError once the run is finished.
@@ -112,70 +134,65 @@ class SpeculativeEngine:
         """
         if self.finished:
             raise RuntimeError("the run is finished; reset to decode again")
-        t_start = time.perf_counter()
-        forwards_before = self.target_runner.forwards
-        remaining = self.config.max_new_tokens - len(self.generated)
-        prefill_ms = draft_ms = 0.0
-        drafted: list[int] = []
+        clock, forwards_before = PhaseClock(self._now), self.target_runner.forwards
         proposal = None
         if not self._started:
-            logits, prefill_ms = self._prefill()
-            t = time.perf_counter()
+            with clock.phase("prefill"):
+                logits = self._prefill()
         else:
-            k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
-            t = time.perf_counter()
-            proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1)) if k else None
-            drafted = proposal.tokens if proposal else []
-            draft_ms = (time.perf_counter() - t) * 1000
-            t = time.perf_counter()
-            logits = self._verify_forward(drafted)
-        p_rows, result = self._verify(logits, drafted, proposal)
-        verify_ms = (time.perf_counter() - t) * 1000
-
-        t = time.perf_counter()
-        emitted = self._accept(result.tokens, remaining)
-        self._commit(drafted, len(emitted))
-        commit_ms = (time.perf_counter() - t) * 1000
-
-        if drafted:
-            self.k = self.config.next_k(self.k, result.accepted_count == len(drafted))
-        record = self._record(drafted, proposal, p_rows, result, emitted, t_start, prefill_ms,
-                              draft_ms, verify_ms, commit_ms, self.target_runner.forwards - forwards_before)
+            with clock.phase("draft"):
+                proposal = self._draft()
+            with clock.phase("verify"):
+                logits = self._verify_forward(proposal)
+        with clock.phase("verify"):
+            p_rows, verdict = self._verify(logits, proposal)
+        with clock.phase("commit"):
+            emitted = self.sequence.accept(verdict.tokens)
+            self._commit()
+        self._schedule(proposal, verdict)
+        record = self._record(RoundResult(proposal, p_rows, verdict, emitted), clock, forwards_before)
         self.rounds.append(record)
         self._busy_s = record.elapsed_s
         return record
 
-    def _prefill(self) -> tuple[torch.Tensor, float]:
+    def _prefill(self) -> torch.Tensor:
         """Write the whole prompt's K/V (the invariant: every committed token but the last, which
         will be the first generated one) and return the target's logits row after it."""
-        t0 = time.perf_counter()
         self._started = True
         logits = self.target_runner.forward(self.target_cache, self.prompt, last_only=True)
         if self.drafter is not None:
             self.drafter.prefill(self.prompt)
-        return logits, (time.perf_counter() - t0) * 1000
+        return logits
 
-    def _verify_forward(self, drafted: list[int]) -> torch.Tensor:
+    def _draft(self) -> Proposal | None:
+        """Up to K drafts, never more than the tokens still to generate leave room to verify."""
+        remaining = self.sequence.remaining
+        k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
+        if not k:
+            return None
+        proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1))
+        return proposal if proposal.tokens else None
+
+    def _verify_forward(self, proposal: Proposal | None) -> torch.Tensor:
         """Target logits for [last, d1..dK]: K+1 rows, row K the bonus row."""
-        feed = [self.tokens[-1], *drafted]
+        feed = [self.sequence.last, *(proposal.tokens if proposal else [])]
         if self.config.mode is Mode.V1:
             with self.target_cache.read_only():
                 return self.target_runner.forward(self.target_cache, feed)
         return self.target_runner.forward(self.target_cache, feed)
 
-    def _verify(self, logits: torch.Tensor, drafted: list[int],
-                proposal: Proposal | None) -> tuple[torch.Tensor, VerifyResult]:
+    def _verify(self, logits: torch.Tensor, proposal: Proposal | None) -> tuple[torch.Tensor, VerifyResult]:
         """(processed target rows, the round's verdict). Greedy rounds verify from the argmaxes
         (`verify_greedy`, the same result as `verify` on one-hot rows, without the [K+1, V] work)."""
         if self.config.sampling.greedy:
             ids = greedy_ids(logits)
             p_rows = one_hot_rows(ids, logits.shape[1])
-            if drafted:
-                return p_rows, verify_greedy(drafted, ids.tolist(), logits.shape[1], self.gen_verify)
+            if proposal is not None:
+                return p_rows, verify_greedy(proposal.tokens, ids.tolist(), logits.shape[1], self.gen_verify)
             return p_rows, self._sample_only(p_rows, int(ids[-1]))
         p_rows = logits_to_probs(logits, self.config.sampling)
-        if drafted:
-            return p_rows, verify(proposal.q_draft, p_rows, drafted, self.gen_verify, validate=False)
+        if proposal is not None:
+            return p_rows, verify(proposal.q_draft, p_rows, proposal.tokens, self.gen_verify, validate=False)
         return p_rows, self._sample_only(p_rows)
 
     def _sample_only(self, p_rows: torch.Tensor, greedy_token: int | None = None) -> VerifyResult:
@@ -187,18 +204,7 @@ class SpeculativeEngine:
                             positions=[], final_token=token, final_outcome=Outcome.BONUS, final_row=0,
                             final_u=float(u[0]), residual=None)
 
-    def _accept(self, tokens: list[int], remaining: int) -> list[int]:
-        """Append the round's tokens, cut at EOS or max_new_tokens (a prefix of a lossless sample is lossless)."""
-        emitted = tokens[:remaining]
-        if self.config.stop_at_eos and self.eos_id is not None and self.eos_id in emitted:
-            emitted = emitted[: emitted.index(self.eos_id) + 1]
-            self.finished = True
-        self.tokens.extend(emitted)
-        if len(self.generated) >= self.config.max_new_tokens:
-            self.finished = True
-        return emitted
-
-    def _commit(self, drafted: list[int], n_emitted: int) -> None:
+    def _commit(self) -> None:
         """Bring both caches back to the invariant: K/V of tokens[:-1]."""
         keep = len(self.tokens) - 1
         cache = self.target_cache
@@ -211,71 +217,27 @@ class SpeculativeEngine:
         if self.drafter is not None:
             self.drafter.commit(self.tokens)
 
+    def _schedule(self, proposal: Proposal | None, verdict: VerifyResult) -> None:
+        """The next round's K (the heuristic schedule reacts to a fully accepted round)."""
+        if proposal is not None:
+            self.k = self.config.next_k(self.k, verdict.accepted_count == len(proposal.tokens))
+
     # -- records ----------------------------------------------------------------------------------
-    def _text(self, token: int) -> str:
-        return self.target.tokenizer.decode([token]) if self.config.record else ""
+    def _record(self, result: RoundResult, clock: PhaseClock, forwards_before: int) -> RoundRecord:
+        kv = [kv_state("target", self.target_cache, len(self.prompt) - 1)]
+        kv += [kv_state(c.name, c.cache, len(self.prompt) - 1) for c in self._draft_caches()]
+        target_ms = self.target_runner.drain_forward_ms()
+        draft_ms = self.drafter.drain_forward_ms() if self.drafter is not None else []
+        total = clock.total_ms()
+        phases = [clock.get(p) for p in ("prefill", "draft", "verify", "commit")]
+        timings = RoundTimings(*phases, total - sum(phases), total, target_ms[0] if target_ms else 0.0, draft_ms,
+                               sum(target_ms[1:]))
+        run = RunState(len(self.rounds), len(self.generated), self._busy_s + total / 1000, self.finished,
+                       self.target_runner.forwards - forwards_before)
+        return self.recorder.round(result, timings, kv, run)
 
-    def _candidates(self, p_row: torch.Tensor, q_row: torch.Tensor | None, must: list[int],
-                    residual: torch.Tensor | None = None) -> list[Candidate]:
-        if not self.config.record:
-            return []
-        n = self.config.top_n
-        ids = set(torch.topk(p_row, min(n, p_row.numel())).indices.tolist()) | set(must)
-        if q_row is not None:
-            ids |= set(torch.topk(q_row, min(n, q_row.numel())).indices.tolist())
-        if residual is not None:
-            ids |= set(torch.topk(residual, min(n, residual.numel())).indices.tolist())
-        out = [Candidate(t, self._text(t), float(p_row[t]), float(q_row[t]) if q_row is not None else 0.0,
-                         float(residual[t]) if residual is not None else None) for t in ids]
-        return sorted(out, key=lambda c: -max(c.p_target, c.q_draft, c.residual or 0.0))
-
-    def _record(self, drafted, proposal, p_rows, result: VerifyResult, emitted, t_start,
-                prefill_ms, draft_ms, verify_ms, commit_ms, target_forwards) -> RoundRecord:
-        verdicts = {v.index: v for v in result.positions}
-        positions = []
-        for i, token in enumerate(drafted):
-            v = verdicts.get(i)
-            q_row = proposal.q_draft[i]
-            positions.append(PositionRecord(
-                index=i, token=token, text=self._text(token), q_draft=float(q_row[token]),
-                p_target=v.p_target if v else None, alpha=v.alpha if v else None, u=v.u if v else None,
-                outcome=v.outcome if v else Outcome.REJECTED, checked=v is not None,
-                candidates=self._candidates(p_rows[i], q_row, [token]) if v else []))
-        row = result.final_row
-        q_final = proposal.q_draft[row] if result.final_outcome is Outcome.CORRECTED else None
-        final = FinalRecord(
-            token=result.final_token, text=self._text(result.final_token), outcome=result.final_outcome,
-            row=row, u=result.final_u, p_target=float(p_rows[row][result.final_token]),
-            candidates=self._candidates(p_rows[row], q_final, [result.final_token],
-                                        result.residual if result.final_outcome is Outcome.CORRECTED else None))
-        kv = [self._kv_state("target", self.target_cache, self.target)]
-        if isinstance(self.drafter, (ModelDrafter, HybridDrafter)):
-            kv.append(self._kv_state("draft", self.drafter.cache, self.draft))
-        now = time.perf_counter()
-        total_ms = (now - t_start) * 1000
-        return RoundRecord(
-            index=len(self.rounds), mode=self.config.mode.value,
-            drafter="none" if self.drafter is None else self.drafter.kind.value, k=len(drafted),
-            positions=positions, final=final, emitted=emitted,
-            emitted_text=self.target.tokenizer.decode(emitted) if self.config.record else "",
-            accepted=min(result.accepted_count, len(emitted)), kv=kv,
-            timings=RoundTimings(prefill_ms, draft_ms, verify_ms, commit_ms,
-                                 total_ms - prefill_ms - draft_ms - verify_ms - commit_ms, total_ms),
-            target_forwards=target_forwards,
-            draft_forwards=proposal.forwards if proposal else 0,
-            tokens_total=len(self.generated), elapsed_s=self._busy_s + total_ms / 1000, finished=self.finished)
-
-    def _kv_state(self, name: str, cache: PagedCache, loaded: LoadedModel) -> KVState:
-        log = cache.drain_log()
-        written = [s for kind, ch in log if kind == "write" for s in ch.slots]
-        pool = cache.pool
-        return KVState(
-            model=name, device=str(pool.device), dtype=str(pool.dtype).replace("torch.", ""),
-            block_size=pool.block_size, num_blocks=pool.num_blocks, block_table=list(cache.table.blocks),
-            length=cache.table.length, prompt_len=len(self.prompt) - 1, written=written,
-            rolled_back=[s for kind, ch in log if kind == "rollback" for s in ch.slots],
-            blocks_allocated=[b for _, ch in log for b in ch.blocks_allocated],
-            blocks_freed=[b for _, ch in log for b in ch.blocks_freed], pool_bytes=pool.nbytes)
+    def _draft_caches(self):
+        return self.drafter.caches() if self.drafter is not None else []
 
     # -- whole runs ---------------------------------------------------------------------------------
     def run(self) -> list[RoundRecord]:
@@ -284,13 +246,14 @@ class SpeculativeEngine:
         return self.rounds
 
     def summary(self) -> RunSummary:
+        """The run's metrics, with weight and KV bytes per device."""
         weights: dict[str, int] = {}
         kv: dict[str, int] = {}
-        runners = [self.target_runner] + ([self.drafter.runner] if isinstance(self.drafter, (ModelDrafter, HybridDrafter)) else [])
-        for r in runners:
-            dev = str(r.loaded.device)
-            weights[dev] = weights.get(dev, 0) + r.loaded.weight_bytes
-            kv[dev] = kv.get(dev, 0) + r.pool.nbytes
+        parts = [(str(self.target.device), self.target.weight_bytes, self.target_runner.pool.nbytes)]
+        parts += [(c.device, c.weight_bytes, c.cache.pool.nbytes) for c in self._draft_caches()]
+        for device, weight_bytes, nbytes in parts:
+            weights[device] = weights.get(device, 0) + weight_bytes
+            kv[device] = kv.get(device, 0) + nbytes
         return summarize(self.rounds, weights, kv)
 
     def close(self) -> None:
@@ -298,6 +261,3 @@ class SpeculativeEngine:
         self.target_cache.free()
         if self.drafter is not None:
             self.drafter.close()
-
-
-K_SLACK = 18  # room for a round's K+1 speculative slots beyond max_new_tokens (K <= 16)

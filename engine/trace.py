@@ -23,17 +23,18 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.calibration import RCurve
 from engine.config import K_BOUND, SpecConfig
 from engine.models import LoadedModel
-from engine.records import RoundRecord, RunSummary
+from engine.records import Outcome, RoundRecord, RunSummary
 from engine.sampling import SamplingParams
-from engine.verify import Outcome
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READABLE_VERSIONS = (1, 2)   # version 1 traces are upgraded as they are read (see `_upgrade_v1_round`)
 MAX_TRACE_BYTES = 64 * 2**20
 MAX_LIST_LEN = 1 << 20          # no list in a sane trace comes near this; a bound keeps a hostile file cheap
 STREAMS = ("spec", "baseline")
-LINE_TYPES = ("header", "round", "summary")
+LINE_TYPES = ("header", "round", "summary", "calibration")
 
 
 class TraceError(ValueError):
@@ -67,6 +68,7 @@ class Trace:
     summary: RunSummary | None
     baseline_summary: RunSummary | None
     complete: bool
+    calibration: RCurve | None = None   # the target's measured r(n), when the run had one
 
 
 # ---------------------------------------------------------------------------- header
@@ -157,6 +159,16 @@ def round_from_dict(data: dict) -> RoundRecord:
 def summary_from_dict(data: dict) -> RunSummary:
     """Validate a dict (as written by `summary_to_dict`) and rebuild the RunSummary. Raises TraceError."""
     return _decode(RunSummary, data, "summary")
+
+
+def calibration_from_dict(data: Any) -> RCurve:
+    """Validate a calibration line's data and rebuild the RCurve (its own checks apply). Raises TraceError."""
+    try:
+        return _decode(RCurve, data, "calibration")
+    except ValueError as exc:
+        if isinstance(exc, TraceError):
+            raise
+        raise TraceError(f"calibration: {exc}") from None
 
 
 def _decode_rates(value: Any, where: str) -> list[float]:
@@ -273,13 +285,48 @@ def _check_round(r: RoundRecord) -> None:
         raise TraceError(f"round.final.outcome: {r.final.outcome.value!r} (expected corrected or bonus)")
     if min(r.emitted) < 0 or r.tokens_total < 0 or r.index < 0:
         raise TraceError("round: token ids, index and tokens_total must be non-negative")
+    if any(p.outcome in (Outcome.CORRECTED, Outcome.BONUS, Outcome.PENDING) for p in r.positions):
+        raise TraceError("round.positions: a draft's outcome must be accepted, rejected or unchecked")
+
+
+def _upgrade_v1_round(data: Any) -> Any:
+    """A version-1 round dict in version 2's shape. Version 1 marked a draft after the rejection as
+    REJECTED with checked=false (now UNCHECKED), named no drafter "none" (now null), did not record
+    who proposed a hybrid round (a hybrid round without draft forwards was a copy), and timed no
+    single forward: its verify phase stands in for the target's forward, v1's commit phase for its
+    commit forward, and each draft forward gets the round's draft time divided evenly, which is how
+    version 1 read c."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    positions = []
+    for p in data.get("positions") or []:
+        if isinstance(p, dict):
+            p = dict(p)
+            if p.pop("checked", True) is False:
+                p["outcome"] = Outcome.UNCHECKED.value
+        positions.append(p)
+    data["positions"] = positions
+    drafter = None if data.get("drafter") == "none" else data.get("drafter")
+    data["drafter"] = drafter
+    copied = drafter == "ngram" or (drafter == "hybrid" and data.get("draft_forwards") == 0)
+    data["proposer"] = None if not data.get("k") else ("ngram" if copied else "model")
+    t, n = data.get("timings"), data.get("draft_forwards")
+    if isinstance(t, dict) and isinstance(n, int) and not isinstance(n, bool):
+        t = dict(t)
+        t.setdefault("target_forward_ms", t.get("verify_ms", 0.0))
+        draft_ms = t.get("draft_ms", 0.0)
+        t.setdefault("commit_forward_ms", t.get("commit_ms", 0.0) if data.get("mode") == "v1" else 0.0)
+        t.setdefault("draft_forward_ms", [draft_ms / n] * n if n > 0 and isinstance(draft_ms, (int, float)) else [])
+        data["timings"] = t
+    return data
 
 
 def header_from_dict(data: dict) -> TraceHeader:
-    """Validate and build the header; the version must be TRACE_VERSION. Raises TraceError."""
-    if isinstance(data, dict) and data.get("version") != TRACE_VERSION:
+    """Validate and build the header; the version must be one of READABLE_VERSIONS. Raises TraceError."""
+    if isinstance(data, dict) and data.get("version") not in READABLE_VERSIONS:
         raise TraceError(f"trace version {data.get('version')!r} is not supported (this build reads "
-                         f"version {TRACE_VERSION})")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))})")
     header = _decode(TraceHeader, data, "header")
     config_from_dict(header.config)
     return header
@@ -309,6 +356,10 @@ class TraceWriter:
         """Append the run summary of `stream`; the spec summary marks the trace complete."""
         self._check_stream(stream)
         self._write("summary", stream, summary_to_dict(summary))
+
+    def write_calibration(self, curve: RCurve) -> None:
+        """Append the target's measured r(n); the last one written is the one a replay uses."""
+        self._write("calibration", None, _to_json(curve))
 
     def _check_stream(self, stream: str) -> None:
         if stream not in STREAMS:
@@ -393,7 +444,7 @@ def _line_fields(number: int, obj: dict) -> tuple[str, str | None, Any]:
     kind, stream = obj.get("type"), obj.get("stream")
     if kind not in LINE_TYPES:
         raise TraceError(f"line {number}: unknown line type {kind!r}; expected one of {', '.join(LINE_TYPES)}")
-    if kind != "header" and stream not in STREAMS:
+    if kind not in ("header", "calibration") and stream not in STREAMS:
         raise TraceError(f"line {number}: stream must be one of {', '.join(STREAMS)}, got {stream!r}")
     if "data" not in obj:
         raise TraceError(f"line {number}: missing key 'data'")
@@ -416,20 +467,37 @@ def load_trace(source: str | Path | bytes) -> Trace:
     if first.get("type") != "header":
         raise TraceError(f"line {number}: the first line must be the header, got type {first.get('type')!r}")
     header = _at_line(number, header_from_dict, _line_fields(number, first)[2])
+    v1 = header.version == 1
     rounds: dict[str, list[RoundRecord]] = {s: [] for s in STREAMS}
     summaries: dict[str, RunSummary] = {}
+    calibration = None
     for number, obj in lines[1:]:
         kind, stream, data = _line_fields(number, obj)
         if kind == "header":
             raise TraceError(f"line {number}: a second header; a trace holds one run")
-        if kind == "round":
-            rounds[stream].append(_at_line(number, round_from_dict, data))
+        if kind == "calibration":
+            calibration = _at_line(number, calibration_from_dict, data)
+        elif kind == "round":
+            rounds[stream].append(_at_line(number, round_from_dict, _upgrade_v1_round(data) if v1 else data))
         elif stream in summaries:
             raise TraceError(f"line {number}: a second {stream} summary")
         else:
-            summaries[stream] = _at_line(number, summary_from_dict, data)
+            summaries[stream] = _summary_at(number, data, rounds[stream]) if v1 else \
+                _at_line(number, summary_from_dict, data)
     return Trace(header, rounds["spec"], rounds["baseline"], summaries.get("spec"),
-                 summaries.get("baseline"), complete="spec" in summaries)
+                 summaries.get("baseline"), complete="spec" in summaries, calibration=calibration)
+
+
+def _summary_at(number: int, data: Any, rounds: list[RoundRecord]) -> RunSummary:
+    """A version-1 summary, recomputed from its stream's rounds (version 1 had no alpha); the byte
+    counts, which rounds do not hold, are kept."""
+    from engine.metrics import summarize
+
+    if not isinstance(data, dict) or not rounds:
+        raise TraceError(f"line {number}: a summary with no rounds before it")
+    weights = _at_line(number, lambda d: _decode(dict[str, int], d, "summary.weight_bytes"), data.get("weight_bytes"))
+    kv = _at_line(number, lambda d: _decode(dict[str, int], d, "summary.kv_bytes"), data.get("kv_bytes"))
+    return summarize(rounds, weights, kv)
 
 
 def _at_line(number: int, build: Callable[[Any], Any], data: Any) -> Any:
@@ -441,14 +509,15 @@ def _at_line(number: int, build: Callable[[Any], Any], data: Any) -> Any:
 
 # ---------------------------------------------------------------------------- tables
 
-ROUND_COLUMNS = ("index", "mode", "drafter", "k", "accepted", "emitted", "emitted_text", "final_token",
+ROUND_COLUMNS = ("index", "mode", "drafter", "proposer", "k", "accepted", "emitted", "emitted_text", "final_token",
                  "final_outcome", "prefill_ms", "draft_ms", "verify_ms", "commit_ms", "other_ms", "total_ms",
                  "target_forwards", "draft_forwards", "tokens_total", "elapsed_s", "finished")
 
 
 def _round_row(r: RoundRecord) -> dict:
     t = r.timings
-    return {"index": r.index, "mode": r.mode, "drafter": r.drafter, "k": r.k, "accepted": r.accepted,
+    return {"index": r.index, "mode": r.mode.value, "drafter": r.drafter.value if r.drafter else "none",
+            "proposer": r.proposer.value if r.proposer else "", "k": r.k, "accepted": r.accepted,
             "emitted": len(r.emitted), "emitted_text": r.emitted_text, "final_token": r.final.token,
             "final_outcome": r.final.outcome.value, "prefill_ms": t.prefill_ms, "draft_ms": t.draft_ms,
             "verify_ms": t.verify_ms, "commit_ms": t.commit_ms, "other_ms": t.other_ms, "total_ms": t.total_ms,

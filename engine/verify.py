@@ -10,27 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import Tensor
 
+from engine.records import Outcome
 from engine.sampling import draw_uniform, sample_from
 
 # How far a probability row's sum may stray from 1 before `verify` refuses it. Loose enough for
 # float32/bfloat16 softmax rounding over ~150k-token vocabularies, tight enough that an
 # unnormalised row (or logits passed by mistake) is caught.
 ROW_SUM_TOL = 1e-3
-
-
-class Outcome(str, Enum):
-    """The one home of the per-token labels shared by engine and UI."""
-
-    ACCEPTED = "accepted"
-    REJECTED = "rejected"
-    CORRECTED = "corrected"
-    BONUS = "bonus"
-    PENDING = "pending"
 
 
 @dataclass(frozen=True, slots=True)

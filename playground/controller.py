@@ -10,16 +10,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.block_manager import KVPoolExhausted
-from engine.compared import ComparedRun
+from engine.compared import ComparedRun, kv_bytes_needed
 from engine.config import DrafterKind, KSchedule, Mode, SpecConfig
 from engine.models import ModelLoadError
 from engine.sampling import SamplingParams
 from engine.speculative import PromptError, encode_prompt
 from engine.trace import TraceError, load_trace
+from playground.inputs import as_float, as_int, as_seed
 from playground.registry import ModelRegistry
-from playground.sessions import Session, SessionLimitReached, SessionPool, kv_bytes_needed
+from playground.sessions import Session, SessionLimitReached, SessionPool
 from playground.settings import AppSettings
-from playground.view import Cursor, info_for_run, view_from_trace
+from playground.teach.lesson import RoundRows, round_rows
+from playground.view import Cursor, RunView, info_for_run, view_from_trace
 
 # Everything a visitor can cause by typing or uploading: shown as a message, never a traceback.
 USER_ERRORS = (ValueError, ModelLoadError, KVPoolExhausted, SessionLimitReached)  # PromptError, TraceError: ValueErrors
@@ -32,21 +34,6 @@ class Context:
     registry: ModelRegistry
     pool: SessionPool
     settings: AppSettings
-
-
-def as_int(name: str, value: float | int | None) -> int:
-    """Gradio numbers arrive as floats (or None when a box is cleared)."""
-    if value is None or isinstance(value, bool):
-        raise ValueError(f"{name} is empty: enter a whole number.")
-    if float(value) != int(float(value)):
-        raise ValueError(f"{name} must be a whole number, got {value}.")
-    return int(float(value))
-
-
-def as_float(name: str, value: float | int | None) -> float:
-    if value is None or isinstance(value, bool):
-        raise ValueError(f"{name} is empty: enter a number.")
-    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +65,7 @@ class DecodeRequest:
                                   top_k=as_int("Top-k", self.top_k), top_p=as_float("Top-p", self.top_p))
         return SpecConfig(mode=Mode(self.mode), drafter=DrafterKind(self.drafter), k=as_int("K", self.k),
                           k_schedule=KSchedule(self.k_schedule), k_min=as_int("K min", self.k_min),
-                          k_max=as_int("K max", self.k_max), sampling=sampling, seed=as_int("Seed", self.seed),
+                          k_max=as_int("K max", self.k_max), sampling=sampling, seed=as_seed(self.seed),
                           max_new_tokens=new)
 
 
@@ -90,16 +77,15 @@ def reset(ctx: Context, session: Session, req: DecodeRequest) -> None:
         raise PromptError(f"The prompt has {len(req.prompt)} characters; this server takes at most "
                           f"{ctx.settings.max_prompt_chars}.")
     pair = ctx.registry.pair(req.preset, req.custom_draft, req.custom_target)
-    draft = pair.draft if config.uses_draft_model else None
     prompt_ids = encode_prompt(pair.target.tokenizer, req.prompt)
     session.drop_run()
-    ctx.pool.reserve_kv(session, kv_bytes_needed(pair.target, draft, len(prompt_ids), config))
+    ctx.pool.reserve_kv(session, kv_bytes_needed(pair, len(prompt_ids), config))
     try:
-        session.run = ComparedRun(pair.target, draft, req.prompt, config, trace_path=session.new_trace_path())
+        session.run = ComparedRun(pair, req.prompt, config, trace_path=session.new_trace_path())
     except BaseException:
         session.kv_bytes, session.trace_path = 0, None
         raise
-    session.info = info_for_run(session.run, pair.target, draft)
+    session.info = info_for_run(session.run, pair.target, pair.draft)
 
 
 def _advance(session: Session, reveal: bool) -> None:
@@ -175,3 +161,27 @@ def export_rounds_csv(session: Session) -> Path:
     if view is None or not view.rounds:
         raise ValueError("Nothing to export yet: step a few rounds first.")
     return export_csv(list(view.rounds), session.workdir / f"rounds-{len(view.rounds)}.csv")
+
+
+def verified_view(session: Session) -> RunView | None:
+    """The session's rounds whose verification is shown: a round still pending would give its verdict
+    away (the Theory tab reads this)."""
+    view, cursor = session.view(), session.cursor
+    if view is None:
+        return None
+    return view.upto(cursor.shown - (0 if cursor.revealed else 1))
+
+
+def lab_rows(session: Session) -> tuple[RoundRows, Callable[[int], str]]:
+    """The full rows of the round selected in the playground, and the target's decoder for its tokens.
+    Raises ValueError saying why there are none."""
+    view = session.view()
+    selection = session.cursor.selection(view) if view is not None else None
+    if selection is None:
+        raise ValueError("No round shown yet: step the playground at least once (the lab uses the round selected "
+                         "there).")
+    if not session.live:
+        raise ValueError("The lab re-runs the round's forwards, so it needs a live run, not a replayed trace.")
+    spec = session.run.spec
+    rows = round_rows(spec.target, spec.pair.draft, spec.prompt, spec.rounds, selection[0], spec.config)
+    return rows, lambda t: spec.target.tokenizer.decode([t])

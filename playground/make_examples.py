@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.compared import ComparedRun
 from engine.config import Mode, SpecConfig
-from engine.models import load_model
+from engine.models import ModelPair, load_model
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN
 from playground.controls import EXAMPLE_PROMPTS
@@ -45,10 +45,10 @@ def main(argv: list[str]) -> int:
     draft, target = load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
     for ex in EXAMPLES:
         path = args.out / f"{ex.name}.jsonl"
-        run = ComparedRun(target, draft, args.prompt, ex.config, trace_path=path)
+        run = ComparedRun(ModelPair(target, draft), args.prompt, ex.config, trace_path=path)
         run.run_to_end()
         spec, _ = run.summaries()
-        print(f"{path.name}: {spec.rounds} rounds, {spec.tokens} tokens, acceptance {spec.acceptance_rate:.2f}")
+        print(f"{path.name}: {spec.rounds} rounds, {spec.tokens} tokens, draft acceptance {spec.draft_acceptance_rate:.2f}, α {spec.alpha:.2f}")
         run.close()
     return 0
 

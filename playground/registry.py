@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
+from engine.models import LoadedModel, ModelLoadError, ModelPair, default_devices, load_model, resolve_dtype
 from engine.sources import BUILTIN
 
 CUSTOM = "custom"
@@ -36,12 +36,6 @@ HUB_PRESETS = (
     PairPreset("qwen-0.5b-7b-2gpu", "Qwen2.5-0.5B → Qwen2.5-7B, draft cuda:0 / target cuda:1 (seed system)",
                "Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-7B", "cuda:0", "cuda:1", gpus=2),
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ModelPair:
-    draft: LoadedModel
-    target: LoadedModel
 
 
 def estimate_parameters(config) -> int:
@@ -116,6 +110,7 @@ class ModelRegistry:
         self.allow_custom = allow_custom
         self._loader, self._free = loader, free
         self._models: dict[tuple[str, str, str], LoadedModel] = {}
+        self._pairs: dict[tuple[int, int], ModelPair] = {}   # tokenizers checked once per pair
         self._lock = threading.Lock()
 
     def choices(self) -> list[tuple[str, str]]:
@@ -146,7 +141,11 @@ class ModelRegistry:
         draft_dev, target_dev = default_devices(preset.draft_device, preset.target_device)
         with self._lock:  # one load at a time: two sessions asking for the same model share one copy
             draft = self._get(preset.draft, "draft", draft_dev)
-            return ModelPair(draft, self._get(preset.target, "target", target_dev))
+            target = self._get(preset.target, "target", target_dev)
+            key = (id(target), id(draft))
+            if key not in self._pairs:
+                self._pairs[key] = ModelPair(target, draft)
+            return self._pairs[key]
 
     def loaded(self) -> list[str]:
         return [f"{m.name} on {m.device}" for m in self._models.values()]

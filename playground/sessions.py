@@ -15,23 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.compared import ComparedRun
-from engine.config import Mode, SpecConfig
-from engine.models import LoadedModel
-from engine.speculative import K_SLACK
 from playground.view import Cursor, RunInfo, RunView, view_from_run
 
 
 class SessionLimitReached(RuntimeError):
     """The server is at its bound on sessions or KV memory; the message says what to do."""
-
-
-def kv_bytes_needed(target: LoadedModel, draft: LoadedModel | None, prompt_tokens: int, config: SpecConfig) -> int:
-    """KV pool bytes a ComparedRun allocates: target pools for the run and its baseline, plus the draft's."""
-    slots = -(-(prompt_tokens + config.max_new_tokens + K_SLACK) // config.block_size) * config.block_size
-    total = target.kv_shape.bytes_per_slot(target.dtype) * slots * (1 if config.mode is Mode.TARGET else 2)
-    if draft is not None and config.uses_draft_model:
-        total += draft.kv_shape.bytes_per_slot(draft.dtype) * slots
-    return total
 
 
 @dataclass(eq=False)

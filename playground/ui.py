@@ -15,6 +15,7 @@ import gradio as gr
 from playground import controller
 from playground.controller import USER_ERRORS, Context, DecodeRequest
 from playground.controls import Controls, build_controls
+from playground.inputs import as_int, as_seed
 from playground.pages import charts as page_charts
 from playground.pages import compare as page_compare
 from playground.pages import detail as page_detail
@@ -30,6 +31,7 @@ from playground.render.palette import stylesheet
 from playground.sessions import Session, SessionPool
 from playground.settings import AppSettings
 from playground.spaces_shim import gpu
+from playground.teach.lab import MAX_TRIALS, run_lab, token_texts
 from playground.view import Cursor
 
 log = logging.getLogger("specplay")
@@ -91,6 +93,35 @@ class Handlers:
                 log.exception("unexpected error in a playground action")
                 gr.Warning(f"Unexpected error ({type(exc).__name__}: {exc}). Press Reset to start again.")
             return (session, *self.render(session))
+
+    def read(self, state: Session | None, request: gr.Request, action: Callable[[Session], tuple],
+             fallback: Callable[[str], tuple]) -> tuple:
+        """(state, *outputs) of a page that reads the session (Theory, Lab): `action` runs under the
+        session's lock like every event; a user error shows as a warning and `fallback(message)`."""
+        try:
+            session = self._session(state, request)
+            with session.lock:
+                return (session, *action(session))
+        except USER_ERRORS as exc:
+            gr.Warning(str(exc))
+            return (state, *fallback(str(exc)))
+        except Exception as exc:  # a bug: log it, keep the page usable
+            log.exception("unexpected error in a playground page")
+            gr.Warning(f"Unexpected error ({type(exc).__name__}: {exc}).")
+            return (state, *fallback(f"Unexpected error ({type(exc).__name__})."))
+
+    def on_theory(self, request: gr.Request, state: Session | None) -> tuple:
+        return self.read(state, request, lambda s: page_theory.render(controller.verified_view(s)),
+                         lambda message: page_theory.render(None))
+
+    def on_lab(self, request: gr.Request, state: Session | None, rule: str, trials: float, seed: float,
+               auto: bool, start: float, length: float) -> tuple:
+        def run(session: Session) -> tuple:
+            rows, decode = controller.lab_rows(session)
+            window = (None, None) if auto else (as_int("First draft", start, 1) - 1, as_int("Drafts", length, 1))
+            result = run_lab(rows, rule, as_int("N", trials, 1, MAX_TRIALS), as_seed(seed), *window)
+            return page_lab.render(result, token_texts(result, decode))
+        return self.read(state, request, run, page_lab.blank)
 
     def decode_request(self, values: tuple) -> DecodeRequest:
         return DecodeRequest(*values)
@@ -239,9 +270,9 @@ def build_app(ctx: Context) -> gr.Blocks:
                             with gr.Tab("Charts", id="charts"):
                                 charts = page_charts.build()
                             with gr.Tab("Theory", id="theory") as theory_tab:
-                                theory = page_theory.build_theory(state)
+                                theory = page_theory.build()
                             with gr.Tab("Losslessness lab", id="lab"):
-                                page_lab.build_lab(state)
+                                lab = page_lab.build()
                             with gr.Tab("Traces", id="traces"):
                                 traces = page_traces.build(examples)
                             with gr.Tab("Compare", id="compare"):
@@ -249,7 +280,10 @@ def build_app(ctx: Context) -> gr.Blocks:
             with gr.Tab("Lesson", id="lesson"):
                 # The lesson drives its own run of the built-in pair, beside the playground's.
                 page_lesson.build_lesson(ctx.registry)
-        theory_tab.select(page_theory.refresh, [state], theory.outputs(), api_name=False)
+        theory_tab.select(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
+        theory.refresh.click(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
+        lab.run.click(handlers.on_lab, [state, *lab.inputs()], [state, *lab.outputs()], api_name=False,
+                      concurrency_id="lab", concurrency_limit=1)
         _wire(Pages(controls, stream, detail, kv, charts, traces), handlers, state, demo)
     demo.queue(max_size=8 * ctx.settings.max_sessions)
     return demo

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine import metrics
+from engine.calibration import RCurve
 from engine.compared import ComparedRun
 from engine.config import KSchedule, Mode, SpecConfig
+from engine.metrics import NotMeasured, Prediction
 from engine.models import LoadedModel
-from engine.records import RoundRecord
+from engine.records import Outcome, RoundRecord
 from engine.trace import Trace, TraceHeader, config_from_dict, make_header
-from engine.verify import Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,11 @@ class RunView:
     baseline: tuple[RoundRecord, ...]
     complete: bool
     source: str    # "live" or the trace's name
+    calibration: RCurve | None = None   # the target's measured r(n), when known
+
+    def prediction(self) -> Prediction | NotMeasured:
+        """Leviathan's model for the rounds shown, fed this run's measured alpha, c and r(n)."""
+        return metrics.predict(self.rounds, self.baseline, self.calibration.at if self.calibration else None)
 
     def upto(self, shown: int) -> "RunView":
         """The first `shown` spec rounds, and the baseline rounds run by then (it catches up to the
@@ -103,7 +110,7 @@ class Cursor:
 def default_position(record: RoundRecord) -> int:
     """The rejected position if there was one, else the final token (position k)."""
     for p in record.positions:
-        if p.checked and p.outcome is Outcome.REJECTED:
+        if p.outcome is Outcome.REJECTED:
             return p.index
     return record.k
 
@@ -114,7 +121,8 @@ def info_from_header(h: TraceHeader) -> RunInfo:
 
 
 def view_from_trace(trace: Trace, name: str) -> RunView:
-    return RunView(info_from_header(trace.header), tuple(trace.rounds), tuple(trace.baseline), trace.complete, name)
+    return RunView(info_from_header(trace.header), tuple(trace.rounds), tuple(trace.baseline), trace.complete, name,
+                   trace.calibration)
 
 
 def info_for_run(run: ComparedRun, target: LoadedModel, draft: LoadedModel | None) -> RunInfo:
@@ -125,4 +133,4 @@ def info_for_run(run: ComparedRun, target: LoadedModel, draft: LoadedModel | Non
 def view_from_run(run: ComparedRun, info: RunInfo) -> RunView:
     """A live run's rounds so far."""
     baseline = tuple(run.baseline.rounds) if run.baseline is not None else ()
-    return RunView(info, tuple(run.spec.rounds), baseline, run.finished, "live")
+    return RunView(info, tuple(run.spec.rounds), baseline, run.finished, "live", run.calibration)

@@ -28,8 +28,7 @@ def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: 
                          num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=max_positions,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config).to(dtype).eval()
-    return LoadedModel(f"tiny-{layers}x{hidden}-seed{seed}", model, tokenizer, torch.device("cpu"), dtype,
-                       vocab, max_positions)
+    return LoadedModel.of(f"tiny-{layers}x{hidden}-seed{seed}", model, tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.verify import Outcome
+from engine.records import Outcome
 from playground.render.palette import chip_class
 from tests.conftest import launched_app
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.config import Mode, SpecConfig
-from engine.fused_llama import FusedLlama, fused_for
-from engine.models import LoadedModel
+from engine.fused_llama import FusedLlama
+from engine.models import LoadedModel, ModelPair
 from engine.runner import ModelRunner
 from engine.speculative import SpeculativeEngine
 
@@ -38,8 +38,7 @@ def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
 
 def loaded(model: torch.nn.Module) -> LoadedModel:
-    return LoadedModel("test", model, SimpleNamespace(eos_token_id=0), torch.device("cpu"), torch.float32,
-                       VOCAB, 256)
+    return LoadedModel.of("test", model, SimpleNamespace(eos_token_id=0), max_context=256)
 
 
 def script(runner: ModelRunner, cache, gen: torch.Generator) -> list[torch.Tensor]:
@@ -96,19 +95,34 @@ def test_fusing_keeps_the_model_and_costs_no_memory() -> None:
     assert sum(p.numel() for p in model.parameters()) == params
 
 
-def test_a_moved_model_gets_a_fresh_fused_forward() -> None:
-    model = build("llama", seed=6)
-    first = fused_for(model)
-    assert fused_for(model) is first
-    model.to(torch.float64)  # replaces every parameter's storage: the old fused weights are stale
-    second = fused_for(model)
-    assert second is not first and second.layers[0].qkv.dtype == torch.float64
-    runner = ModelRunner(LoadedModel("test", model, SimpleNamespace(eos_token_id=0), torch.device("cpu"),
-                                     torch.float64, VOCAB, 256), 64, block_size=4)
-    plain = ModelRunner(runner.loaded, 64, block_size=4, fused=False)
+def test_the_fused_forward_is_built_when_the_model_is_loaded_in_its_dtype() -> None:
+    model = build("llama", seed=6).to(torch.float64)
+    wrapped = loaded(model)
+    assert wrapped.dtype == torch.float64 and wrapped.fused is not None
+    assert wrapped.fused.layers[0].qkv.dtype == torch.float64
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == wrapped.fused.layers[0].qkv.data_ptr()
+    runner = ModelRunner(wrapped, 64, block_size=4)
+    plain = ModelRunner(wrapped, 64, block_size=4, fused=False)
     a = script(runner, runner.new_sequence(), torch.Generator().manual_seed(3))
     b = script(plain, plain.new_sequence(), torch.Generator().manual_seed(3))
     assert all((x - y).abs().max() < 1e-10 for x, y in zip(a, b))
+    unfused = LoadedModel.of("training", build("llama", seed=6), SimpleNamespace(eos_token_id=0), fuse=False)
+    assert unfused.fused is None and ModelRunner(unfused, 16).forward_path == "transformers"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_features_are_the_post_norm_hidden_states_the_head_reads(fused: bool) -> None:
+    model = loaded(build("qwen2", seed=7))
+    runner = ModelRunner(model, 64, block_size=4, fused=fused)
+    cache = runner.new_sequence()
+    ids = torch.randint(1, VOCAB, (14,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits_a, feats_a = runner.forward_features(cache, ids[:9])
+    logits_b, feats_b = runner.forward_features(cache, ids[9:])
+    with torch.inference_mode():
+        out = model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        hidden = out.hidden_states[-1][0]
+        assert torch.allclose(torch.cat([feats_a, feats_b]), hidden, atol=TOL)
+        assert torch.allclose(torch.cat([logits_a, logits_b]), model.model.lm_head(hidden).float(), atol=TOL)
 
 
 def test_unsupported_models_say_why_and_run_the_transformers_forward(builtin_tokenizer) -> None:
@@ -121,13 +135,13 @@ def test_unsupported_models_say_why_and_run_the_transformers_forward(builtin_tok
         vocab_size=4096, n_embd=64, n_layer=2, n_head=4, n_positions=256,
         eos_token_id=builtin_tokenizer.eos_token_id)).eval()
     assert "gpt2" in FusedLlama.unsupported(gpt2)
-    assert fused_for(gpt2) is None
+    assert loaded(gpt2).fused is None
     with pytest.raises(ValueError, match="does not support"):
         FusedLlama(gpt2)
     # The engine still decodes it, through the transformers forward, token for token like generate.
-    target = LoadedModel("gpt2", gpt2, builtin_tokenizer, torch.device("cpu"), torch.float32, 4096, 256)
+    target = LoadedModel.of("gpt2", gpt2, builtin_tokenizer, max_context=256)
     prompt = builtin_tokenizer("import os\ndef main():")["input_ids"]
-    engine = SpeculativeEngine(target, None, prompt, SpecConfig(mode=Mode.TARGET, max_new_tokens=12,
+    engine = SpeculativeEngine(ModelPair(target, None), prompt, SpecConfig(mode=Mode.TARGET, max_new_tokens=12,
                                                                stop_at_eos=False, record=False))
     assert engine.target_runner.forward_path == "transformers"
     engine.run()
@@ -143,7 +157,7 @@ def test_greedy_runs_are_identical_on_both_forwards(builtin_pair, builtin_tokeni
     runs = {}
     for fused in (True, False):
         for mode in (Mode.V2, Mode.TARGET):
-            engine = SpeculativeEngine(target, draft, prompt, SpecConfig(
+            engine = SpeculativeEngine(ModelPair(target, draft), prompt, SpecConfig(
                 mode=mode, k=4, max_new_tokens=40, stop_at_eos=False, record=False, fused_forward=fused))
             engine.run()
             runs[fused, mode] = engine.generated

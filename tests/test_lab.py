@@ -8,10 +8,14 @@ import torch
 
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, SpecConfig
+from engine.models import ModelPair
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine, encode_prompt
+from playground import controller
 from playground.pages import lab as page_lab
+from playground.render import lab as render_lab
 from playground.sessions import Session
+from playground.teach import lab
 from playground.teach.lesson import WRONG_RULES, RoundRows, best_window, round_rows, rule_output, separation, window
 from playground.teach.losslessness import Rule, goodness_of_fit, simulate
 from playground.view import Cursor, info_for_run
@@ -28,7 +32,7 @@ def sampled(k: int = 4, drafter: DrafterKind = DrafterKind.MODEL) -> SpecConfig:
 def run(builtin_pair):
     draft, target = builtin_pair
     ids = encode_prompt(target.tokenizer, PROMPT)
-    engine = SpeculativeEngine(target, draft, ids, sampled())
+    engine = SpeculativeEngine(ModelPair(target, draft), ids, sampled())
     rounds = engine.run()
     engine.close()
     return target, draft, ids, rounds
@@ -50,7 +54,7 @@ def test_recomputed_rows_match_every_value_the_record_holds(run):
         assert torch.allclose(rows.p_target.sum(-1), torch.ones(r.k + 1), atol=1e-5)
         for p in r.positions:
             assert rows.q_draft[p.index, p.token] == pytest.approx(p.q_draft, abs=TOL)
-            if p.checked:
+            if p.verified:
                 assert rows.p_target[p.index, p.token] == pytest.approx(p.p_target, abs=TOL)
                 for c in p.candidates:
                     assert (float(rows.p_target[p.index, c.token]), float(rows.q_draft[p.index, c.token])) == \
@@ -61,7 +65,7 @@ def test_recomputed_rows_match_every_value_the_record_holds(run):
 def test_ngram_rows_are_one_hot_on_the_drafts(builtin_pair):
     draft, target = builtin_pair
     ids = encode_prompt(target.tokenizer, PROMPT * 3)
-    engine = SpeculativeEngine(target, None, ids, sampled(drafter=DrafterKind.NGRAM))
+    engine = SpeculativeEngine(ModelPair(target, None), ids, sampled(drafter=DrafterKind.NGRAM))
     while not engine.rounds or engine.rounds[-1].k == 0:
         engine.step()
     r = engine.rounds[-1]
@@ -74,7 +78,7 @@ def test_ngram_rows_are_one_hot_on_the_drafts(builtin_pair):
 def test_a_round_without_drafts_has_no_rows(builtin_pair):
     draft, target = builtin_pair
     ids = encode_prompt(target.tokenizer, "zzqx")
-    engine = SpeculativeEngine(target, None, ids, sampled(drafter=DrafterKind.NGRAM))
+    engine = SpeculativeEngine(ModelPair(target, None), ids, sampled(drafter=DrafterKind.NGRAM))
     engine.step()
     with pytest.raises(ValueError, match="drafted nothing .the prefill round"):
         round_rows(target, None, ids, engine.rounds, 0, sampled(drafter=DrafterKind.NGRAM))
@@ -87,19 +91,19 @@ def test_a_round_without_drafts_has_no_rows(builtin_pair):
 
 # -- the verdicts ---------------------------------------------------------------------------------------
 def test_correct_rule_passes_and_each_wrong_rule_fails_on_real_rows(rows):
-    results = {rule: page_lab.run_lab(rows, rule, 10_000, seed=0) for rule in Rule}
+    results = {rule: lab.run_lab(rows, rule, 10_000, seed=0) for rule in Rule}
     assert results[Rule.CORRECT].passed and results[Rule.CORRECT].fits
     for rule in WRONG_RULES:
         assert not results[rule].passed, rule
-        assert min(f.p_value for f in results[rule].fits) < page_lab.ALPHA_LEVEL, rule
+        assert min(f.p_value for f in results[rule].fits) < lab.ALPHA_LEVEL, rule
 
 
 @pytest.mark.parametrize("rule", WRONG_RULES)
 def test_each_wrong_rule_fails_even_alone_on_its_own_best_window(rows, rule):
     start, length = best_window(rows, (rule,))
-    result = page_lab.run_lab(rows, rule, 10_000, seed=1, start=start, length=length)
+    result = lab.run_lab(rows, rule, 10_000, seed=1, start=start, length=length)
     assert not result.passed
-    assert page_lab.run_lab(rows, Rule.CORRECT, 10_000, seed=1, start=start, length=length).passed
+    assert lab.run_lab(rows, Rule.CORRECT, 10_000, seed=1, start=start, length=length).passed
 
 
 @pytest.mark.parametrize("rule", list(Rule))
@@ -143,40 +147,43 @@ def test_discard_on_reject_is_caught_by_its_exact_law_on_a_tiny_example():
 
 # -- rendering and the tab ------------------------------------------------------------------------------
 def test_renderers_show_the_sample_the_target_and_the_verdict(rows):
-    result = page_lab.run_lab(rows, Rule.BONUS_FROM_ROW_K_MINUS_1, 5_000, seed=2, start=0, length=1)
+    result = lab.run_lab(rows, Rule.BONUS_FROM_ROW_K_MINUS_1, 5_000, seed=2, start=0, length=1)
     assert result.worst_index() == 1
-    fig = page_lab.lab_figure(result, 1, {})
+    fig = render_lab.lab_figure(result, 1, {})
     assert [t.name.split(" ")[0] for t in fig.data] == ["empirical", "p_target", "limit"]
     assert "REJECTED" in fig.layout.title.text and "bonus row" in fig.layout.title.text
-    table = page_lab.fits_table_html(result)
+    table = render_lab.fits_table_html(result)
     assert table.count("<tr>") == 3 and "✗ FAIL" in table
-    assert "not lossless" in page_lab.verdict_html(result)
+    assert "not lossless" in render_lab.verdict_html(result)
     with pytest.raises(ValueError, match="N must be"):
-        page_lab.run_lab(rows, Rule.CORRECT, 0, seed=0)
+        lab.run_lab(rows, Rule.CORRECT, 0, seed=0)
 
 
 def test_the_lab_page_builds_and_runs_on_a_playground_session(builtin_pair, tmp_path):
     draft, target = builtin_pair
     with gr.Blocks() as demo:
-        state = gr.State(None)
-        page = page_lab.build_lab(state)
+        page = page_lab.build()
     for name in page.__dataclass_fields__:
         assert getattr(page, name)._id in demo.blocks, name
-    assert page_lab.session_rows(None).startswith("No run yet")
     session = Session("test", tmp_path)
-    session.run = ComparedRun(target, draft, PROMPT, sampled(k=2))
+    with pytest.raises(ValueError, match="No round shown yet"):
+        controller.lab_rows(session)
+    session.run = ComparedRun(ModelPair(target, draft), PROMPT, sampled(k=2))
     session.info = info_for_run(session.run, target, draft)
     try:
         session.run.step()
         session.cursor = Cursor(shown=1)
         with pytest.raises(ValueError, match="the prefill round"):
-            page_lab.session_rows(session)
+            controller.lab_rows(session)
         session.run.step()
         session.cursor = Cursor(shown=2)
-        out = page_lab.on_run(session, Rule.CORRECT.value, 4000, 0, True, 1, 1)
+        rows, decode = controller.lab_rows(session)
+        result = lab.run_lab(rows, Rule.CORRECT, 4000, 0)
+        out = page_lab.render(result, lab.token_texts(result, decode))
         held, verdict = out[0], out[1]
         assert "✓" in verdict and held[0].round == 1 and isinstance(held[1], dict)
-        out = page_lab.on_run(session, Rule.BONUS_FROM_ROW_K_MINUS_1.value, 4000, 0, False, 1, 1)
+        result = lab.run_lab(rows, Rule.BONUS_FROM_ROW_K_MINUS_1, 4000, 0, 0, 1)
+        out = page_lab.render(result, lab.token_texts(result, decode))
         assert "✗" in out[1] and out[0][0].start == 0 and out[0][0].length == 1
         assert page_lab.on_index(out[0], 0).layout.title.text.startswith("output index 0")
     finally:

@@ -8,7 +8,7 @@ import json
 import gradio as gr
 import pytest
 
-from engine.verify import Outcome
+from engine.records import Outcome
 from playground.pages import lesson as page_lesson
 from playground.teach.lesson import (
     LESSONS_DIR,

@@ -1,24 +1,77 @@
-"""Tests for engine.metrics: the standard definitions and the speed-up model."""
+"""Tests for engine.metrics: the two acceptance measures, the speed-up model and its inputs, on numbers and
+on hand-built rounds."""
 import math
 
 import pytest
 
+from engine import metrics
+from engine.config import DrafterKind, Mode
 from engine.metrics import (
+    NotMeasured,
     acceptance_rate,
+    alpha_rate,
     best_k,
+    expected_tokens_from_rates,
     expected_tokens_per_round,
     mean_accepted_length,
     per_position_acceptance,
+    predicted_over_rounds,
     predicted_speedup,
 )
+from engine.records import FinalRecord, Outcome, PositionRecord, RoundRecord, RoundTimings
 
 
-def test_acceptance_rate():
-    assert acceptance_rate(3, 4) == 0.75
-    assert acceptance_rate(0, 0) == 0.0
+def make_round(index: int, outcomes: str, *, draft_ms: float = 0.5, target_ms: float = 10.0,
+               elapsed_s: float = 0.0, tokens_total: int = 0, mode: Mode = Mode.V2) -> RoundRecord:
+    """A round from a string of outcomes: 'a' accepted, 'r' rejected, 'u' unchecked ('' drafts nothing)."""
+    kinds = {"a": Outcome.ACCEPTED, "r": Outcome.REJECTED, "u": Outcome.UNCHECKED}
+    positions = [PositionRecord(i, 10 + i, "", 0.5, None, None, None, kinds[c]) for i, c in enumerate(outcomes)]
+    accepted = outcomes.count("a")
+    rejected = "r" in outcomes
+    final = FinalRecord(99, "", Outcome.CORRECTED if rejected else Outcome.BONUS, accepted, 0.5, 0.5)
+    k = len(outcomes)
+    timings = RoundTimings(0.0, draft_ms * k, target_ms, 0.0, 0.0, target_ms + draft_ms * k, target_ms,
+                           [draft_ms] * k)
+    return RoundRecord(index, mode, DrafterKind.MODEL if mode is not Mode.TARGET else None,
+                       DrafterKind.MODEL if k else None, k, positions, final, [1] * (accepted + 1), "", accepted, [],
+                       timings, 1, k, tokens_total, elapsed_s, False)
+
+
+def test_acceptance_rate_and_alpha_validate():
+    assert acceptance_rate(3, 4) == 0.75 and alpha_rate(3, 4) == 0.75
+    assert acceptance_rate(0, 0) == 0.0 and alpha_rate(0, 0) == 0.0
     for bad in ((5, 4), (-1, 4), (0, -1)):
         with pytest.raises(ValueError):
             acceptance_rate(*bad)
+        with pytest.raises(ValueError):
+            alpha_rate(*bad)
+
+
+def test_alpha_counts_verified_positions_and_draft_rate_counts_drafts():
+    # K = 4: accept 2 then reject (2 unchecked); accept all 4; reject the first (3 unchecked).
+    rounds = [make_round(0, ""), make_round(1, "aaru"), make_round(2, "aaaa"), make_round(3, "ruuu")]
+    rounds[1] = make_round(1, "aaru")
+    assert metrics.draft_acceptance(rounds) == pytest.approx(6 / 12)
+    # verified: 3 + 4 + 1 = 8 positions, 6 of them accepted
+    assert metrics.alpha(rounds) == pytest.approx(6 / 8)
+    assert [r.verified for r in rounds] == [0, 3, 4, 1]
+
+
+def test_the_formula_is_fed_alpha_not_the_draft_rate():
+    """Under i.i.d. acceptance, accepted / drafted = a (1 - a^K) / (K (1 - a)): plugging it into E(a, K)
+    under-predicts the tokens per round; alpha reproduces them."""
+    a, k = 0.75, 4
+    draft_rate = a * (1 - a**k) / (k * (1 - a))
+    e = expected_tokens_per_round(a, k)
+    assert expected_tokens_per_round(draft_rate, k) < 0.85 * e
+    # The exact expectation over every outcome pattern of a K=4 round with per-position probability a:
+    patterns = [("a" * i + "r" + "u" * (k - i - 1), a**i * (1 - a)) for i in range(k)] + [("a" * k, a**k)]
+    tokens = sum(p * (s.count("a") + 1) for s, p in patterns)
+    verified = sum(p * (s.count("a") + s.count("r")) for s, p in patterns)
+    accepted = sum(p * s.count("a") for s, p in patterns)
+    assert tokens == pytest.approx(e)
+    assert accepted / verified == pytest.approx(a)          # what metrics.alpha measures
+    assert accepted / k == pytest.approx(draft_rate)         # what accepted / drafted measures
 
 
 def test_mean_accepted_length():
@@ -35,6 +88,11 @@ def test_per_position_acceptance_counts_only_rounds_that_checked_the_position():
     assert math.isnan(rates[3])  # no round reached position 3
 
 
+def test_position_rates_from_records_skip_unchecked_drafts():
+    rounds = [make_round(1, "aaru"), make_round(2, "aaaa"), make_round(3, "ruuu")]
+    assert metrics.position_rates(rounds) == pytest.approx([2 / 3, 2 / 2, 1 / 2, 1.0])
+
+
 def test_per_position_acceptance_validation():
     with pytest.raises(ValueError, match="k_max"):
         per_position_acceptance([[True, True, True]], k_max=2)
@@ -46,35 +104,66 @@ def test_per_position_acceptance_validation():
 
 def test_expected_tokens_per_round_formula():
     assert expected_tokens_per_round(0.6, 4) == pytest.approx((1 - 0.6**5) / 0.4)
-    assert expected_tokens_per_round(0.6, 4) == pytest.approx(2.3056)
     assert expected_tokens_per_round(0.0, 3) == 1.0
     assert expected_tokens_per_round(0.8, 1) == pytest.approx(1.8)
-
-
-def test_expected_tokens_alpha_to_one_limit():
     assert expected_tokens_per_round(1.0, 5) == 6.0
     assert expected_tokens_per_round(1.0 - 1e-12, 5) == pytest.approx(6.0, abs=1e-9)
 
 
+def test_expected_tokens_from_rates_is_the_product_form():
+    rates = [0.9, 0.5, 0.4]
+    assert expected_tokens_from_rates(rates, 3) == pytest.approx(1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.4)
+    # Equal rates give the i.i.d. formula; missing positions take the last measured rate.
+    assert expected_tokens_from_rates([0.6], 4) == pytest.approx(expected_tokens_per_round(0.6, 4))
+    assert expected_tokens_from_rates([0.6, math.nan], 2) == pytest.approx(1 + 0.6 + 0.36)
+    with pytest.raises(ValueError):
+        expected_tokens_from_rates([math.nan], 2)
+    with pytest.raises(ValueError):
+        expected_tokens_from_rates([1.2], 2)
+
+
 def test_predicted_speedup():
-    # E(0.6, 4) = 2.3056; cost = 0.05 * 4 + 1 = 1.2
-    assert predicted_speedup(0.6, 4, 0.05) == pytest.approx(2.3056 / 1.2)
-    assert predicted_speedup(0.6, 4, 0.05, r=1.5) == pytest.approx(2.3056 / 1.7)
-    assert predicted_speedup(1.0, 3, 0.0) == 4.0
+    # E(0.6, 4) = 2.3056; cost = 0.05 * 4 + 1.5 = 1.7
+    assert predicted_speedup(0.6, 4, 0.05, 1.5) == pytest.approx(2.3056 / 1.7)
+    assert predicted_speedup(1.0, 3, 0.0, 1.0) == 4.0
+
+
+def test_predicted_over_rounds_is_the_constant_k_formula_for_constant_k():
+    r = lambda n: 1 + 0.1 * (n - 1)  # noqa: E731
+    e = lambda k: expected_tokens_per_round(0.7, k)  # noqa: E731
+    assert predicted_over_rounds(e, [4, 4, 4], [4, 4, 4], 0.1, r) == pytest.approx(predicted_speedup(0.7, 4, 0.1, r(5)))
+    # A round that drafted nothing is one plain step for one token; a copied round costs no draft forward.
+    assert predicted_over_rounds(e, [0, 2], [0, 0], 0.5, r) == pytest.approx((1 + e(2)) / (1 + r(3)))
 
 
 @pytest.mark.parametrize("alpha, c", [(0.6, 0.05), (0.9, 0.1), (0.3, 0.2), (0.95, 0.01), (0.0, 0.1)])
 def test_best_k_matches_brute_force(alpha, c):
-    brute = max(range(1, 17), key=lambda k: ((1 - alpha ** (k + 1)) / (1 - alpha)) / (c * k + 1))
-    assert best_k(alpha, c) == brute
+    r = lambda n: 1 + 0.15 * (n - 1)  # noqa: E731
+    values = [((1 - alpha ** (k + 1)) / (1 - alpha)) / (c * k + r(k + 1)) for k in range(1, 17)]
+    brute = 1 + next(i for i, v in enumerate(values) if v >= max(values) * (1 - metrics.TIE_RTOL))
+    assert best_k(alpha, c, r) == brute
 
 
-def test_best_k_with_verify_cost_growing_in_k():
-    r_of_k = lambda k: 1.0 + 0.3 * k  # noqa: E731
-    brute = max(range(1, 9), key=lambda k: predicted_speedup(0.9, k, 0.05, r_of_k(k)))
-    assert best_k(0.9, 0.05, r_of_k, k_max=8) == brute
-    # A growing verify cost pulls the optimum below the constant-cost one.
-    assert best_k(0.9, 0.05, r_of_k, k_max=8) < best_k(0.9, 0.05, 1.0, k_max=8)
+def test_a_growing_verify_cost_pulls_the_best_k_down():
+    assert best_k(0.9, 0.05, lambda n: 1.0 + 0.3 * (n - 1), k_max=8) < best_k(0.9, 0.05, 1.0, k_max=8)
+    assert best_k(1.0, 0.0, 1.0, k_max=16) == 16   # free, perfect drafts: as many as allowed
+    # c = 0 and alpha < 1: the curve creeps up by rounding once alpha^K underflows; ties go to the smaller K.
+    assert best_k(0.1, 0.0, 1.0, k_max=16) < 16
+
+
+def test_predict_on_hand_built_rounds():
+    baseline = [make_round(i, "", target_ms=10.0, mode=Mode.TARGET) for i in range(5)]
+    rounds = [make_round(0, "", target_ms=50.0)] + [make_round(i, "aaru", draft_ms=1.0) for i in range(1, 4)]
+    r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    pred = metrics.predict(rounds, baseline, r_of_n)
+    assert pred.alpha == pytest.approx(2 / 3) and pred.draft_acceptance == pytest.approx(0.5)
+    assert pred.c == pytest.approx(0.1) and pred.k == 4 and pred.r == pytest.approx(1.4)
+    assert pred.speedup_iid == pytest.approx(expected_tokens_per_round(2 / 3, 4) / (0.1 * 4 + 1.4))
+    assert pred.rates == pytest.approx([1.0, 1.0, 0.0, math.nan], nan_ok=True)
+    assert pred.tokens_rates == pytest.approx(3.0) and pred.tokens_measured == pytest.approx(3.0)
+    assert isinstance(metrics.predict(rounds, baseline, None), NotMeasured)           # r never assumed
+    assert isinstance(metrics.predict(rounds, [], r_of_n), NotMeasured)               # no baseline timing
+    assert isinstance(metrics.predict(rounds[:1], baseline, r_of_n), NotMeasured)     # nothing drafted
 
 
 @pytest.mark.parametrize(
@@ -83,11 +172,11 @@ def test_best_k_with_verify_cost_growing_in_k():
         lambda: expected_tokens_per_round(-0.1, 4),
         lambda: expected_tokens_per_round(1.1, 4),
         lambda: expected_tokens_per_round(0.5, 0),
-        lambda: predicted_speedup(0.5, 4, -0.1),
-        lambda: predicted_speedup(0.5, 4, 0.1, r=0.0),
-        lambda: predicted_speedup(math.nan, 4, 0.1),
+        lambda: predicted_speedup(0.5, 4, -0.1, 1.0),
+        lambda: predicted_speedup(0.5, 4, 0.1, 0.0),
+        lambda: predicted_speedup(math.nan, 4, 0.1, 1.0),
         lambda: best_k(0.5, 0.1, k_max=0),
-        lambda: best_k(0.5, 0.1, r_of_k=lambda k: -1.0),
+        lambda: best_k(0.5, 0.1, r_of_n=lambda n: -1.0),
     ],
 )
 def test_validation_errors(call):

@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 
 from engine.models import ModelLoadError
+from engine.records import Outcome
 from engine.sources import BUILTIN
 from engine.speculative import PromptError
 from engine.trace import TraceError
-from engine.verify import Outcome
 from playground import controller
 from playground.controller import Context, DecodeRequest
 from playground.registry import CUSTOM, ModelRegistry, check_fits, estimate_parameters

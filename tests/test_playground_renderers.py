@@ -6,13 +6,14 @@ import statistics
 import plotly.graph_objects as go
 import pytest
 
+from engine import metrics
+from engine.calibration import RCurve
 from engine.compared import ComparedRun
-from engine.config import Mode, SpecConfig
-from engine.records import RoundRecord
+from engine.config import DrafterKind, Mode, SpecConfig
+from engine.models import ModelPair
+from engine.records import Outcome, RoundRecord
 from engine.sampling import SamplingParams
 from engine.trace import load_trace
-from engine.verify import Outcome
-from playground import measure
 from playground.render import charts
 from playground.render.frame import render_frame
 from playground.render.kv_plots import kv_figure, kv_table_html, slot_states
@@ -30,7 +31,7 @@ def _run(pair, tmp_path_factory, mode: Mode, temperature: float, max_new: int = 
     path = tmp_path_factory.mktemp("traces") / f"{mode.value}-{temperature}.jsonl"
     config = SpecConfig(mode=mode, k=4, sampling=SamplingParams(temperature=temperature), seed=3,
                         max_new_tokens=max_new, stop_at_eos=stop_at_eos)
-    run = ComparedRun(target, draft, PROMPT, config, trace_path=path)
+    run = ComparedRun(ModelPair(target, draft), PROMPT, config, trace_path=path)
     info = info_for_run(run, target, draft)
     run.run_to_end()
     view = view_from_run(run, info)
@@ -77,8 +78,10 @@ def test_chips_follow_each_rounds_outcomes(sampled):
         assert len(accepted) == r.accepted
         assert [c.outcome for c in chips if c.position == r.k] == ([r.final.outcome] if len(r.emitted) > r.accepted else [])
         rejected = [c for c in chips if c.outcome is Outcome.REJECTED]
-        assert len(rejected) == (r.k - r.accepted if _rejected(r) else 0)
-        assert sum(not c.unchecked for c in rejected) == (1 if _rejected(r) else 0)
+        unchecked = [c for c in chips if c.outcome is Outcome.UNCHECKED]
+        assert len(rejected) == (1 if _rejected(r) else 0)
+        assert len(unchecked) == (r.k - r.accepted - 1 if _rejected(r) else 0)
+        assert [c.outcome for c in chips[: r.k]] == [p.outcome for p in r.positions]
 
 
 def test_chip_titles_say_who_drafted(sampled):
@@ -88,19 +91,20 @@ def test_chip_titles_say_who_drafted(sampled):
     r = next(r for r in view.rounds if r.k and r.draft_forwards)
     titles = lambda rec: [c.title for c in round_chips(rec) if c.position < rec.k]  # noqa: E731
     assert all("(from the draft model)" in t for t in titles(r))
-    copied = replace(r, drafter="hybrid", draft_forwards=0)
+    copied = replace(r, drafter=DrafterKind.HYBRID, proposer=DrafterKind.NGRAM, draft_forwards=0)
     assert all("(copied by prompt lookup)" in t for t in titles(copied))
-    assert all("(from the draft model)" in t for t in titles(replace(r, drafter="hybrid")))
-    assert all("(copied by prompt lookup)" in t for t in titles(replace(r, drafter="ngram", draft_forwards=0)))
+    assert all("(from the draft model)" in t for t in titles(replace(r, drafter=DrafterKind.HYBRID)))
+    assert all("(copied by prompt lookup)" in t for t in titles(replace(r, drafter=DrafterKind.NGRAM,
+                                                                        proposer=DrafterKind.NGRAM)))
 
 
 def test_stream_html_has_every_outcome_class_and_hover_values(sampled):
     view, _ = sampled
     page = stream_html(view, Cursor(shown=len(view.rounds)))
-    for outcome in (Outcome.ACCEPTED, Outcome.REJECTED, Outcome.CORRECTED, Outcome.BONUS):
+    for outcome in (Outcome.ACCEPTED, Outcome.REJECTED, Outcome.UNCHECKED, Outcome.CORRECTED, Outcome.BONUS):
         assert f'class="chip {chip_class(outcome)}' in page
     r = _first(view, _rejected)
-    rejected = next(p for p in r.positions if p.checked and p.outcome is Outcome.REJECTED)
+    rejected = next(p for p in r.positions if p.outcome is Outcome.REJECTED)
     assert f"α=min(1,p/q)={rejected.alpha:.3g} u={rejected.u:.3g}" in page
     assert page.count('class="round-sep"') == len(view.rounds)
 
@@ -134,7 +138,7 @@ def test_legend_names_every_outcome_with_its_icon():
 def test_draft_figure_groups_p_and_q_and_outlines_the_draft(sampled):
     view, _ = sampled
     r = _first(view, _rejected)
-    pos = next(p for p in r.positions if p.checked and p.outcome is Outcome.REJECTED)
+    pos = next(p for p in r.positions if p.outcome is Outcome.REJECTED)
     fig = position_figure(r, pos.index)
     assert [t.name for t in fig.data] == ["p_target", "q_draft"]
     assert list(fig.data[0].y) == [c.p_target for c in pos.candidates]
@@ -171,8 +175,8 @@ def test_bonus_figure_shows_the_bonus_row(sampled):
 
 def test_unchecked_and_pending_positions_explain_themselves(sampled):
     view, _ = sampled
-    r = _first(view, lambda r: any(not p.checked for p in r.positions))
-    unchecked = next(p for p in r.positions if not p.checked)
+    r = _first(view, lambda r: any(p.outcome is Outcome.UNCHECKED for p in r.positions))
+    unchecked = next(p for p in r.positions if p.outcome is Outcome.UNCHECKED)
     fig = position_figure(r, unchecked.index)
     assert len(fig.data) == 0 and "never checked" in fig.layout.annotations[0].text
     pending = position_figure(r, 0, revealed=False)
@@ -222,14 +226,16 @@ def test_kv_figure_is_a_heatmap_with_a_legend_of_states(sampled):
 def test_acceptance_chart_matches_the_records(sampled):
     view, _ = sampled
     fig = charts.acceptance_figure(view)
-    assert [t.name for t in fig.data] == ["this round", "cumulative"]
+    assert [t.name.split(":")[0] for t in fig.data] == ["this round (accepted / drafted)", "draft acceptance rate", "α"]
     assert list(fig.data[0].y) == [r.accepted / r.k if r.k else None for r in view.rounds]
-    total = sum(r.accepted for r in view.rounds) / sum(r.k for r in view.rounds)
-    assert fig.data[1].y[-1] == pytest.approx(total)
+    accepted = sum(r.accepted for r in view.rounds)
+    assert fig.data[1].y[-1] == pytest.approx(accepted / sum(r.k for r in view.rounds))
+    verified = sum(1 for r in view.rounds for p in r.positions if p.outcome in (Outcome.ACCEPTED, Outcome.REJECTED))
+    assert fig.data[2].y[-1] == pytest.approx(accepted / verified) and fig.data[2].y[-1] > fig.data[1].y[-1]
     lengths = charts.accepted_length_figure(view)
     assert sum(lengths.data[0].y) == len([r for r in view.rounds if r.k]) < len(view.rounds)  # the prefill drafts nothing
     per_pos = charts.per_position_figure(view)
-    assert len(per_pos.data[0].y) == 4 and per_pos.data[0].y[0] == pytest.approx(measure.per_position(view.rounds)[0])
+    assert len(per_pos.data[0].y) == 4 and per_pos.data[0].y[0] == pytest.approx(metrics.position_rates(view.rounds)[0])
 
 
 def test_time_and_speedup_charts_use_both_measured_streams(sampled):
@@ -239,23 +245,32 @@ def test_time_and_speedup_charts_use_both_measured_streams(sampled):
     assert fig.data[0].y[-1] == view.rounds[-1].tokens_total and fig.data[1].y[-1] == view.baseline[-1].tokens_total
     assert list(fig.data[1].x[1:]) == [b.elapsed_s for b in view.baseline]
     speed = charts.speedup_figure(view)
-    assert [t.name for t in speed.data][0] == "measured" and speed.data[1].name.startswith("Leviathan")
+    assert [t.name for t in speed.data][0] == "measured" and speed.data[1].name.startswith("predicted")
     spec_tps = view.rounds[-1].tokens_total / view.rounds[-1].elapsed_s
     base_tps = view.baseline[-1].tokens_total / view.baseline[-1].elapsed_s
     expected = spec_tps / base_tps
     assert speed.data[0].y[-1] == pytest.approx(expected)
 
 
-def test_cost_ratio_is_measured_from_the_runs_own_timings(sampled):
+def test_cost_ratio_and_prediction_come_from_the_runs_own_timings_and_the_calibration(sampled):
+    from dataclasses import replace
+
     view, _ = sampled
-    ratio = measure.cost_ratio(view)
-    draft_ms = statistics.median(r.timings.draft_ms / r.draft_forwards for r in view.rounds if r.draft_forwards)
-    target_ms = statistics.median(b.timings.verify_ms for b in view.baseline[1:])  # not the prefill round
-    assert target_ms > 5 * view.baseline[0].timings.verify_ms  # round 0 only samples: its forward was the prefill
-    assert (ratio.draft_forward_ms, ratio.target_step_ms) == (pytest.approx(draft_ms), pytest.approx(target_ms))
-    assert ratio.c == pytest.approx(draft_ms / ratio.target_step_ms)
-    alpha = measure.acceptance(view.rounds)
-    assert measure.predicted_speedup(view) == pytest.approx((1 - alpha**5) / (1 - alpha) / (4 * ratio.c + 1))
+    draft_ms = statistics.median(ms for r in view.rounds[1:] for ms in r.timings.draft_forward_ms)
+    target_ms = statistics.median(b.timings.target_forward_ms for b in view.baseline[1:])  # not the prefill round
+    assert metrics.target_step_ms(view.baseline) == pytest.approx(target_ms)
+    c = metrics.cost_ratio(view.rounds, view.baseline)
+    assert c == pytest.approx(draft_ms / target_ms)
+    assert isinstance(view.prediction(), metrics.NotMeasured)  # no calibration yet: r is never assumed
+    curve = RCurve("t", "cpu", "float32", 64, [1, 5, 9], [2.0, 3.0, 4.0], [1.0, 1.5, 2.0], 2.0, 1)
+    pred = replace(view, calibration=curve).prediction()
+    alpha = metrics.alpha(view.rounds)
+    assert pred.alpha == pytest.approx(alpha) and pred.r == pytest.approx(1.5)
+    steps = view.rounds[1:]   # the prefill round is no decode step
+    e = lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) if k else 1.0  # noqa: E731
+    cost = sum(c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0) for r in steps)
+    assert pred.speedup_iid == pytest.approx(sum(e(r.k) for r in steps) / cost)
+    assert {r.k for r in steps if r.k} <= {1, 2, 3, 4}
 
 
 def test_identity_badge(greedy, sampled):

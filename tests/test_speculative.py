@@ -11,10 +11,10 @@ from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, SpecConfig
 from engine.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from engine.kv_cache import PagedCache
-from engine.models import LoadedModel, ModelLoadError, check_same_tokenizer, load_model
+from engine.models import LoadedModel, ModelLoadError, ModelPair, check_same_tokenizer, load_model
+from engine.records import Outcome
 from engine.sampling import SamplingParams
 from engine.speculative import PromptError, SpeculativeEngine, encode_prompt
-from engine.verify import Outcome
 from tests.conftest import tiny_model
 
 CODE = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
@@ -28,7 +28,7 @@ KV_TOL = 1e-4
 
 def decode(target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int], **config) -> list[int]:
     """Generated ids of a whole run; the engine is closed afterwards."""
-    engine = SpeculativeEngine(target, draft, prompt_ids, SpecConfig(**config))
+    engine = SpeculativeEngine(ModelPair(target, draft), prompt_ids, SpecConfig(**config))
     try:
         engine.run()
         return engine.generated
@@ -101,7 +101,7 @@ def test_greedy_parity_tiny(tiny_pair, tiny_prompt, tiny_reference, mode: str, d
 def test_greedy_parity_self_draft_accepts_everything(tiny_pair, tiny_prompt, tiny_reference, mode: str) -> None:
     """Drafting with the target itself: every draft is accepted and each round ends with a bonus."""
     target = tiny_pair[1]
-    engine = SpeculativeEngine(target, target, tiny_prompt, SpecConfig(mode=mode, k=3, max_new_tokens=TINY_NEW))
+    engine = SpeculativeEngine(ModelPair(target, target), tiny_prompt, SpecConfig(mode=mode, k=3, max_new_tokens=TINY_NEW))
     engine.run()
     engine.close()
     assert engine.generated == tiny_reference
@@ -128,24 +128,27 @@ def test_kv_equals_fresh_prefill_after_every_round(tiny_pair, tiny_prompt, mode:
                                                    drafter: str) -> None:
     draft, target = tiny_pair
     config = SpecConfig(mode=mode, drafter=drafter, k=4, max_new_tokens=16, block_size=4, record=False)
-    engine = SpeculativeEngine(target, target if self_draft else draft, tiny_prompt, config)
+    engine = SpeculativeEngine(ModelPair(target, target if self_draft else draft), tiny_prompt, config)
     assert isinstance(engine.drafter, ModelDrafter if drafter == "model" else HybridDrafter)
     while not engine.finished:
         engine.step()
         # Invariant: the target cache holds every committed token but the last.
         assert engine.target_cache.tokens == engine.tokens[:-1]
         assert_cache_holds(target, engine.target_cache, engine.tokens[:-1])
-        dcache = engine.drafter.cache
+        (held,) = engine.drafter.caches()
+        dcache = held.cache
+        assert held.name == "draft" and held.weight_bytes == engine.pair.draft.weight_bytes
         assert dcache.tokens == engine.tokens[: len(dcache.tokens)] and len(dcache.tokens) < len(engine.tokens)
-        assert_cache_holds(engine.drafter.runner.loaded, dcache, dcache.tokens)
+        assert_cache_holds(engine.pair.draft, dcache, dcache.tokens)
     engine.close()
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 def test_block_pools_return_to_start_after_close(tiny_pair, tiny_prompt, drafter: str) -> None:
     draft, target = tiny_pair
-    engine = SpeculativeEngine(target, draft, tiny_prompt, SpecConfig(drafter=drafter, max_new_tokens=12, block_size=4))
-    pools = [engine.target_runner.pool] + ([engine.drafter.runner.pool] if drafter != "ngram" else [])
+    engine = SpeculativeEngine(ModelPair(target, draft), tiny_prompt, SpecConfig(drafter=drafter, max_new_tokens=12, block_size=4))
+    pools = [engine.target_runner.pool] + [c.cache.pool for c in engine.drafter.caches()]
+    assert len(pools) == (1 if drafter == "ngram" else 2)
     start = [p.manager.free_blocks for p in pools]
     engine.run()
     assert engine.target_runner.pool.manager.free_blocks < start[0]
@@ -177,7 +180,7 @@ def test_sampled_runs_reproduce_with_seed(tiny_pair, tiny_prompt, drafter: str) 
 def test_heuristic_k_schedule(tiny_pair, tiny_prompt, self_draft: bool) -> None:
     draft, target = tiny_pair
     config = SpecConfig(k=2, k_schedule="heuristic", k_min=1, k_max=6, max_new_tokens=40, record=False)
-    engine = SpeculativeEngine(target, target if self_draft else draft, tiny_prompt, config)
+    engine = SpeculativeEngine(ModelPair(target, target if self_draft else draft), tiny_prompt, config)
     rounds = engine.run()
     engine.close()
     assert rounds[0].k == 0 and len(rounds[0].emitted) == 1  # the prefill round
@@ -201,7 +204,7 @@ def test_hybrid_copies_repeats_and_drafts_the_rest(builtin_pair, builtin_tokeniz
     draft, target = builtin_pair
     prompt = builtin_tokenizer("class Stack:\n    def __init__(self):\n        self.items = []\n")["input_ids"]
     config = SpecConfig(drafter="hybrid", k=3, max_new_tokens=60, stop_at_eos=False, record=False, hybrid_min_n=2)
-    engine = SpeculativeEngine(target, draft, prompt, config)
+    engine = SpeculativeEngine(ModelPair(target, draft), prompt, config)
     lookup = NgramDrafter(config.ngram_max, config.ngram_min, target.vocab_size, target.device)
     sources = []
     while not engine.finished:
@@ -236,7 +239,7 @@ def test_draft_with_fewer_vocabulary_rows(builtin_tokenizer, tiny_pair, tiny_pro
     # An id the draft has no embedding for, in the prompt and hence in the draft's prefill.
     prompt = tiny_prompt[:3] + [4050] + tiny_prompt[3:]
     expected = hf_greedy(target, prompt, 16)
-    engine = SpeculativeEngine(target, draft, prompt, SpecConfig(k=4, max_new_tokens=16))
+    engine = SpeculativeEngine(ModelPair(target, draft), prompt, SpecConfig(k=4, max_new_tokens=16))
     engine.run()
     engine.close()
     assert engine.generated == expected
@@ -269,13 +272,13 @@ def test_empty_prompt(builtin_tokenizer, tiny_pair, text: str) -> None:
     with pytest.raises(PromptError, match="empty"):
         encode_prompt(builtin_tokenizer, text)
     with pytest.raises(PromptError, match="empty"):
-        SpeculativeEngine(tiny_pair[1], tiny_pair[0], [], SpecConfig())
+        SpeculativeEngine(ModelPair(tiny_pair[1], tiny_pair[0]), [], SpecConfig())
 
 
 def test_prompt_longer_than_context(builtin_tokenizer, tiny_pair) -> None:
     short = tiny_model(builtin_tokenizer, layers=1, seed=0, max_positions=32)
     with pytest.raises(PromptError, match=r"30 tokens .* exceed the target's context of 32"):
-        SpeculativeEngine(short, tiny_pair[0], list(range(1, 31)), SpecConfig(max_new_tokens=8))
+        SpeculativeEngine(ModelPair(short, tiny_pair[0]), list(range(1, 31)), SpecConfig(max_new_tokens=8))
 
 
 @pytest.mark.parametrize("k", [0, -1, K_BOUND + 1])
@@ -325,12 +328,12 @@ def test_mismatched_tokenizers_name_both_models(tiny_pair, tiny_prompt) -> None:
     with pytest.raises(ModelLoadError, match=r"draft 'stranger-draft' .* target 'tiny-2x64-seed0'"):
         check_same_tokenizer(stranger, target)
     with pytest.raises(ModelLoadError, match="do not match"):
-        SpeculativeEngine(target, stranger, tiny_prompt, SpecConfig())
+        SpeculativeEngine(ModelPair(target, stranger), tiny_prompt, SpecConfig())
     check_same_tokenizer(draft, target)  # the real pair passes
 
 
 def test_exhausted_kv_pool(tiny_pair, tiny_prompt) -> None:
     assert len(tiny_prompt) > 17
-    engine = SpeculativeEngine(tiny_pair[1], tiny_pair[0], tiny_prompt, SpecConfig(block_size=16), kv_blocks=1)
+    engine = SpeculativeEngine(ModelPair(tiny_pair[1], tiny_pair[0]), tiny_prompt, SpecConfig(block_size=16), kv_blocks=1)
     with pytest.raises(KVPoolExhausted, match="only 1 of 1 blocks"):
         engine.step()

@@ -12,7 +12,8 @@ import pytest
 from engine import trace as trace_mod
 from engine.compared import ComparedRun
 from engine.config import SpecConfig
-from engine.records import RoundRecord
+from engine.models import ModelPair
+from engine.records import Outcome, RoundRecord
 from engine.trace import (
     ROUND_COLUMNS,
     TRACE_VERSION,
@@ -29,7 +30,6 @@ from engine.trace import (
     summary_from_dict,
     summary_to_dict,
 )
-from engine.verify import Outcome
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add"
 CONFIG = SpecConfig(k=3, max_new_tokens=12, block_size=4)
@@ -40,7 +40,7 @@ def traced(tiny_pair, tmp_path_factory) -> tuple[Path, ComparedRun]:
     """A finished, closed ComparedRun with the trace it wrote (random draft: corrections, some accepts)."""
     draft, target = tiny_pair
     path = tmp_path_factory.mktemp("trace") / "run.jsonl"
-    run = ComparedRun(target, draft, PROMPT, CONFIG, trace_path=path)
+    run = ComparedRun(ModelPair(target, draft), PROMPT, CONFIG, trace_path=path)
     run.run_to_end()
     run.close()
     return path, run
@@ -86,7 +86,7 @@ def test_load_trace_round_trips_exactly(traced, tiny_pair) -> None:
 def test_round_dicts_round_trip_every_outcome(traced, tiny_pair) -> None:
     _, run = traced
     target = tiny_pair[1]
-    self_run = ComparedRun(target, target, PROMPT, CONFIG, compare=False)   # all accepted: bonus rounds
+    self_run = ComparedRun(ModelPair(target, target), PROMPT, CONFIG, compare=False)   # all accepted: bonus rounds
     rounds = run.spec.rounds + run.baseline.rounds + self_run.run_to_end()
     self_run.close()
     finals = {r.final.outcome for r in rounds}
@@ -128,7 +128,7 @@ def test_interrupted_trace_loads_incomplete(traced, tmp_path) -> None:
 def test_live_trace_is_readable_mid_run(tiny_pair, tmp_path) -> None:
     draft, target = tiny_pair
     path = tmp_path / "live.jsonl"
-    run = ComparedRun(target, draft, PROMPT, CONFIG, trace_path=path)
+    run = ComparedRun(ModelPair(target, draft), PROMPT, CONFIG, trace_path=path)
     first = run.step()
     t = load_trace(path)                                      # the writer is still open
     assert not t.complete and t.rounds == [first] and len(t.baseline) == len(first.emitted)
@@ -210,7 +210,7 @@ def too_many_emitted(objs):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (set_final_outcome, r"line 2: round.final.outcome: 'maybe' is not one of accepted, rejected, corrected, bonus"),
+    (set_final_outcome, r"line 2: round.final.outcome: 'maybe' is not one of accepted, rejected, unchecked, corrected, bonus, pending"),
     (drop_key, r"line 2: round: missing key\(s\) accepted"),
     (stringly_k, r"line 2: round.k: expected an integer, got str"),
     (bool_index, r"line 2: round.index: expected an integer, got bool"),
@@ -281,3 +281,29 @@ def test_csv_has_one_row_per_round(traced, tmp_path) -> None:
     assert df["final_outcome"].tolist() == [r.final.outcome.value for r in rounds]
     assert df["tokens_total"].iloc[-1] == CONFIG.max_new_tokens
     assert list(rounds_dataframe([]).columns) == list(ROUND_COLUMNS)
+
+
+def test_version_1_traces_are_upgraded_as_they_are_read() -> None:
+    """A trace written before the records were typed: drafts after a rejection were REJECTED with
+    checked=false, "none" named no drafter, and there was no alpha."""
+    from engine.config import DrafterKind, Mode
+    from engine.records import Outcome
+
+    path = Path(__file__).parent / "data" / "trace_v1.jsonl"
+    raw = [json.loads(line) for line in path.read_text().splitlines()]
+    assert raw[0]["data"]["version"] == 1
+    old_unchecked = sum(1 for o in raw if o["type"] == "round" and o["stream"] == "spec"
+                        for p in o["data"]["positions"] if p["checked"] is False)
+    trace = load_trace(path)
+    assert trace.header.version == 1 and trace.rounds and trace.baseline
+    assert sum(p.outcome is Outcome.UNCHECKED for r in trace.rounds for p in r.positions) == old_unchecked > 0
+    assert all(p.outcome is not Outcome.REJECTED or i == r.accepted for r in trace.rounds
+               for i, p in enumerate(r.positions))
+    assert trace.rounds[0].mode is Mode.V2 and trace.rounds[1].drafter is DrafterKind.MODEL
+    assert trace.baseline[0].drafter is None and trace.baseline[1].proposer is None
+    assert trace.rounds[1].proposer is DrafterKind.MODEL
+    assert len(trace.rounds[1].timings.draft_forward_ms) == trace.rounds[1].draft_forwards
+    verified = sum(r.verified for r in trace.rounds)
+    assert trace.summary.alpha == pytest.approx(sum(r.accepted for r in trace.rounds) / verified)
+    assert trace.summary.weight_bytes == raw[-2]["data"]["weight_bytes"] or \
+        trace.summary.weight_bytes == raw[-1]["data"]["weight_bytes"]

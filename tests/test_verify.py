@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from engine.records import Outcome
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
-from engine.verify import ROW_SUM_TOL, Outcome, VerifyResult, align_vocab, verify, verify_greedy, verify_reference
+from engine.verify import ROW_SUM_TOL, VerifyResult, align_vocab, verify, verify_greedy, verify_reference
 from playground.teach.losslessness import Rule, check_rule, goodness_of_fit, passes, simulate
 
 SIGNIFICANCE = 1e-3

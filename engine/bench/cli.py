@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,27 +22,19 @@ from engine.bench.plot import write_plot
 from engine.bench.prompts import make_prompts
 from engine.bench.report import format_table, make_meta, profile, write_json
 from engine.bench.results import summarize_all
-from engine.bench.runs import run_bench
-from engine.cli import DTYPES, check_device
+from engine.bench.runs import BenchModels, run_bench
+from engine.calibration import calibrate
+from engine.cli import DTYPES, Parser, UsageError, check_device, quiet_transformers
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
 from engine.sources import BUILTIN
 from engine.speculative import PromptError
 
-
-class UsageError(ValueError):
-    """Bad command-line input: printed as one `error:` line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise UsageError(message)
-
-
-QUICK = {"num_prompts": 1, "prompt_tokens": 32, "new_tokens": 8, "repeats": 1, "warmup": 0, "ks": "2"}
+QUICK = {"num_prompts": 1, "prompt_tokens": 32, "new_tokens": 8, "repeats": 1, "warmup": 0, "ks": "2",
+         "calibration_repeats": 1}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m engine bench",
+    p = Parser(prog="python -m engine bench",
                 description="Benchmark speculative decoding (v2, v1, heuristic K, n-gram) against target-only "
                             "decoding and Hugging Face assisted generation, interleaved, medians over repeats.")
     p.add_argument("--target", default=BUILTIN, help="target: 'builtin', a Hugging Face id or a path (default: builtin)")
@@ -92,7 +83,8 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
     try:
         return BenchSettings(prompt_set=a.prompts, num_prompts=pick("num_prompts"), prompt_tokens=pick("prompt_tokens"),
                              new_tokens=pick("new_tokens"), repeats=pick("repeats"), warmup=pick("warmup"),
-                             ks=_int_list(pick("ks"), "--ks"), methods=methods, seed=a.seed)
+                             ks=_int_list(pick("ks"), "--ks"), methods=methods, seed=a.seed,
+                             calibration_repeats=(QUICK if a.quick else base)["calibration_repeats"])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -106,19 +98,6 @@ def load_pair(a: argparse.Namespace, needs_draft: bool) -> tuple[LoadedModel, Lo
     return target, load_model(a.draft, "draft", device=draft_dev, dtype=a.dtype) if needs_draft else None
 
 
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Assisted generation warns on every call about its own internal kwargs; keep the report readable."""
-    from transformers.utils import logging
-
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
-
-
 def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
     """Run the bench (or --profile) and return the report text; writes --json and --plot."""
     settings = settings_from_args(a)
@@ -129,18 +108,18 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)
-    target, draft = load_pair(a, needs_draft=any(m.uses_draft_model for m in drafters))
-    if draft is not None:
-        from engine.models import check_same_tokenizer
-        check_same_tokenizer(draft, target)
-    with quiet_transformers():
+    with quiet_transformers():  # assisted generation warns on every call about its own internal kwargs
+        target, draft = load_pair(a, needs_draft=any(m.uses_draft_model for m in drafters))
+        models = BenchModels(target, draft)
         prompts = make_prompts(settings, target)
         if chosen:
-            return profile(chosen, settings, target, draft, prompts, a.profile_top)
+            return profile(chosen, settings, models, prompts, a.profile_top)
         t0 = time.perf_counter()
-        samples = run_bench(settings, target, draft, prompts, progress=not a.no_progress)
-    results = summarize_all(list(samples), samples)
-    meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0)
+        context = sorted(len(p.ids) for p in prompts)[len(prompts) // 2]
+        curve = calibrate(target, context=context, repeats=settings.calibration_repeats)
+        samples = run_bench(settings, models, prompts, progress=not a.no_progress)
+    results = summarize_all(list(samples), samples, curve.at)
+    meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0, curve)
     report = format_table(results, meta)
     if a.json:
         write_json(a.json, meta, results)

@@ -93,6 +93,7 @@ class BenchSettings:
     ks: tuple[int, ...] = DEFAULT_KS
     methods: tuple[str, ...] = METHOD_NAMES
     seed: int = 0
+    calibration_repeats: int = 5       # passes of the r(n) calibration before the runs
 
     def __post_init__(self) -> None:
         if self.prompt_set not in ("heldout", "code"):

@@ -17,8 +17,8 @@ import torch
 from engine.bench.methods import UNDRAFTED, BenchSettings, Method
 from engine.bench.prompts import Prompt
 from engine.bench.results import MethodResult, phases_per_token
-from engine.bench.runs import Phases, run_once
-from engine.fused_llama import fused_for
+from engine.bench.runs import BenchModels, Phases, run_once
+from engine.calibration import RCurve
 from engine.models import LoadedModel
 
 
@@ -38,6 +38,7 @@ class BenchMeta:
     draft_device: str
     dtype: str
     forward: str                     # the engine's forward for the target: "fused" or "transformers"
+    calibration: RCurve              # the target's r(n), measured before the runs; predictions use it
     prompt_set: str
     prompt_names: list[str]
     prompt_lengths: list[int]
@@ -52,7 +53,8 @@ class BenchMeta:
 
 
 def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel, draft: LoadedModel | None,
-              prompts: Sequence[Prompt], results: Sequence[MethodResult], wall_s: float) -> BenchMeta:
+              prompts: Sequence[Prompt], results: Sequence[MethodResult], wall_s: float,
+              calibration: RCurve) -> BenchMeta:
     import transformers
 
     fastest = max((r for r in results if r.method in UNDRAFTED), key=lambda r: r.tokens_per_s)
@@ -64,7 +66,7 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
         torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads(),
         target=target.name, draft=draft.name if draft else "", target_device=str(target.device),
         draft_device=str(draft.device) if draft else "", dtype=str(target.dtype).replace("torch.", ""),
-        forward="fused" if fused_for(target.model) else "transformers",
+        forward="fused" if target.fused is not None else "transformers", calibration=calibration,
         prompt_set=settings.prompt_set, prompt_names=[p.name for p in prompts], prompt_lengths=[len(p.ids) for p in prompts],
         new_tokens=settings.new_tokens, repeats=settings.repeats, warmup=settings.warmup, ks=list(settings.ks),
         fastest_baseline=fastest.label, fastest_baseline_tokens_per_s=fastest.tokens_per_s,
@@ -77,12 +79,15 @@ def _fmt(x: float | None, spec: str) -> str:
 
 COLUMNS = (("method", 22, lambda r: r.label), ("tok/s", 8, lambda r: _fmt(r.tokens_per_s, ".1f")),
            ("TTFT ms", 8, lambda r: _fmt(r.ttft_ms, ".1f")), ("TPOT ms", 8, lambda r: _fmt(r.tpot_ms, ".2f")),
-           ("alpha", 6, lambda r: _fmt(r.acceptance_rate, ".3f") if r.k else "-"),
+           ("acc/draft", 9, lambda r: _fmt(r.draft_acceptance_rate, ".3f") if r.k else "-"),
+           ("alpha", 6, lambda r: _fmt(r.alpha, ".3f") if r.k else "-"),
            ("tau", 5, lambda r: _fmt(r.mean_accepted_length, ".2f")),
            ("fwd/tok", 7, lambda r: _fmt(r.target_forwards_per_token, ".3f")),
            ("c", 6, lambda r: _fmt(r.c, ".3f") if r.k else "-"), ("r", 5, lambda r: _fmt(r.r, ".2f") if r.k else "-"),
+           ("r cal", 5, lambda r: _fmt(r.r_calibrated, ".2f") if r.k else "-"),
            ("speed-up", 8, lambda r: _fmt(r.speedup, ".2f") + "x"),
            ("predicted", 9, lambda r: _fmt(r.predicted_speedup, ".2f") + "x"),
+           ("pred(a_i)", 9, lambda r: _fmt(r.predicted_from_rates, ".2f") + "x"),
            ("meas/pred", 9, lambda r: _fmt(r.efficiency, ".2f")),
            ("same tokens", 11, lambda r: "yes" if r.identical_tokens else f"NO {r.mismatched_prompts}"))
 
@@ -141,20 +146,21 @@ def write_json(path: Path, meta: BenchMeta, results: Sequence[MethodResult]) -> 
     path.write_text(json.dumps(_jsonable(doc), indent=2, allow_nan=False) + "\n")
 
 
-def profile(method: Method, settings: BenchSettings, target: LoadedModel, draft: LoadedModel | None,
+def profile(method: Method, settings: BenchSettings, models: BenchModels,
             prompts: Sequence[Prompt], top: int) -> str:
     """Where one method's time goes: per-phase ms/token (engine RoundTimings), time inside model
     forwards against the Python around them, and cProfile's top functions by own time."""
-    run_once(method, target, draft, prompts[0], 0, min(settings.new_tokens, 16))  # warm-up
+    run_once(method, models, prompts[0], 0, min(settings.new_tokens, 16))  # warm-up
     prof = cProfile.Profile()
     samples = []
     prof.enable()
     for _ in range(settings.repeats):
-        samples.extend(run_once(method, target, draft, p, i, settings.new_tokens) for i, p in enumerate(prompts))
+        samples.extend(run_once(method, models, p, i, settings.new_tokens) for i, p in enumerate(prompts))
     prof.disable()
     tokens = sum(len(s.tokens) for s in samples)
     wall_ms = sum(s.wall_s for s in samples) * 1000
     fwd_ms = sum(t.seconds for s in samples for t in (*s.target_fwd, *s.draft_fwd)) * 1000
+    clock = "engine clock" if method.family == "engine" else "hooks"
     lines = [f"profile of {method.label}: {len(samples)} runs, {tokens} tokens, {wall_ms / tokens:.2f} ms/token "
              f"({tokens / wall_ms * 1000:.1f} tokens/s; cProfile on, so slower than the bench)", ""]
     if method.family == "engine":
@@ -163,7 +169,7 @@ def profile(method: Method, settings: BenchSettings, target: LoadedModel, draft:
         for f in fields(Phases):
             ms = getattr(per_token, f.name)
             lines.append(f"  {f.name:<24}{ms:>10.3f}  {ms * tokens / wall_ms:>6.1%}")
-    lines.append(f"  {'model forwards (hooks)':<24}{fwd_ms / tokens:>10.3f}  {fwd_ms / wall_ms:>6.1%}"
+    lines.append(f"  {f'model forwards ({clock})':<24}{fwd_ms / tokens:>10.3f}  {fwd_ms / wall_ms:>6.1%}"
                  "   (target and draft, prefill included)")
     lines.append(f"  {'everything else':<24}{(wall_ms - fwd_ms) / tokens:>10.3f}  {1 - fwd_ms / wall_ms:>6.1%}")
     out = io.StringIO()

@@ -4,16 +4,16 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from engine.bench.clock import ForwardClock, ForwardTime
 from engine.bench.methods import NGRAM_MAX, BenchSettings, Method, build_methods
 from engine.bench.prompts import Prompt
-from engine.models import LoadedModel
+from engine.models import LoadedModel, ModelPair
+from engine.records import Outcome
 from engine.speculative import SpeculativeEngine
 
 
@@ -42,10 +42,12 @@ class RunSample:
     ttft_s: float
     rounds_k: list[int]             # tokens drafted in each round
     accepted: int
+    verified: int | None            # positions verified (engine runs; `generate` does not say)
     target_fwd: list[ForwardTime]   # every forward, in order; the first is the prefill
     draft_fwd: list[ForwardTime]    # likewise (empty without a draft model)
     phases: Phases | None           # engine methods only
     rounds_draft_forwards: list[int] | None = None  # draft-model forwards per round (engine); None: rounds_k
+    checks: list[list[bool]] = field(default_factory=list)  # per drafted round, its verified accepts (engine)
 
     @property
     def decode_forwards(self) -> tuple[list[ForwardTime], list[ForwardTime]]:
@@ -53,39 +55,66 @@ class RunSample:
         return self.target_fwd[1:], self.draft_fwd[1:]
 
 
-def run_engine(method: Method, target: LoadedModel, draft: LoadedModel | None, prompt: list[int],
-               new_tokens: int) -> RunSample:
+@dataclass
+class BenchModels:
+    """The models every run of a bench shares: the target, the draft, the engine's checked pair, and one
+    assistant per K for `generate` (built once, see `assistant_for`)."""
+
+    target: LoadedModel
+    draft: LoadedModel | None
+    pair: ModelPair = field(init=False)
+    assistants: dict[int, torch.nn.Module] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pair = ModelPair(self.target, self.draft)
+
+    def assistant(self, k: int) -> torch.nn.Module:
+        if k not in self.assistants:
+            self.assistants[k] = assistant_for(self.draft, k)
+        return self.assistants[k]
+
+
+def assistant_for(draft: LoadedModel, k: int) -> torch.nn.Module:
+    """The draft module as `generate` needs it for assisted generation at K: a shallow copy sharing the
+    draft's weights, with its own generation_config asking for K assistant tokens, a constant schedule
+    and no confidence early-stop (generate reads these from the assistant's config, so every round
+    drafts exactly K like the engine's). The draft itself is left as it was loaded."""
+    assistant = copy.copy(draft.model)
+    config = copy.deepcopy(draft.model.generation_config)
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
+    config.assistant_confidence_threshold = 0.0
+    assistant.generation_config = config
+    return assistant
+
+
+def _forward_times(rounds: list, prompt_len: int) -> tuple[list[ForwardTime], list[ForwardTime]]:
+    """The engine's own per-forward times (its round records), as the bench's ForwardTimes: the target's
+    prefill, then one verify forward per round over K + 1 rows; every draft-model forward."""
+    target = [ForwardTime(prompt_len if r.is_prefill else r.k + 1, 1 if r.is_prefill else 0,
+                          r.timings.target_forward_ms / 1000) for r in rounds]
+    target += [ForwardTime(r.accepted, 1, r.timings.commit_forward_ms / 1000) for r in rounds
+               if r.timings.commit_forward_ms]  # v1's commit forwards, after the verify forwards
+    draft = [ForwardTime(1, 1, ms / 1000) for r in rounds for ms in r.timings.draft_forward_ms]
+    return target, draft
+
+
+def run_engine(method: Method, models: BenchModels, prompt: list[int], new_tokens: int) -> RunSample:
     """Decode with SpeculativeEngine; the clock starts before the engine (and its KV pools) exist."""
-    uses_draft = method.uses_draft_model
-    with ForwardClock(target) as tc, ForwardClock(draft if uses_draft else None) as dc:
-        t0 = time.perf_counter()
-        engine = SpeculativeEngine(target, draft if uses_draft else None, prompt, method.spec_config(new_tokens))
-        engine.step()
-        ttft = time.perf_counter() - t0
-        engine.run()
-        engine.close()
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine = SpeculativeEngine(models.pair, prompt, method.spec_config(new_tokens))
+    engine.step()
+    ttft = time.perf_counter() - t0
+    engine.run()
+    engine.close()
+    wall = time.perf_counter() - t0
     rounds = engine.rounds
     busy = sum(r.timings.total_ms for r in rounds)
     phases = Phases(*(sum(getattr(r.timings, f"{p}_ms") for r in rounds)
                       for p in ("prefill", "draft", "verify", "commit", "other")), wall * 1000 - busy)
+    target_fwd, draft_fwd = _forward_times(rounds, len(prompt))
     return RunSample(-1, list(engine.generated), wall, ttft, [r.k for r in rounds], sum(r.accepted for r in rounds),
-                     tc.times, dc.times, phases, [r.draft_forwards for r in rounds])
-
-
-@contextmanager
-def assistant_settings(draft: LoadedModel, k: int) -> Iterator[None]:
-    """HF reads the assisted-generation knobs from the *assistant's* generation_config: swap in a
-    copy with K tokens, a constant schedule and no confidence early-stop; restore the original after."""
-    original = draft.model.generation_config
-    patched = copy.deepcopy(original)
-    patched.num_assistant_tokens, patched.num_assistant_tokens_schedule = k, "constant"
-    patched.assistant_confidence_threshold = 0.0
-    draft.model.generation_config = patched
-    try:
-        yield
-    finally:
-        draft.model.generation_config = original
+                     sum(r.verified for r in rounds), target_fwd, draft_fwd, phases, [r.draft_forwards for r in rounds],
+                     [[p.outcome is Outcome.ACCEPTED for p in r.positions if p.verified] for r in rounds if r.k])
 
 
 def hf_config(target: LoadedModel, method: Method, new_tokens: int):
@@ -103,36 +132,34 @@ def hf_config(target: LoadedModel, method: Method, new_tokens: int):
     return gc
 
 
-def _hf_generate(target: LoadedModel, ids: torch.Tensor, config, assistant: LoadedModel | None) -> torch.Tensor:
-    extra = {"assistant_model": assistant.model} if assistant is not None else {}
+def _hf_generate(target: LoadedModel, ids: torch.Tensor, config, assistant: torch.nn.Module | None) -> torch.Tensor:
+    extra = {"assistant_model": assistant} if assistant is not None else {}
     with torch.inference_mode():
         return target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **extra)
 
 
-def run_hf(method: Method, target: LoadedModel, draft: LoadedModel | None, prompt: list[int],
-           new_tokens: int) -> RunSample:
+def run_hf(method: Method, models: BenchModels, prompt: list[int], new_tokens: int) -> RunSample:
     """Decode with `generate`. Each target forward is one round that checked (rows - 1) drafts and
     emitted accepted + 1 tokens, so accepted = tokens - target forwards. TTFT: a max_new_tokens=1 call."""
+    target = models.target
     ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
-    assistant = draft if method.name == "hf-assisted" else None
+    assistant = models.assistant(method.k) if method.name == "hf-assisted" else None
     full, first = hf_config(target, method, new_tokens), hf_config(target, method, 1)
-    with assistant_settings(draft, method.k) if assistant else nullcontext():
-        with ForwardClock(target) as tc, ForwardClock(assistant) as dc:
-            t0 = time.perf_counter()
-            out = _hf_generate(target, ids, full, assistant)
-            wall = time.perf_counter() - t0
+    with ForwardClock(target) as tc, ForwardClock(None, assistant) as dc:
         t0 = time.perf_counter()
-        _hf_generate(target, ids, first, assistant)
-        ttft = time.perf_counter() - t0
+        out = _hf_generate(target, ids, full, assistant)
+        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _hf_generate(target, ids, first, assistant)
+    ttft = time.perf_counter() - t0
     tokens = out[0, len(prompt):].tolist()
     rounds_k = [max(0, t.rows - 1) for t in tc.times]
-    return RunSample(-1, tokens, wall, ttft, rounds_k, len(tokens) - len(tc.times), tc.times, dc.times, None)
+    return RunSample(-1, tokens, wall, ttft, rounds_k, len(tokens) - len(tc.times), None, tc.times, dc.times, None)
 
 
-def run_once(method: Method, target: LoadedModel, draft: LoadedModel | None, prompt: Prompt, index: int,
-             new_tokens: int) -> RunSample:
+def run_once(method: Method, models: BenchModels, prompt: Prompt, index: int, new_tokens: int) -> RunSample:
     run = run_hf if method.family == "hf" else run_engine
-    return replace(run(method, target, draft, prompt.ids, new_tokens), prompt=index)
+    return replace(run(method, models, prompt.ids, new_tokens), prompt=index)
 
 
 def _progress(total: int, enabled: bool):
@@ -141,7 +168,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not enabled, leave=False)
 
 
-def run_bench(settings: BenchSettings, target: LoadedModel, draft: LoadedModel | None, prompts: Sequence[Prompt],
+def run_bench(settings: BenchSettings, models: BenchModels, prompts: Sequence[Prompt],
               progress: bool = True) -> dict[Method, list[RunSample]]:
     """Every method on every prompt, `repeats` times: repeat -> prompt -> methods in a rotating order."""
     methods = build_methods(settings.methods, settings.ks)
@@ -150,12 +177,12 @@ def run_bench(settings: BenchSettings, target: LoadedModel, draft: LoadedModel |
     with _progress(total, progress) as bar:
         for _ in range(settings.warmup):
             for m in methods:
-                run_once(m, target, draft, prompts[0], 0, min(settings.new_tokens, 16))
+                run_once(m, models, prompts[0], 0, min(settings.new_tokens, 16))
                 bar.update()
         for rep in range(settings.repeats):
             for i, prompt in enumerate(prompts):
                 shift = (rep * len(prompts) + i) % len(methods)
                 for m in methods[shift:] + methods[:shift]:
-                    samples[m].append(run_once(m, target, draft, prompt, i, settings.new_tokens))
+                    samples[m].append(run_once(m, models, prompt, i, settings.new_tokens))
                     bar.update()
     return samples

@@ -7,25 +7,45 @@ from typing import Protocol
 import torch
 
 from engine.config import DrafterKind
+from engine.kv_cache import PagedCache
 
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
+    """A round's drafts: the ids, the distributions they were drawn from, and who proposed them."""
+
     tokens: list[int]        # up to k drafted ids (an n-gram drafter may find fewer, even none)
     q_draft: torch.Tensor    # [len(tokens), V_target] float32 on the target's device
     forwards: int            # draft-model forwards spent
+    source: DrafterKind      # the drafter that proposed them (a hybrid's copy is NGRAM)
 
 
 class Drafter(Protocol):
+    """What the speculative loop asks of a drafter. Between rounds a drafter's own state (a cache, its
+    features) describes the committed tokens but the last, like the target's cache."""
+
     kind: DrafterKind
 
     def prefill(self, prompt: list[int]) -> None: ...
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal: ...
     def commit(self, committed: list[int]) -> None: ...
+    def caches(self) -> list[DraftCache]: ...
+    def drain_forward_ms(self) -> list[float]: ...
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class DraftCache:
+    """A paged cache a drafter keeps (shown in the KV view), with the weights that write it."""
+
+    name: str            # "draft", "eagle"
+    cache: PagedCache
+    device: str
+    weight_bytes: int
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

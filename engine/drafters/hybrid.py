@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.config import DrafterKind
-from engine.drafters.base import Proposal
+from engine.drafters.base import DraftCache, Proposal
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 
@@ -21,7 +21,6 @@ class HybridDrafter:
 
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_n: int) -> None:
         self.model, self.ngram, self.min_n = model, ngram, min_n
-        self.cache, self.runner = model.cache, model.runner
 
     def prefill(self, prompt: list[int]) -> None:
         self.model.prefill(prompt)
@@ -35,6 +34,12 @@ class HybridDrafter:
 
     def commit(self, committed: list[int]) -> None:
         self.model.commit(committed)
+
+    def caches(self) -> list[DraftCache]:
+        return self.model.caches()
+
+    def drain_forward_ms(self) -> list[float]:
+        return self.model.drain_forward_ms()
 
     def close(self) -> None:
         self.model.close()

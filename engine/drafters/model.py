@@ -4,11 +4,24 @@ from __future__ import annotations
 import torch
 
 from engine.config import DrafterKind
-from engine.drafters.base import Proposal, common_prefix
+from engine.drafters.base import DraftCache, Proposal, common_prefix
 from engine.kv_cache import PagedCache
+from engine.models import LoadedModel
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.verify import align_vocab
+
+
+def stand_in_id(draft: LoadedModel) -> int:
+    """The id fed to the draft in place of a target id it has no embedding for."""
+    return draft.tokenizer.eos_token_id or 0
+
+
+def draftable(tokens: list[int], vocab: int, stand_in: int) -> list[int]:
+    """`tokens` as the draft can read them. A target with more vocabulary rows can emit ids the draft
+    has no embedding for (padding rows in real pairs). The draft only proposes, so feeding it a
+    stand-in id can cost acceptance but never correctness."""
+    return [t if t < vocab else stand_in for t in tokens]
 
 
 class ModelDrafter:
@@ -28,7 +41,7 @@ class ModelDrafter:
         self.target_vocab, self.target_device = target_vocab, target_device
         self.generator = generator
         self.cache: PagedCache = runner.new_sequence()
-        self.stand_in = runner.loaded.tokenizer.eos_token_id or 0
+        self.stand_in = stand_in_id(runner.loaded)
 
     def prefill(self, prompt: list[int]) -> None:
         if len(prompt) > 1:
@@ -60,18 +73,21 @@ class ModelDrafter:
             q_draft = one_hot_rows(torch.tensor(tokens, dtype=torch.long, device=self.target_device), self.target_vocab)
         else:
             q_draft = torch.stack(rows)
-        return Proposal(tokens, q_draft, k)
+        return Proposal(tokens, q_draft, k, self.kind)
 
     def _draftable(self, tokens: list[int]) -> list[int]:
-        # A target with more vocabulary rows can emit ids the draft has no embedding for (padding
-        # rows in real pairs). The draft only proposes, so feeding it a stand-in id can cost
-        # acceptance but never correctness.
-        vocab = self.runner.vocab_size
-        return [t if t < vocab else self.stand_in for t in tokens]
+        return draftable(tokens, self.runner.vocab_size, self.stand_in)
 
     def commit(self, committed: list[int]) -> None:
         keep = min(common_prefix(self.cache.tokens, self._draftable(committed)), len(committed) - 1)
         self.cache.rollback(self.cache.table.length - keep)
+
+    def caches(self) -> list[DraftCache]:
+        loaded = self.runner.loaded
+        return [DraftCache("draft", self.cache, str(loaded.device), loaded.weight_bytes)]
+
+    def drain_forward_ms(self) -> list[float]:
+        return self.runner.drain_forward_ms()
 
     def close(self) -> None:
         self.cache.free()

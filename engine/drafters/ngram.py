@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import DrafterKind
-from engine.drafters.base import Proposal
+from engine.drafters.base import DraftCache, Proposal
 
 
 class NgramDrafter:
@@ -43,10 +43,16 @@ class NgramDrafter:
         q = torch.zeros(len(tokens), self.target_vocab, device=self.target_device)
         if tokens:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return Proposal(tokens, q, 0)
+        return Proposal(tokens, q, 0, self.kind)
 
     def commit(self, committed: list[int]) -> None:
         pass
+
+    def caches(self) -> list[DraftCache]:
+        return []
+
+    def drain_forward_ms(self) -> list[float]:
+        return []
 
     def close(self) -> None:
         pass

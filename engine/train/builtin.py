@@ -148,29 +148,19 @@ def heldout_loss(model, windows: torch.Tensor, chunk: int = 8) -> float:
 
 
 @torch.inference_mode()
-def greedy_acceptance(target, draft, prompts: torch.Tensor, k: int = 4, new_tokens: int = 48) -> float:
-    """Greedy acceptance (accepted / drafted) of speculative decoding with constant K.
+def _alpha(target, draft, tokenizer, prompts: torch.Tensor) -> float:
+    """Greedy alpha at K=4 of the models being trained, measured by the engine itself (over the
+    transformers forward: the fused one would re-lay the weights the optimiser is updating)."""
+    from transformers import PreTrainedTokenizerFast
 
-    Greedy speculative output equals the target's greedy output, and with greedy drafting the
-    draft's proposal at a position only matters up to its first mismatch, so the rounds can be
-    replayed exactly from the target's greedy continuation and one teacher-forced draft forward.
-    """
+    from engine.models import LoadedModel, ModelPair
+    from engine.train.builtin_eval import greedy_acceptance
+
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=corpus.EOS_TOKEN)
+    pair = ModelPair(LoadedModel.of("training:target", target, wrapped, fuse=False),
+                     LoadedModel.of("training:draft", draft, wrapped, fuse=False))
     target.eval(), draft.eval()
-    accepted = drafted = 0
-    for prompt in prompts:
-        seq = target.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False,
-                              min_new_tokens=new_tokens, pad_token_id=0)[0]
-        n0 = len(prompt)
-        agree = (draft(input_ids=seq[None, :-1]).logits[0].argmax(-1) == seq[1:])[n0 - 1 :]
-        pos = 0  # index into the generated part
-        while pos < new_tokens:
-            run = 0
-            while run < k and pos + run < new_tokens and bool(agree[pos + run]):
-                run += 1
-            accepted += run
-            drafted += k
-            pos += run + 1
-    return accepted / drafted
+    return greedy_acceptance(pair, prompts, k=4, new_tokens=48, fused=False).alpha
 
 
 @torch.inference_mode()
@@ -313,7 +303,7 @@ def train(plan: TrainPlan, out: Path = BUILTIN_DIR, work: Path = WORK_DIR, fresh
                 "tokens_seen_draft": step * tokens_per_step,
                 "heldout_loss_target": heldout_loss(target, eval_windows),
                 "heldout_loss_draft": heldout_loss(draft, eval_windows),
-                "greedy_alpha_k4": greedy_acceptance(target, draft, alpha_prompts),
+                "greedy_alpha_k4": _alpha(target, draft, tok, alpha_prompts),
                 "plan": asdict(plan)}
         export_pair(target, draft, tok, out, meta)
         target.train(), draft.train()

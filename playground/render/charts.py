@@ -7,7 +7,8 @@ from collections import Counter
 
 import plotly.graph_objects as go
 
-from playground import measure
+from engine import metrics
+from engine.metrics import NotMeasured
 from playground.render.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR
 from playground.view import RunView
 
@@ -32,40 +33,47 @@ def empty_figure(message: str) -> go.Figure:
 def _no_drafts(view: RunView) -> str | None:
     if not view.rounds:
         return "No rounds yet."
-    if not measure.drafted_rounds(view.rounds):
+    if not metrics.drafted_rounds(view.rounds):
         return "Nothing drafted (target-only, or no n-gram match yet)."
     return None
 
 
 def acceptance_figure(view: RunView) -> go.Figure:
-    """Per-round acceptance (bars) and cumulative acceptance (line)."""
+    """Per-round draft acceptance (bars), and both cumulative measures: accepted / drafted and
+    alpha = accepted / verified positions (the one Leviathan's formula takes)."""
     if (msg := _no_drafts(view)) is not None:
         return empty_figure(msg)
-    xs, per_round, cumulative = [], [], []
+    xs, per_round, drafted, verified = [], [], [], []
+    accepted = k = checked = 0
     for r in view.rounds:
+        accepted, k, checked = accepted + r.accepted, k + r.k, checked + r.verified
         xs.append(r.index + 1)
         per_round.append(r.accepted / r.k if r.k else None)
-        cumulative.append(measure.acceptance(view.rounds[: r.index + 1]))
-    return _figure([go.Bar(x=xs, y=per_round, name="this round", marker_color=GREEN, opacity=0.7),
-                    go.Scatter(x=xs, y=cumulative, name="cumulative", mode="lines+markers", line=dict(color="#000"))],
-                   "Acceptance rate", "round", "accepted / drafted", yaxis_range=[0, 1.05])
+        drafted.append(accepted / k if k else None)
+        verified.append(accepted / checked if checked else None)
+    return _figure([go.Bar(x=xs, y=per_round, name="this round (accepted / drafted)", marker_color=GREEN, opacity=0.7),
+                    go.Scatter(x=xs, y=drafted, name="draft acceptance rate: accepted / drafted", mode="lines",
+                               line=dict(color="#000")),
+                    go.Scatter(x=xs, y=verified, name="α: accepted / verified", mode="lines",
+                               line=dict(color=SPEC_COLOUR, dash="dot"))],
+                   "Acceptance", "round", "rate", yaxis_range=[0, 1.05])
 
 
 def per_position_figure(view: RunView) -> go.Figure:
     """Acceptance at draft position i, over the rounds that reached position i."""
     if (msg := _no_drafts(view)) is not None:
         return empty_figure(msg)
-    rates = measure.per_position(view.rounds)
+    rates = metrics.position_rates(view.rounds)
     ys = [None if math.isnan(r) else r for r in rates]
     return _figure([go.Bar(x=list(range(1, len(rates) + 1)), y=ys, name="acceptance", marker_color=SPEC_COLOUR)],
-                   "Per-position acceptance", "draft position", "accepted / checked", yaxis_range=[0, 1.05])
+                   "Per-position acceptance", "draft position", "accepted / verified", yaxis_range=[0, 1.05])
 
 
 def accepted_length_figure(view: RunView) -> go.Figure:
     """How many drafts each round accepted."""
     if (msg := _no_drafts(view)) is not None:
         return empty_figure(msg)
-    drafted = measure.drafted_rounds(view.rounds)
+    drafted = metrics.drafted_rounds(view.rounds)
     counts = Counter(r.accepted for r in drafted)
     xs = list(range(0, max(r.k for r in drafted) + 1))
     return _figure([go.Bar(x=xs, y=[counts.get(x, 0) for x in xs], name="rounds", marker_color=SPEC_COLOUR)],
@@ -90,9 +98,9 @@ def speedup_figure(view: RunView) -> go.Figure:
     """Measured speed-up after each round, beside Leviathan's prediction from the measured α and c."""
     if not view.rounds or not view.baseline:
         return empty_figure("Needs a target-only baseline (not recorded in target-only mode).")
-    xs, measured, predicted = measure.speedup_series(view)
+    xs, measured, predicted = speedup_series(view)
     fig = _figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
-                   go.Scatter(x=xs, y=predicted, name="Leviathan: E[tokens]/(cK+1), α and c measured here",
+                   go.Scatter(x=xs, y=predicted, name="predicted: E(α, K) / (cK + r(K+1)), all measured",
                               mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot"))],
                   "Speed-up over target-only", "round", "× target-only")
     fig.add_hline(y=1.0, line=dict(color=GREY, width=1))
@@ -115,7 +123,7 @@ def identity_badge(view: RunView | None) -> str:
 
 
 def _fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "—" if not measure.finite(x) else f"{x:{spec}}{suffix}"
+    return "—" if not metrics.finite(x) else f"{x:{spec}}{suffix}"
 
 
 def summary_html(view: RunView | None) -> str:
@@ -123,23 +131,44 @@ def summary_html(view: RunView | None) -> str:
     if view is None or not view.rounds:
         return ""
     last = view.rounds[-1]
-    ratio = measure.cost_ratio(view)
-    c_text = "—" if ratio is None else (
-        "0 (n-gram: no draft forwards)" if ratio.draft_forward_ms is None else
-        f"{ratio.c:.3f} = {ratio.draft_forward_ms:.2f} ms per draft forward / "
-        f"{ratio.target_step_ms:.2f} ms per target step")
+    pred = view.prediction()
     rows = [
         ("run", f"{view.info.label()} · {view.source}"),
         ("tokens / rounds", f"{last.tokens_total} / {len(view.rounds)}" + (" (finished)" if last.finished else "")),
-        ("acceptance α (measured)", _fmt(measure.acceptance(view.rounds), ".3f")),
+        ("draft acceptance rate: accepted / drafted", _fmt(metrics.draft_acceptance(view.rounds), ".3f")),
+        ("α: accepted / verified positions", _fmt(metrics.alpha(view.rounds), ".3f")),
         ("tokens per round", _fmt(last.tokens_total / len(view.rounds))),
-        ("c, measured from this run", c_text),
-        ("speed-up: measured / predicted", f"{_fmt(measure.measured_speedup(view), suffix='×')} / "
-                                           f"{_fmt(measure.predicted_speedup(view), suffix='×')}"),
-        ("tokens/s: speculative / target-only", f"{_fmt(measure.tokens_per_s(view.rounds), '.1f')} / "
-                                                f"{_fmt(measure.tokens_per_s(view.baseline), '.1f')}"),
+        ("c, measured from this run", _cost_text(view)),
+        ("r(K+1), calibrated", "—" if isinstance(pred, NotMeasured) else f"{pred.r:.2f} at mean K = {pred.k}"),
+        ("speed-up: measured / predicted", f"{_fmt(metrics.measured_speedup(view.rounds, view.baseline), suffix='×')} / "
+                                           + ("—" if isinstance(pred, NotMeasured) else f"{pred.speedup_iid:.2f}×")),
+        ("tokens/s: speculative / target-only", f"{_fmt(metrics.tokens_per_s(view.rounds), '.1f')} / "
+                                                f"{_fmt(metrics.tokens_per_s(view.baseline), '.1f')}"),
         ("target forwards: speculative / target-only", f"{sum(r.target_forwards for r in view.rounds)} / "
                                                        f"{sum(b.target_forwards for b in view.baseline)}"),
     ]
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv-table">{body}</table>'
+
+
+def _cost_text(view: RunView) -> str:
+    c = metrics.cost_ratio(view.rounds, view.baseline)
+    if c is None:
+        return "—"
+    draft, step = metrics.draft_forward_ms(view.rounds), metrics.target_step_ms(view.baseline)
+    if draft is None:
+        return "0 (prompt lookup: no draft forwards)"
+    return f"{c:.3f} = {draft:.2f} ms per draft forward / {step:.2f} ms per target step"
+
+
+def speedup_series(view: RunView) -> tuple[list[int], list[float | None], list[float | None]]:
+    """(round numbers, measured, predicted) after each round, from the records up to that round."""
+    xs, measured, predicted = [], [], []
+    curve = view.calibration.at if view.calibration else None
+    for n in range(1, len(view.rounds) + 1):
+        sub = view.upto(n)
+        pred = metrics.predict(sub.rounds, sub.baseline, curve)
+        xs.append(n)
+        measured.append(metrics.measured_speedup(sub.rounds, sub.baseline))
+        predicted.append(None if isinstance(pred, NotMeasured) else pred.speedup_iid)
+    return xs, measured, predicted

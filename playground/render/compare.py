@@ -6,7 +6,8 @@ import math
 
 import plotly.graph_objects as go
 
-from playground import measure
+from engine import metrics
+from engine.metrics import NotMeasured
 from playground.render.charts import HEIGHT, empty_figure
 from playground.render.palette import BLUE, ORANGE
 from playground.view import RunView
@@ -15,23 +16,27 @@ COLOURS = (BLUE, ORANGE)   # run A, run B
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "—" if not measure.finite(x) else f"{x:{spec}}"
+    return "—" if not metrics.finite(x) else f"{x:{spec}}"
 
 
 def _row(view: RunView) -> list[str]:
     last = view.rounds[-1] if view.rounds else None
     tokens = last.tokens_total if last else 0
-    ratio = measure.cost_ratio(view)
+    pred = view.prediction()
     return [view.source, view.info.label(), view.info.target, view.info.draft or "—",
             ", ".join(f"{k}: {v}" for k, v in view.info.devices.items()), str(len(view.rounds)), str(tokens),
-            _fmt(measure.acceptance(view.rounds)), _fmt(tokens / len(view.rounds) if view.rounds else None, ".2f"),
-            _fmt(ratio.c if ratio else None), _fmt(measure.measured_speedup(view), ".2f"),
-            _fmt(measure.predicted_speedup(view), ".2f"),
+            _fmt(metrics.draft_acceptance(view.rounds)), _fmt(metrics.alpha(view.rounds)),
+            _fmt(tokens / len(view.rounds) if view.rounds else None, ".2f"),
+            _fmt(metrics.cost_ratio(view.rounds, view.baseline)),
+            _fmt(None if isinstance(pred, NotMeasured) else pred.r, ".2f"),
+            _fmt(metrics.measured_speedup(view.rounds, view.baseline), ".2f"),
+            _fmt(None if isinstance(pred, NotMeasured) else pred.speedup_iid, ".2f"),
             str(sum(r.target_forwards for r in view.rounds))]
 
 
-ROW_NAMES = ("trace", "settings", "target", "draft", "devices", "rounds", "tokens", "acceptance α",
-             "tokens per round", "c (measured)", "speed-up measured ×", "speed-up predicted ×", "target forwards")
+ROW_NAMES = ("trace", "settings", "target", "draft", "devices", "rounds", "tokens",
+             "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per round", "c (measured)",
+             "r(K+1) (calibrated)", "speed-up measured ×", "speed-up predicted ×", "target forwards")
 
 
 def compare_table_html(a: RunView, b: RunView) -> str:
@@ -58,13 +63,13 @@ def compare_tokens_time(a: RunView, b: RunView) -> go.Figure:
 
 
 def compare_per_position(a: RunView, b: RunView) -> go.Figure:
-    rates = [measure.per_position(v.rounds) for v in (a, b)]
+    rates = [metrics.position_rates(v.rounds) for v in (a, b)]
     if not any(rates):
         return empty_figure("Neither run drafted anything.")
     fig = go.Figure([go.Bar(x=list(range(1, len(r) + 1)), y=[None if math.isnan(x) else x for x in r],
                             name=f"{n}: {v.info.label()}", marker_color=c)
                      for n, v, r, c in zip("AB", (a, b), rates, COLOURS)])
     fig.update_layout(title="Per-position acceptance", barmode="group", height=HEIGHT, template="plotly_white",
-                      xaxis_title="draft position", yaxis=dict(title="accepted / checked", range=[0, 1.05]),
+                      xaxis_title="draft position", yaxis=dict(title="accepted / verified", range=[0, 1.05]),
                       legend=dict(orientation="h", y=-0.3))
     return fig

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
-from engine.verify import Outcome
+from engine.records import Outcome
 
 # Okabe & Ito (2008): distinguishable under the common colour-vision deficiencies.
 ORANGE, SKY, GREEN, YELLOW, BLUE, VERMILLION, PURPLE, GREY = (
@@ -24,6 +24,8 @@ OUTCOME_STYLES: MappingProxyType[Outcome, OutcomeStyle] = MappingProxyType({
     Outcome.ACCEPTED: OutcomeStyle(GREEN, "✓", "solid", "draft accepted by the target (u < α)"),
     Outcome.REJECTED: OutcomeStyle(VERMILLION, "✗", "dashed",
                                    "draft rejected (struck through); later drafts are discarded unchecked"),
+    Outcome.UNCHECKED: OutcomeStyle(ORANGE, "·", "dotted",
+                                    "drafted after a rejection: discarded, never verified"),
     Outcome.CORRECTED: OutcomeStyle(BLUE, "↻", "double", "correction sampled from the residual max(0, p − q)"),
     Outcome.BONUS: OutcomeStyle(PURPLE, "★", "solid",
                                 "bonus token from the target's extra row (every draft accepted, or target-only)"),
@@ -75,7 +77,7 @@ def stylesheet() -> str:
         white-space: pre; color: inherit; }
 .chip::after { font-size: 10px; vertical-align: super; margin-left: 1px; }
 .chip.chip-rejected { text-decoration: line-through; text-decoration-thickness: 2px; }
-.chip.unchecked { opacity: 0.55; }
+.chip.chip-unchecked { opacity: 0.55; text-decoration: line-through; }
 .chip.selected { outline: 3px solid #000; outline-offset: 1px; }
 .round-sep { display: inline-block; width: 1px; height: 1.2em; background: #bbb; margin: 0 3px;
              vertical-align: middle; }

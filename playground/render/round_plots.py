@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from engine.records import Candidate, RoundRecord
-from engine.verify import Outcome
+from engine.records import Candidate, Outcome, RoundRecord
 from playground.render.palette import BLUE, ORANGE, OUTCOME_STYLES, PURPLE, VERMILLION
 from playground.render.tokens import visible
 
@@ -65,7 +64,7 @@ def draft_figure(record: RoundRecord, position: int, revealed: bool = True) -> g
     name = f"round {record.index + 1}, draft #{position + 1} {visible(p.text)!r}"
     if not revealed:
         return _message(f"{name}: drafted with q={p.q_draft:.3f}; verification is pending (Step to reveal).")
-    if not p.checked:
+    if p.outcome is Outcome.UNCHECKED:
         return _message(f"{name} was never checked: an earlier draft was rejected, so it was discarded.")
     cands = p.candidates
     labels = _labels(cands)
@@ -109,7 +108,7 @@ def position_choices(record: RoundRecord) -> list[tuple[str, int]]:
     """Dropdown entries for a round's positions: (label, position)."""
     out = []
     for p in record.positions:
-        mark = OUTCOME_STYLES[p.outcome].icon if p.checked else "·"
+        mark = OUTCOME_STYLES[p.outcome].icon
         out.append((f"draft #{p.index + 1} {visible(p.text)} {mark}", p.index))
     out.append((f"final {visible(record.final.text)} {OUTCOME_STYLES[record.final.outcome].icon}", record.k))
     return out

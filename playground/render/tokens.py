@@ -4,8 +4,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from engine.records import FinalRecord, PositionRecord, RoundRecord
-from engine.verify import Outcome
+from engine.config import DrafterKind
+from engine.records import FinalRecord, Outcome, PositionRecord, RoundRecord
 from playground.render.palette import OUTCOME_STYLES, chip_class
 from playground.view import Cursor, RunView
 
@@ -39,11 +39,9 @@ class Chip:
     title: str
     round: int
     position: int
-    unchecked: bool = False
 
     def html(self, selected: bool) -> str:
-        classes = ["chip", chip_class(self.outcome)] + (["unchecked"] if self.unchecked else []) + (
-            ["selected"] if selected else [])
+        classes = ["chip", chip_class(self.outcome)] + (["selected"] if selected else [])
         body = html.escape(visible(self.text))
         tail = "<br>" if "\n" in self.text else ""  # keep the code's line structure
         attrs = (f'class="{" ".join(classes)}" data-round="{self.round}" data-pos="{self.position}" '
@@ -54,7 +52,7 @@ class Chip:
 def draft_source(r: RoundRecord) -> str:
     """Who proposed a round's drafts: the draft model, or a copy of an earlier occurrence (the
     n-gram drafter always, the hybrid in rounds where it spent no draft forward)."""
-    if r.drafter == "ngram" or (r.drafter == "hybrid" and r.draft_forwards == 0):
+    if r.proposer is DrafterKind.NGRAM:
         return "copied by prompt lookup"
     return "from the draft model"
 
@@ -63,9 +61,9 @@ def position_chip(r: RoundRecord, p: PositionRecord, revealed: bool) -> Chip:
     name = f"drafted #{p.index + 1} ({draft_source(r)})"
     if not revealed:
         return Chip(p.text, Outcome.PENDING, f"{name}: q={_num(p.q_draft)} · not yet verified", r.index, p.index)
-    if not p.checked:
-        return Chip(p.text, Outcome.REJECTED, f"{name}: q={_num(p.q_draft)} · discarded "
-                    "unchecked (an earlier draft was rejected)", r.index, p.index, unchecked=True)
+    if p.outcome is Outcome.UNCHECKED:
+        return Chip(p.text, Outcome.UNCHECKED, f"{name}: q={_num(p.q_draft)} · discarded "
+                    "unchecked (an earlier draft was rejected)", r.index, p.index)
     verdict = "u < α: accepted" if p.outcome is Outcome.ACCEPTED else "u ≥ α: rejected"
     title = (f"{name}: p={_num(p.p_target)} q={_num(p.q_draft)} "
              f"α=min(1,p/q)={_num(p.alpha)} u={_num(p.u)} · {verdict}")
@@ -118,7 +116,5 @@ def legend_html() -> str:
     for outcome, style in OUTCOME_STYLES.items():
         sample = f'<span class="chip {chip_class(outcome)}">{outcome.value}</span>'
         items.append(f"<span>{sample} {html.escape(style.meaning)}</span>")
-    unchecked = f'<span class="chip {chip_class(Outcome.REJECTED)} unchecked">discarded</span>'
-    items.append(f"<span>{unchecked} drafted after a rejection, never checked</span>")
     items.append("<span>· space &nbsp; ↵ newline &nbsp; → tab &nbsp;│ round boundary</span>")
     return f'<div class="legend">{"".join(items)}</div>'

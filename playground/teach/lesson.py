@@ -22,13 +22,14 @@ from torch import Tensor
 from engine import metrics
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, Mode, SpecConfig
-from engine.models import LoadedModel
-from engine.records import PositionRecord, RoundRecord
+from engine.drafters.model import draftable, stand_in_id
+from engine.models import LoadedModel, ModelPair
+from engine.records import Outcome, PositionRecord, RoundRecord
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.sources import ASSETS
 from engine.speculative import SpeculativeEngine, encode_prompt
-from engine.verify import Outcome, align_vocab
+from engine.verify import align_vocab
 from playground.teach.losslessness import Rule
 
 LESSONS_DIR = ASSETS / "lessons"
@@ -264,7 +265,7 @@ def find_plan(target: LoadedModel, draft: LoadedModel, settings: LessonSettings 
     contain both a reject round and a bonus round. Runs the real engine for each seed tried."""
     prompt_ids = encode_prompt(target.tokenizer, settings.prompt)
     for seed in range(settings.seeds):
-        engine = SpeculativeEngine(target, draft, prompt_ids, replace(settings.config(seed), record=False))
+        engine = SpeculativeEngine(ModelPair(target, draft), prompt_ids, replace(settings.config(seed), record=False))
         reject = bonus = None
         try:
             while not engine.finished and len(engine.rounds) < settings.max_rounds and (reject is None or bonus is None):
@@ -350,7 +351,7 @@ class LessonDriver:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel, text: LessonText, plan: LessonPlan) -> None:
         self.target, self.draft, self.text, self.plan = target, draft, text, plan
-        self.run = ComparedRun(target, draft, plan.settings.prompt, plan.config)
+        self.run = ComparedRun(ModelPair(target, draft), plan.settings.prompt, plan.config)
         self.v1: SpeculativeEngine | None = None
         self.index = 0
         self._answers: dict[int, str] = {}
@@ -419,7 +420,7 @@ class LessonDriver:
         """Round `index` of a v1 run with the same seed (same draws, so the same tokens)."""
         if self.v1 is None:
             prompt_ids = encode_prompt(self.target.tokenizer, self.plan.settings.prompt)
-            self.v1 = SpeculativeEngine(self.target, self.draft, prompt_ids, replace(self.plan.config, mode=Mode.V1))
+            self.v1 = SpeculativeEngine(ModelPair(self.target, self.draft), prompt_ids, replace(self.plan.config, mode=Mode.V1))
         while len(self.v1.rounds) <= index and not self.v1.finished:
             self.v1.step()
         return self.v1.rounds[index]
@@ -532,7 +533,7 @@ class LessonDriver:
     def _pays(self) -> _Content:
         rounds = self.run_to_end()
         drafted = [r for r in rounds if r.k]
-        alpha = metrics.acceptance_rate(sum(r.accepted for r in drafted), sum(r.k for r in drafted))
+        alpha = metrics.alpha(drafted)  # accepted / verified positions: what E(alpha, K) is defined on
         e_k, e_2k = metrics.expected_tokens_per_round(alpha, self.k), metrics.expected_tokens_per_round(alpha, 2 * self.k)
         tokens = rounds[-1].tokens_total
         facts = dict(alpha=_num(alpha), k=str(self.k), k2=str(2 * self.k), e_k=_num(e_k, 2), e_2k=_num(e_2k, 2),
@@ -615,8 +616,7 @@ def _draft_rows(draft: LoadedModel, context: list[int], drafted: list[int], conf
     """The draft's K rows: after the context, then after each draft but the last (the one forward
     the drafter spreads over K calls). Aligned to the target's vocabulary before softmax, as the
     drafter does; ids the draft has no embedding for are fed as its stand-in, as the drafter does."""
-    vocab, stand_in = draft.vocab_size, draft.tokenizer.eos_token_id or 0
-    feed = [t if t < vocab else stand_in for t in context + drafted[:-1]]
+    feed = draftable(context + drafted[:-1], draft.vocab_size, stand_in_id(draft))
     runner, cache = _fresh(draft, len(feed), config.block_size)
     try:
         if len(context) > 1:

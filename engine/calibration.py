@@ -1,0 +1,120 @@
+"""Calibration: r(n), the cost of one target forward over n new tokens relative to one, measured.
+
+Leviathan et al. assume a verify forward over K + 1 tokens costs as much as one decode step (r = 1).
+That holds while the target is memory-bound, as on a GPU at small batch; on a CPU the matrix
+products with a few rows cost visibly more than with one, so r grows with n and the best K falls.
+Every prediction this project shows uses this measured curve, never an assumed r.
+
+The measurement: a fresh paged cache holding `context` tokens, then forwards over n new tokens that
+are rolled back at once, for each n on a grid, rotated over `repeats` passes so that background load
+hits every n alike; the median per n, made non-decreasing (pool-adjacent-violators: a forward over
+more tokens never really costs less, so a dip is noise), divided by the n = 1 value.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.clock import Now
+from engine.metrics import median
+from engine.models import LoadedModel
+from engine.runner import ModelRunner
+
+DEFAULT_GRID = tuple(range(1, 18)) + (21, 25, 29, 33)   # K + 1 for K <= 16, and tree widths up to 33
+
+
+@dataclass(frozen=True, slots=True)
+class RCurve:
+    """r(n) of one model on one device at one context length; r[0] = r(1) = 1 and r never decreases."""
+
+    model: str
+    device: str
+    dtype: str
+    context: int
+    ns: list[int]          # token counts measured, ascending, starting at 1
+    ms: list[float]        # median forward ms at each n, as measured
+    r: list[float]         # the smoothed ratio to n = 1
+    step_ms: float         # the smoothed one-token forward, ms: what r is relative to
+    repeats: int
+
+    def __post_init__(self) -> None:
+        if not self.ns or self.ns[0] != 1 or sorted(set(self.ns)) != list(self.ns):
+            raise ValueError(f"ns must be ascending distinct token counts starting at 1, got {self.ns}")
+        if not (len(self.ms) == len(self.r) == len(self.ns)):
+            raise ValueError("ns, ms and r must have one entry each per token count")
+        if any(not math.isfinite(x) or x <= 0 for x in self.ms + self.r + [self.step_ms]):
+            raise ValueError("forward times and ratios must be finite and positive")
+
+    def at(self, n: int) -> float:
+        """r(n), linear between measured counts, and continued along the last segment past the grid."""
+        if n < 1:
+            raise ValueError(f"a forward feeds at least one token, got n={n}")
+        ns, r = self.ns, self.r
+        if n >= ns[-1] or len(ns) == 1:
+            if len(ns) == 1:
+                return r[0]
+            slope = (r[-1] - r[-2]) / (ns[-1] - ns[-2])
+            return r[-1] + slope * (n - ns[-1])
+        i = next(j for j in range(1, len(ns)) if ns[j] >= n)
+        w = (n - ns[i - 1]) / (ns[i] - ns[i - 1])
+        return r[i - 1] + w * (r[i] - r[i - 1])
+
+
+def non_decreasing(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights or [1.0] * len(values)):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2, c2), (m1, w1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return [m for m, _, count in blocks for _ in range(count)]
+
+
+def curve_from_times(model: str, device: str, dtype: str, context: int, times: dict[int, list[float]],
+                     repeats: int) -> RCurve:
+    """The curve from raw forward times (ms) per token count."""
+    ns = sorted(times)
+    ms = [median(times[n]) for n in ns]
+    smooth = non_decreasing(ms)
+    r = [max(1.0, s / smooth[0]) for s in smooth]
+    r[0] = 1.0
+    return RCurve(model, device, dtype, context, ns, ms, r, smooth[0], repeats)
+
+
+@torch.inference_mode()
+def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = DEFAULT_GRID, repeats: int = 5,
+              fused: bool = True, now: Now = time.perf_counter, warmup: int = 2) -> RCurve:
+    """Measure r(n) for `loaded` on its device with `context` tokens already cached.
+
+    The context is a fixed pseudo-random id sequence (the cost of attention depends on the length,
+    not on the tokens). Each forward is timed by the runner's own clock (device time on CUDA).
+    """
+    if context < 1 or repeats < 1 or not grid:
+        raise ValueError(f"need context >= 1, repeats >= 1 and a grid, got {context}, {repeats}, {grid}")
+    grid = tuple(sorted(set(grid) | {1}))
+    context = min(context, loaded.max_context - grid[-1])
+    runner = ModelRunner(loaded, context + grid[-1], fused=fused, now=now)
+    cache = runner.new_sequence()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(loaded.vocab_size, len(loaded.tokenizer)), (context + grid[-1],), generator=g).tolist()
+    runner.forward(cache, ids[:context], last_only=True)
+    feed = ids[context:]
+    for _ in range(warmup):
+        for n in grid:
+            runner.forward(cache, feed[:n])
+            cache.rollback(n)
+    runner.drain_forward_ms()
+    times: dict[int, list[float]] = {n: [] for n in grid}
+    for rep in range(repeats):
+        shift = rep % len(grid)
+        for n in grid[shift:] + grid[:shift]:
+            runner.forward(cache, feed[:n])
+            times[n].append(runner.drain_forward_ms()[0])
+            cache.rollback(n)
+    cache.free()
+    return curve_from_times(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""), context,
+                            times, repeats)

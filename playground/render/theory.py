@@ -1,0 +1,167 @@
+"""The Theory tab's pictures: E(alpha, K) and the predicted speed-up over K for the run's measured alpha,
+c and r(n), the measured points on top, the recommended K, and the measured r(n) curve itself.
+
+Pure functions of a RunView; every number comes from engine.metrics and the run's calibration.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine import metrics
+from engine.calibration import RCurve
+from engine.config import K_BOUND
+from engine.metrics import NotMeasured, Prediction
+from playground.render.charts import empty_figure
+from playground.render.palette import BASELINE_COLOUR, GREY, PREDICTED_COLOUR, SPEC_COLOUR
+from playground.view import RunView
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredPoint:
+    """Rounds that drafted k tokens: how many tokens they emitted on average."""
+
+    k: int
+    rounds: int
+    tokens_per_round: float
+
+
+@dataclass(frozen=True, slots=True)
+class TheoryCurves:
+    """The model over K = 1..k_max for one alpha, c and r(n)."""
+
+    ks: tuple[int, ...]
+    expected: tuple[float, ...]        # E(alpha, K) = sum_{i<=K} alpha^i
+    expected_rates: tuple[float, ...]  # E from the measured per-position rates
+    r: tuple[float, ...]               # r(K + 1), calibrated
+    speedup: tuple[float, ...]         # E(alpha, K) / (cK + r(K + 1))
+    best_k: int                        # metrics.best_k
+
+    @property
+    def best_speedup(self) -> float:
+        return self.speedup[self.ks.index(self.best_k)]
+
+
+def theory_curves(pred: Prediction, curve: RCurve, k_max: int = K_BOUND) -> TheoryCurves:
+    ks = tuple(range(1, k_max + 1))
+    return TheoryCurves(
+        ks, tuple(metrics.expected_tokens_per_round(pred.alpha, k) for k in ks),
+        tuple(metrics.expected_tokens_from_rates(pred.rates, k) for k in ks),
+        tuple(curve.at(k + 1) for k in ks), tuple(metrics.speedup_curve(pred.alpha, pred.c, curve.at, k_max)),
+        metrics.best_k(pred.alpha, pred.c, curve.at, k_max))
+
+
+def measured_points(view: RunView) -> tuple[MeasuredPoint, ...]:
+    by_k: dict[int, list[int]] = {}
+    for r in metrics.drafted_rounds(metrics.decode_rounds(view.rounds)):
+        by_k.setdefault(r.k, []).append(len(r.emitted))
+    return tuple(MeasuredPoint(k, len(n), sum(n) / len(n)) for k, n in sorted(by_k.items()))
+
+
+def inputs(view: RunView | None) -> tuple[Prediction, RCurve] | NotMeasured:
+    """The run's prediction and calibration, or why the curves cannot be drawn yet."""
+    if view is None or not view.rounds:
+        return NotMeasured("Not measured yet: step at least one speculative round in the playground.")
+    pred = view.prediction()
+    if isinstance(pred, NotMeasured):
+        return pred
+    return pred, view.calibration
+
+
+def theory_figure(view: RunView | None, k_max: int = K_BOUND) -> go.Figure:
+    """Two panels over K: E with the measured tokens per round, and the predicted speed-up with the
+    measured one; the recommended K marked on both."""
+    got = inputs(view)
+    if isinstance(got, NotMeasured):
+        return empty_figure(got.reason)
+    pred, curve = got
+    curves = theory_curves(pred, curve, k_max)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+        f"tokens per round, α = {pred.alpha:.3f}", f"predicted speed-up, c = {pred.c:.3f}, r(n) measured"))
+    ks = list(curves.ks)
+    points = measured_points(view)
+    fig.add_trace(go.Scatter(x=ks, y=list(curves.expected), mode="lines+markers", name="E(α, K), i.i.d.",
+                             line=dict(color=PREDICTED_COLOUR)), row=1, col=1)
+    fig.add_trace(go.Scatter(x=ks, y=list(curves.expected_rates), mode="lines", name="E from per-position rates",
+                             line=dict(color=PREDICTED_COLOUR, dash="dash")), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[p.k for p in points], y=[p.tokens_per_round for p in points], mode="markers",
+                             name="measured tokens per round", marker=dict(color=SPEC_COLOUR, size=12, symbol="diamond"),
+                             text=[f"{p.rounds} rounds at K={p.k}" for p in points]), row=1, col=1)
+    fig.add_trace(go.Scatter(x=ks, y=list(curves.speedup), mode="lines+markers", name="E(α, K) / (cK + r(K+1))",
+                             line=dict(color=PREDICTED_COLOUR, dash="dot")), row=1, col=2)
+    measured = metrics.measured_speedup(view.rounds, view.baseline)
+    if measured is not None:
+        fig.add_trace(go.Scatter(x=[pred.k], y=[measured], mode="markers", name="measured speed-up (mean K)",
+                                 marker=dict(color=SPEC_COLOUR, size=12, symbol="star")), row=1, col=2)
+    fig.add_hline(y=1.0, line=dict(color=GREY, width=1), row=1, col=2)
+    for col in (1, 2):
+        fig.add_vline(x=curves.best_k, line=dict(color="#000", dash="dash", width=1), row=1, col=col)
+    fig.update_xaxes(title_text="K (drafts per round)", dtick=2)
+    fig.update_layout(height=400, template="plotly_white", margin=dict(l=50, r=20, t=60, b=40),
+                      legend=dict(orientation="h", y=-0.22), autosize=True)
+    return fig
+
+
+def r_figure(view: RunView | None) -> go.Figure:
+    """The measured r(n): the target's forward over n tokens relative to one, beside r = 1, the
+    memory-bound picture Leviathan's formula assumes; the run's own verify forwards on top."""
+    curve = view.calibration if view is not None else None
+    if curve is None:
+        return empty_figure("r(n) not measured yet: the calibration runs in the background when a pair loads.")
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=curve.ns, y=[m / curve.step_ms for m in curve.ms], mode="markers",
+                             name="median forward / one-token forward", marker=dict(color=BASELINE_COLOUR, size=7)))
+    fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines", name="r(n), made non-decreasing",
+                             line=dict(color=SPEC_COLOUR, width=3)))
+    fig.add_trace(go.Scatter(x=[1, curve.ns[-1]], y=[1, 1], mode="lines", name="r = 1: memory-bound (a GPU at batch 1)",
+                             line=dict(color=GREY, dash="dash")))
+    own = _run_verify_points(view)
+    if own:
+        fig.add_trace(go.Scatter(x=[n for n, _ in own], y=[r for _, r in own], mode="markers",
+                                 name="this run's verify forwards (median per K+1)",
+                                 marker=dict(color=PREDICTED_COLOUR, size=11, symbol="diamond")))
+    fig.update_layout(title=dict(text=f"r(n) of {curve.model} on {curve.device} ({curve.dtype}), "
+                                      f"{curve.context} tokens of context, one-token forward {curve.step_ms:.2f} ms",
+                                 font=dict(size=13)),
+                      xaxis_title="n: tokens in one target forward (K + 1 for a verify)",
+                      yaxis_title="cost relative to n = 1", height=340, template="plotly_white",
+                      margin=dict(l=50, r=20, t=50, b=40), legend=dict(orientation="h", y=-0.3), autosize=True)
+    return fig
+
+
+def _run_verify_points(view: RunView) -> list[tuple[int, float]]:
+    step = metrics.target_step_ms(view.baseline)
+    if not step:
+        return []
+    by_n: dict[int, list[float]] = {}
+    for r in metrics.drafted_rounds(metrics.decode_rounds(view.rounds)):
+        by_n.setdefault(r.k + 1, []).append(r.timings.target_forward_ms)
+    return [(n, metrics.median(ms) / step) for n, ms in sorted(by_n.items())]
+
+
+def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
+    """The recommended K and whether speculation is predicted to pay, with where each number comes from."""
+    got = inputs(view)
+    if isinstance(got, NotMeasured):
+        return f'<p class="theory-note"><em>{html.escape(got.reason)}</em></p>'
+    pred, curve = got
+    curves = theory_curves(pred, curve, k_max)
+    pays = curves.best_speedup > 1.0
+    verdict = (f"predicted to pay: {curves.best_speedup:.2f}× at K = {curves.best_k}" if pays else
+               f"not predicted to pay: even the best K ({curves.best_k}) gives {curves.best_speedup:.2f}×")
+    measured = metrics.measured_speedup(view.rounds, view.baseline)
+    rows = [("recommended K", f"{curves.best_k} (the maximum of E(α, K) / (cK + r(K+1)) over K = 1..{k_max})"),
+            ("verdict", verdict),
+            ("α: accepted / verified positions (the formula's input)", f"{pred.alpha:.3f}"),
+            ("draft acceptance rate: accepted / drafted (for comparison)", f"{pred.draft_acceptance:.3f}"),
+            ("c (measured: draft forward / target-only step)", f"{pred.c:.3f}"),
+            (f"r(K+1) at the run's mean K = {pred.k} (calibrated)", f"{pred.r:.2f}"),
+            ("tokens per round: measured / E(α, K) / from per-position rates",
+             f"{pred.tokens_measured:.2f} / {pred.tokens_iid:.2f} / {pred.tokens_rates:.2f}"),
+            ("speed-up: measured / predicted", ("—" if measured is None else f"{measured:.2f}×")
+             + f" / {pred.speedup_iid:.2f}×")]
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    return f'<table class="kv-table">{body}</table>'

@@ -1,0 +1,70 @@
+"""engine.calibration: r(1) = 1, a non-decreasing curve, interpolation, a real measurement, and traces
+that carry the curve so a replay shows the machine it was measured on."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.calibration import RCurve, calibrate, curve_from_times, non_decreasing
+from engine.compared import ComparedRun
+from engine.config import SpecConfig
+from engine.models import ModelPair
+from engine.trace import TraceError, load_trace
+
+
+def test_non_decreasing_is_the_least_squares_monotone_fit():
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert non_decreasing([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    fit = non_decreasing([1.0, 5.0, 2.0, 6.0])
+    assert fit == pytest.approx([1.0, 3.5, 3.5, 6.0]) and fit == sorted(fit)
+
+
+def test_curve_from_times_starts_at_one_and_never_decreases():
+    times = {1: [4.0, 4.2, 3.9], 2: [3.8, 4.0], 3: [6.0], 5: [5.5], 9: [9.0]}
+    curve = curve_from_times("m", "cpu", "float32", 32, times, repeats=3)
+    assert curve.ns == [1, 2, 3, 5, 9] and curve.r[0] == 1.0
+    assert curve.r == sorted(curve.r) and all(r >= 1.0 for r in curve.r)
+    assert curve.ms == pytest.approx([4.0, 3.9, 6.0, 5.5, 9.0])   # the raw medians are kept as measured
+    assert curve.step_ms == pytest.approx(3.95)                   # 1 and 2 pooled: the dip at 2 is noise
+
+
+def test_at_interpolates_and_continues_past_the_grid():
+    curve = RCurve("m", "cpu", "float32", 32, [1, 3, 5], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0], 1.0, 1)
+    assert curve.at(1) == 1.0 and curve.at(2) == pytest.approx(1.5) and curve.at(5) == 3.0
+    assert curve.at(7) == pytest.approx(4.0)
+    with pytest.raises(ValueError):
+        curve.at(0)
+    with pytest.raises(ValueError):
+        RCurve("m", "cpu", "float32", 32, [2, 3], [1.0, 1.0], [1.0, 1.0], 1.0, 1)  # must start at n = 1
+
+
+def test_calibrate_measures_the_runners_forwards_with_the_injected_clock(builtin_pair):
+    _, target = builtin_pair
+    ticks = itertools.count()
+    # A fake clock: every read advances 1 ms, so each timed forward lasts exactly 1 ms (start and end reads).
+    curve = calibrate(target, context=16, grid=(1, 2, 4), repeats=2, now=lambda: next(ticks) / 1000, warmup=0)
+    assert curve.ns == [1, 2, 4] and curve.ms == pytest.approx([1.0, 1.0, 1.0]) and curve.r == [1.0, 1.0, 1.0]
+    assert curve.context == 16 and curve.model == target.name and curve.repeats == 2
+
+
+def test_a_real_calibration_of_the_builtin_target(builtin_pair):
+    _, target = builtin_pair
+    curve = calibrate(target, context=32, grid=(1, 3, 9, 17), repeats=2)
+    assert curve.ns == [1, 3, 9, 17] and curve.r[0] == 1.0 and curve.r == sorted(curve.r)
+    assert curve.step_ms > 0 and all(m > 0 for m in curve.ms)
+
+
+def test_traces_round_trip_the_calibration(builtin_pair, tmp_path):
+    draft, target = builtin_pair
+    curve = RCurve(target.name, "cpu", "float32", 40, [1, 2, 5], [3.0, 3.5, 4.0], [1.0, 1.1, 1.3], 3.0, 4)
+    path = tmp_path / "t.jsonl"
+    run = ComparedRun(ModelPair(target, draft), "def f(x):\n", SpecConfig(k=2, max_new_tokens=6), trace_path=path)
+    run.step()
+    run.set_calibration(curve)  # it may arrive while the run is under way
+    run.run_to_end()
+    run.close()
+    assert load_trace(path).calibration == curve
+    bad = path.read_text().replace('"r": [1.0, 1.1, 1.3]', '"r": [1.0, -1.0, 1.3]')
+    with pytest.raises(TraceError, match="calibration"):
+        load_trace(bad.encode())
