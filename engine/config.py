@@ -17,13 +17,26 @@ class Mode(str, Enum):
 
 
 class DrafterKind(str, Enum):
-    MODEL = "model"    # a small draft model with its own paged cache
-    NGRAM = "ngram"    # prompt lookup: copy what followed the last matching n-gram
-    HYBRID = "hybrid"  # prompt lookup when the context repeats, else the draft model
+    MODEL = "model"                # a small draft model with its own paged cache
+    NGRAM = "ngram"                # prompt lookup: copy what followed the last matching n-gram
+    HYBRID = "hybrid"              # prompt lookup when the context repeats, else the draft model
+    EAGLE = "eagle"                # one decoder layer drafting from the target's own features
+    EAGLE_HYBRID = "eagle-hybrid"  # prompt lookup when the context repeats, else the EAGLE head
 
     @property
     def uses_model(self) -> bool:
-        return self is not DrafterKind.NGRAM
+        """Whether this drafter runs a separate draft model."""
+        return self in (DrafterKind.MODEL, DrafterKind.HYBRID)
+
+    @property
+    def uses_eagle(self) -> bool:
+        """Whether this drafter runs an EAGLE head (trained for the target)."""
+        return self in (DrafterKind.EAGLE, DrafterKind.EAGLE_HYBRID)
+
+    @property
+    def copies(self) -> bool:
+        """Whether it copies from the context (prompt lookup) when the context repeats."""
+        return self in (DrafterKind.NGRAM, DrafterKind.HYBRID, DrafterKind.EAGLE_HYBRID)
 
 
 class KSchedule(str, Enum):
@@ -84,6 +97,11 @@ class SpecConfig:
     def uses_draft_model(self) -> bool:
         """Whether a run with this config runs the draft model (and so needs one loaded)."""
         return self.mode is not Mode.TARGET and self.drafter.uses_model
+
+    @property
+    def uses_eagle(self) -> bool:
+        """Whether a run with this config runs the target's EAGLE head (and so needs one loaded)."""
+        return self.mode is not Mode.TARGET and self.drafter.uses_eagle
 
     def next_k(self, k: int, fully_accepted: bool) -> int:
         if self.k_schedule is KSchedule.CONSTANT:

@@ -149,33 +149,52 @@ class FusedLlama:
         """Logits [q or 1, V] for ids [1, q] fed after the cache's tokens (K/V written unless read-only)."""
         return self.forward_features(cache, ids, last_only)[0]
 
-    def forward_features(self, cache: PagedCache, ids: torch.Tensor,
-                         last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [q or 1, V] float32, post-norm features [q or 1, d] in the model's dtype).
+    def forward_features(self, cache: PagedCache, ids: torch.Tensor, last_only: bool = False,
+                         depths: torch.Tensor | None = None,
+                         tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [q or 1, V] float32, post-norm features [q, d] in the model's dtype).
 
-        The features are the final norm's output, the rows the LM head reads: an EAGLE-style
-        drafter predicts the next one from them, so the verify forward hands them over for free."""
+        The features are the final norm's output for every fed row, the rows the LM head reads: an
+        EAGLE-style drafter predicts the next one from them, so the verify forward hands them over
+        for free (logits are computed for the last row only with `last_only`, features for all).
+
+        A tree of candidates is fed with `depths` ([q] long: node i sits at position past + depths[i])
+        and `tree_mask` ([q, q] bool: node i sees node j), on top of the whole cached past.
+        """
         q = ids.shape[1]
         past = cache.get_seq_length()
         x = F.embedding(ids, self.embed)
-        cos, sin = self._rope(past, q, x.dtype)
+        if depths is None:
+            cos, sin = self._rope(past, q, x.dtype)
+            mask = self._mask(q, past + q)
+        else:
+            cos, sin = self._rope(past, int(depths.max()) + 1, x.dtype)
+            cos, sin = cos[depths], sin[depths]
+            mask = torch.cat([torch.ones(q, past, dtype=torch.bool, device=self.device), tree_mask], dim=1)
         cos, sin = cos[None, None], sin[None, None]
-        mask = self._mask(q, past + q)
-        h, d = self.heads, self.head_dim
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(_rms_norm(x, layer.norm_in), layer.qkv, layer.qkv_bias)
-            qk, vs = qkv.split([layer.q_size + layer.kv_size, layer.kv_size], dim=-1)
-            qk = qk.view(1, q, h + self.kv_heads, d).transpose(1, 2)
-            qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated together
-            qs, ks = qk.split([h, self.kv_heads], dim=1)
-            vs = vs.view(1, q, self.kv_heads, d).transpose(1, 2)
-            keys, values = cache.layer_update(i, ks, vs)
-            attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=layer.scaling,
-                                                  enable_gqa=self.kv_heads != h)
-            x = x + F.linear(attn.transpose(1, 2).reshape(1, q, h * d), layer.o, layer.o_bias)
-            gate, up = F.linear(_rms_norm(x, layer.norm_post), layer.gate_up).split(layer.inter, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        if last_only:
-            x = x[:, -1:]
+            x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,
+                              self.heads, self.kv_heads, self.head_dim)
         features = _rms_norm(x, self.norm)[0]
-        return F.linear(features, self.lm_head).float(), features
+        return F.linear(features[-1:] if last_only else features, self.lm_head).float(), features
+
+
+def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tensor, sin: torch.Tensor,
+                  mask: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """One Llama decoder layer on x [1, q, d]: attention (queries and keys rotated together, GQA) and
+    the gated MLP, each with its pre-norm and residual. `keys_values(ks, vs)` stores this step's K/V
+    ([1, kv_heads, q, head_dim]) and returns every K/V the queries attend to; `mask` [q, keys] says which
+    (None: all). Shared by the fused forward and the EAGLE-style drafter's layer."""
+    q = x.shape[1]
+    qkv = F.linear(_rms_norm(x, layer.norm_in), layer.qkv, layer.qkv_bias)
+    qk, vs = qkv.split([layer.q_size + layer.kv_size, layer.kv_size], dim=-1)
+    qk = qk.view(1, q, heads + kv_heads, head_dim).transpose(1, 2)
+    qk = qk * cos + _rotate_half(qk) * sin
+    qs, ks = qk.split([heads, kv_heads], dim=1)
+    vs = vs.view(1, q, kv_heads, head_dim).transpose(1, 2)
+    keys, values = keys_values(ks, vs)
+    attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=layer.scaling,
+                                          enable_gqa=kv_heads != heads)
+    x = x + F.linear(attn.transpose(1, 2).reshape(1, q, heads * head_dim), layer.o, layer.o_bias)
+    gate, up = F.linear(_rms_norm(x, layer.norm_post), layer.gate_up).split(layer.inter, dim=-1)
+    return x + F.linear(F.silu(gate) * up, layer.down)

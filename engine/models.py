@@ -3,12 +3,16 @@ and the draft/target pair whose tokenizers are checked once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.fused_llama import FusedLlama
 from engine.kv_cache import KVShape
+
+if TYPE_CHECKING:
+    from engine.drafters.eagle import EagleRuntime
 from engine.sources import Progress, SourceError, missing_hint, resolve
 
 
@@ -111,7 +115,7 @@ def _first_line(exc: BaseException) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ModelPair:
-    """A target and the draft model that proposes for it (None: no draft model), checked once.
+    """A target, the draft model that proposes for it (None: none) and its EAGLE head (None: none), checked once.
 
     Building a pair checks that the two tokenizers give shared tokens the same ids (vocabulary
     sizes may differ) and raises ModelLoadError otherwise; every engine over the pair relies on
@@ -120,10 +124,14 @@ class ModelPair:
 
     target: LoadedModel
     draft: LoadedModel | None = None
+    eagle: "EagleRuntime | None" = None   # the target's EAGLE head, when one is loaded
 
     def __post_init__(self) -> None:
         if self.draft is not None and self.draft.tokenizer is not self.target.tokenizer:
             _compare_tokenizers(self.draft, self.target, probes=2000)
+        if self.eagle is not None and self.eagle.target is not self.target:
+            raise ModelLoadError(f"The EAGLE head given was bound to {self.eagle.target.name!r}, not to the "
+                                 f"target {self.target.name!r}.")
 
 
 def check_same_tokenizer(draft: LoadedModel, target: LoadedModel, probes: int = 2000) -> None:

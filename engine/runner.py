@@ -61,7 +61,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_features(self, cache: PagedCache, token_ids: list[int], last_only: bool = False,
                          features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward`, plus the post-norm features of the same rows ([rows, d]) when `features`."""
+        """`forward`, plus the post-norm features of every fed row ([len(token_ids), d]) when `features`
+        (all rows even with `last_only`, which keeps only the last row's logits)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
         sync_cuda(self.loaded.device)
         t0 = self._now()
@@ -71,7 +72,7 @@ class ModelRunner:
             out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True,
                                     logits_to_keep=1 if last_only else 0, output_hidden_states=features)
             logits = out.logits[0].float()
-            hidden = out.hidden_states[-1][0, -logits.shape[0]:] if features else None
+            hidden = out.hidden_states[-1][0] if features else None
         sync_cuda(self.loaded.device)
         self.forward_ms.append((self._now() - t0) * 1000)
         if not cache._read_only:

@@ -16,30 +16,19 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import PreTrainedTokenizerBase
-
 from engine.clock import Now, PhaseClock
 from engine.config import K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
+from engine.drafters.eagle import EagleDrafter
 from engine.metrics import summarize
 from engine.models import ModelPair
+from engine.prompts import PromptError, encode_prompt  # noqa: F401  (encode_prompt: the engine's text entry)
 from engine.recorder import RoundRecorder, RoundResult, RunState, drafter_of, kv_state
 from engine.records import Outcome, RoundRecord, RoundTimings, RunSummary
-from engine.runner import ModelRunner, pool_bytes
+from engine.runner import ModelRunner, pool_blocks, pool_bytes
 from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.sequence import Sequence
 from engine.verify import VerifyResult, verify, verify_greedy
-
-
-class PromptError(ValueError):
-    """The prompt cannot be decoded with these settings (empty, or too long for the context)."""
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """The prompt's ids as the tokenizer gives them (special tokens included); PromptError if empty."""
-    if not text or not text.strip():
-        raise PromptError("The prompt is empty: type some text (for the built-in pair, some Python code).")
-    return list(tokenizer(text)["input_ids"])
 
 
 def kv_capacity(prompt_tokens: int, config: SpecConfig) -> int:
@@ -53,6 +42,9 @@ def kv_bytes(pair: ModelPair, prompt_tokens: int, config: SpecConfig) -> int:
     total = pool_bytes(pair.target, capacity, config.block_size)
     if pair.draft is not None and config.uses_draft_model:
         total += pool_bytes(pair.draft, capacity, config.block_size)
+    if pair.eagle is not None and config.uses_eagle:
+        shape = pair.eagle.config.kv_shape
+        total += shape.bytes_per_slot(pair.target.dtype) * pool_blocks(capacity, config.block_size) * config.block_size
     return total
 
 
@@ -87,6 +79,8 @@ class SpeculativeEngine:
         self.gen_verify = torch.Generator().manual_seed(config.seed)
         self.gen_draft = torch.Generator().manual_seed(config.seed + 7919)
         self.drafter = self._make_drafter(capacity, kv_blocks)
+        self._needs_features = self.drafter is not None and self.drafter.needs_features
+        self._features: torch.Tensor | None = None   # the last target forward's features, for the drafter
         self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config))
         self.k = config.k
         self.rounds: list[RoundRecord] = []
@@ -100,13 +94,24 @@ class SpeculativeEngine:
         ngram = NgramDrafter(c.ngram_max, c.ngram_min, self.target.vocab_size, self.target.device)
         if c.drafter is DrafterKind.NGRAM:
             return ngram
-        draft = self.pair.draft
-        if draft is None:
+        model = self._model_drafter(capacity, kv_blocks)
+        return HybridDrafter(model, ngram, c.hybrid_min_n, c.drafter) if c.drafter.copies else model
+
+    def _model_drafter(self, capacity: int, kv_blocks: int | None) -> Drafter:
+        """The draft model's drafter, or the target's EAGLE head's."""
+        c = self.config
+        if c.drafter.uses_eagle:
+            if self.pair.eagle is None:
+                raise ValueError(f"the {c.drafter.value} drafter needs an EAGLE head trained for the target")
+            if not c.fused_forward:
+                raise ValueError("the EAGLE drafter reads the target's features through the fused forward")
+            return EagleDrafter(self.pair.eagle, c.sampling, self.gen_draft, capacity, c.block_size, kv_blocks,
+                                now=self._now)
+        if self.pair.draft is None:
             raise ValueError(f"the {c.drafter.value} drafter needs a draft model")
-        runner = ModelRunner(draft, capacity, c.block_size, num_blocks=kv_blocks, fused=c.fused_forward,
+        runner = ModelRunner(self.pair.draft, capacity, c.block_size, num_blocks=kv_blocks, fused=c.fused_forward,
                              now=self._now)
-        model = ModelDrafter(runner, c.sampling, self.target.vocab_size, self.target.device, self.gen_draft)
-        return HybridDrafter(model, ngram, c.hybrid_min_n) if c.drafter is DrafterKind.HYBRID else model
+        return ModelDrafter(runner, c.sampling, self.target.vocab_size, self.target.device, self.gen_draft)
 
     # -- the round ------------------------------------------------------------------------------
     @property
@@ -159,9 +164,10 @@ class SpeculativeEngine:
         """Write the whole prompt's K/V (the invariant: every committed token but the last, which
         will be the first generated one) and return the target's logits row after it."""
         self._started = True
-        logits = self.target_runner.forward(self.target_cache, self.prompt, last_only=True)
+        logits, self._features = self.target_runner.forward_features(self.target_cache, self.prompt, last_only=True,
+                                                                     features=self._needs_features)
         if self.drafter is not None:
-            self.drafter.prefill(self.prompt)
+            self.drafter.prefill(self.prompt, self._features)
         return logits
 
     def _draft(self) -> Proposal | None:
@@ -176,10 +182,13 @@ class SpeculativeEngine:
     def _verify_forward(self, proposal: Proposal | None) -> torch.Tensor:
         """Target logits for [last, d1..dK]: K+1 rows, row K the bonus row."""
         feed = [self.sequence.last, *(proposal.tokens if proposal else [])]
+        forward = self.target_runner.forward_features
         if self.config.mode is Mode.V1:
             with self.target_cache.read_only():
-                return self.target_runner.forward(self.target_cache, feed)
-        return self.target_runner.forward(self.target_cache, feed)
+                logits, self._features = forward(self.target_cache, feed, features=self._needs_features)
+        else:
+            logits, self._features = forward(self.target_cache, feed, features=self._needs_features)
+        return logits
 
     def _verify(self, logits: torch.Tensor, proposal: Proposal | None) -> tuple[torch.Tensor, VerifyResult]:
         """(processed target rows, the round's verdict). Greedy rounds verify from the argmaxes
@@ -215,7 +224,7 @@ class SpeculativeEngine:
                 self.target_runner.forward(cache, feed, last_only=True)
         cache.rollback(cache.table.length - keep)
         if self.drafter is not None:
-            self.drafter.commit(self.tokens)
+            self.drafter.commit(self.tokens, self._features)
 
     def _schedule(self, proposal: Proposal | None, verdict: VerifyResult) -> None:
         """The next round's K (the heuristic schedule reacts to a fully accepted round)."""

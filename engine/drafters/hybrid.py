@@ -1,9 +1,11 @@
-"""The hybrid drafter: prompt lookup when the context repeats, the draft model otherwise."""
+"""The hybrid drafter: prompt lookup when the context repeats, a model drafter (the draft model, or the
+EAGLE head) otherwise."""
 from __future__ import annotations
 
+import torch
+
 from engine.config import DrafterKind
-from engine.drafters.base import DraftCache, Proposal
-from engine.drafters.model import ModelDrafter
+from engine.drafters.base import DraftCache, Drafter, Proposal
 from engine.drafters.ngram import NgramDrafter
 
 
@@ -17,13 +19,12 @@ class HybridDrafter:
     tokens it skipped at its next proposal, in one forward.
     """
 
-    kind = DrafterKind.HYBRID
+    def __init__(self, model: Drafter, ngram: NgramDrafter, min_n: int, kind: DrafterKind = DrafterKind.HYBRID) -> None:
+        self.model, self.ngram, self.min_n, self.kind = model, ngram, min_n, kind
+        self.needs_features = model.needs_features
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_n: int) -> None:
-        self.model, self.ngram, self.min_n = model, ngram, min_n
-
-    def prefill(self, prompt: list[int]) -> None:
-        self.model.prefill(prompt)
+    def prefill(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
+        self.model.prefill(prompt, features)
 
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
         """`limit`: the most tokens this round may draft (the engine's remaining budget and K bound)."""
@@ -32,8 +33,8 @@ class HybridDrafter:
             return self.ngram.proposal(copied)
         return self.model.propose(committed, k)
 
-    def commit(self, committed: list[int]) -> None:
-        self.model.commit(committed)
+    def commit(self, committed: list[int], features: torch.Tensor | None = None) -> None:
+        self.model.commit(committed, features)
 
     def caches(self) -> list[DraftCache]:
         return self.model.caches()

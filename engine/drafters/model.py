@@ -34,6 +34,7 @@ class ModelDrafter:
     """
 
     kind = DrafterKind.MODEL
+    needs_features = False
 
     def __init__(self, runner: ModelRunner, sampling: SamplingParams, target_vocab: int,
                  target_device: torch.device, generator: torch.Generator) -> None:
@@ -43,7 +44,7 @@ class ModelDrafter:
         self.cache: PagedCache = runner.new_sequence()
         self.stand_in = stand_in_id(runner.loaded)
 
-    def prefill(self, prompt: list[int]) -> None:
+    def prefill(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
         if len(prompt) > 1:
             self.runner.forward(self.cache, self._draftable(prompt[:-1]), last_only=True)
 
@@ -78,7 +79,7 @@ class ModelDrafter:
     def _draftable(self, tokens: list[int]) -> list[int]:
         return draftable(tokens, self.runner.vocab_size, self.stand_in)
 
-    def commit(self, committed: list[int]) -> None:
+    def commit(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         keep = min(common_prefix(self.cache.tokens, self._draftable(committed)), len(committed) - 1)
         self.cache.rollback(self.cache.table.length - keep)
 

@@ -13,12 +13,13 @@ class NgramDrafter:
     Costs no model forward."""
 
     kind = DrafterKind.NGRAM
+    needs_features = False
 
     def __init__(self, ngram_max: int, ngram_min: int, target_vocab: int, target_device: torch.device) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.target_vocab, self.target_device = target_vocab, target_device
 
-    def prefill(self, prompt: list[int]) -> None:
+    def prefill(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
         pass
 
     def lookup(self, committed: list[int], k: int) -> list[int]:
@@ -45,7 +46,7 @@ class NgramDrafter:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(tokens, q, 0, self.kind)
 
-    def commit(self, committed: list[int]) -> None:
+    def commit(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         pass
 
     def caches(self) -> list[DraftCache]:

@@ -1,0 +1,299 @@
+"""The EAGLE-style feature drafter: one small decoder layer that drafts from the target's own features.
+
+Every target forward already computes the post-norm feature f_t of each row (the vector its LM head
+reads). The head predicts the next feature from the current one and the next token's embedding
+(Li et al. 2024, "EAGLE"):
+
+    draft position t:  x = fc([embed(x_t); f_{t-1}])  ->  one Llama decoder layer  ->  RMSNorm  ->  f^_t
+                       q(x_{t+1}) = softmax(head_kept(f^_t))
+
+so a chain of K drafts costs K passes through one layer plus a pruned head, with the target's
+embedding matrix and a slice of its LM head reused (nothing of the head is stored but its own layer).
+The first draft of a round reads the real feature of the token before the last committed one; later
+drafts read the head's own predictions. After verification the accepted tokens' real features (rows
+of the verify forward) replace the predictions: the head's cache is rolled back to the last position
+whose input was real, and the next round feeds the rest at once.
+
+Pruned head (FR-Spec, Zhao et al. 2025): q is a distribution over the `kept` most frequent tokens of the
+target's own outputs and exactly 0 elsewhere. Sampling stays lossless: a token outside the kept set is
+never drafted, and the residual max(0, p - q) still covers it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.clock import Now, sync_cuda
+from engine.config import DrafterKind
+from engine.drafters.base import DraftCache, Proposal
+from engine.fused_llama import _rms_norm, decoder_block
+from engine.kv_cache import KVPool, KVShape, PagedCache
+from engine.models import LoadedModel
+from engine.runner import pool_blocks
+from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
+
+EAGLE_FORMAT = 1
+WEIGHTS, CONFIG = "head.safetensors", "eagle.json"
+
+
+class EagleLoadError(RuntimeError):
+    """An EAGLE head cannot be loaded for this target; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class EagleConfig:
+    """The head's shape and what it was trained for."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_eps: float
+    kept: int                  # size of the pruned vocabulary
+    target: str                # the target it reads the features of (its LoadedModel name)
+    target_vocab: int
+    format: int = EAGLE_FORMAT
+
+    @staticmethod
+    def for_target(target: LoadedModel, kept: int) -> "EagleConfig":
+        c = target.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return EagleConfig(c.hidden_size, c.num_attention_heads, getattr(c, "num_key_value_heads", None)
+                           or c.num_attention_heads, head_dim, c.intermediate_size, float(c.rms_norm_eps),
+                           kept, target.name, target.vocab_size)
+
+    @property
+    def kv_shape(self) -> KVShape:
+        return KVShape(1, self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerView:
+    """A decoder layer's weights in the layout `decoder_block` reads (see fused_llama._Layer)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_size: int
+    kv_size: int
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    inter: int
+    down: torch.Tensor
+    norm_in: tuple[torch.Tensor, float]
+    norm_post: tuple[torch.Tensor, float]
+    scaling: float
+
+
+class EagleHead(nn.Module):
+    """The trainable part: fc (2d -> d), one Llama decoder layer, and the norm that makes a feature."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        d, h, kv, hd = config.hidden, config.heads, config.kv_heads, config.head_dim
+        self.config = config
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.q_proj, self.k_proj = nn.Linear(d, h * hd, bias=False), nn.Linear(d, kv * hd, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(d, kv * hd, bias=False), nn.Linear(h * hd, d, bias=False)
+        self.gate_proj = nn.Linear(d, config.intermediate, bias=False)
+        self.up_proj = nn.Linear(d, config.intermediate, bias=False)
+        self.down_proj = nn.Linear(config.intermediate, d, bias=False)
+        self.norm_in, self.norm_post, self.norm_out = (nn.Parameter(torch.ones(d)) for _ in range(3))
+
+    @torch.no_grad()
+    def init_from_target(self, target: torch.nn.Module) -> None:
+        """Start from the target's last decoder layer and final norm, with fc passing the feature through
+        (so the untrained head computes the target's last layer over the current feature)."""
+        last = target.model.layers[-1]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(self, name).weight.copy_(getattr(last.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(self, name).weight.copy_(getattr(last.mlp, name).weight)
+        self.norm_in.copy_(last.input_layernorm.weight)
+        self.norm_post.copy_(last.post_attention_layernorm.weight)
+        self.norm_out.copy_(target.model.norm.weight)
+        d = self.config.hidden
+        self.fc.weight.zero_()
+        self.fc.weight[:, d:].copy_(torch.eye(d))
+        self.fc.bias.zero_()
+
+    def layer(self) -> LayerView:
+        """The layer's weights as `decoder_block` takes them (differentiable: q, k, v concatenated)."""
+        c = self.config
+        eps = c.rms_eps
+        return LayerView(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]), None,
+                         c.heads * c.head_dim, c.kv_heads * c.head_dim, self.o_proj.weight, None,
+                         torch.cat([self.gate_proj.weight, self.up_proj.weight]), c.intermediate,
+                         self.down_proj.weight, (self.norm_in, eps), (self.norm_post, eps), c.head_dim ** -0.5)
+
+    def step(self, emb: torch.Tensor, feats: torch.Tensor, layer: LayerView, keys_values, cos: torch.Tensor,
+             sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Predicted features [1, q, d] from token embeddings and the previous features ([1, q, d] each)."""
+        x = self.fc(torch.cat([emb, feats], dim=-1))
+        c = self.config
+        x = decoder_block(x, layer, keys_values, cos, sin, mask, c.heads, c.kv_heads, c.head_dim)
+        return _rms_norm(x, (self.norm_out, c.rms_eps))
+
+
+def save_head(head: EagleHead, kept_ids: torch.Tensor, folder: Path, meta: dict | None = None) -> None:
+    """Write the head (fp16 weights, its kept ids) and its config; nothing of the target is stored."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in head.state_dict().items()}
+    tensors["kept_ids"] = kept_ids.to(torch.int64).contiguous()
+    save_file(tensors, str(folder / WEIGHTS))
+    (folder / CONFIG).write_text(json.dumps({"config": asdict(head.config), "meta": meta or {}}, indent=1) + "\n")
+
+
+class EagleRuntime:
+    """A trained head bound to its target: the head's layer, the target's embeddings and the kept slice
+    of its LM head, on the target's device and dtype. Read-only; shared by every drafter of the target."""
+
+    def __init__(self, head: EagleHead, kept_ids: torch.Tensor, target: LoadedModel) -> None:
+        if target.fused is None:
+            raise EagleLoadError(f"The EAGLE drafter reads the target's features through the engine's fused "
+                                 f"forward, which {target.name!r} does not have.")
+        self.config, self.target = head.config, target
+        self.head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.layer = self.head.layer()
+        self.kept_ids = kept_ids.to(target.device)
+        self.embed = target.fused.embed
+        self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
+        self._rope = target.fused._rope
+
+    @property
+    def weight_bytes(self) -> int:
+        own = sum(p.numel() * p.element_size() for p in self.head.parameters())
+        return own + self.head_weight.numel() * self.head_weight.element_size()
+
+    @torch.inference_mode()
+    def forward(self, cache: PagedCache, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
+        """Predicted features [n, d] for draft positions past+1 .. past+n, whose inputs are `tokens` (x_t)
+        and `feats` ([n, d], f_{t-1}); writes their K/V into the head's cache."""
+        n = len(tokens)
+        past = cache.get_seq_length()
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.target.device)
+        cos, sin = self._rope(past + 1, n, self.target.dtype)   # draft position t sits at rotary position t
+        mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
+        out = self.head.step(F.embedding(ids, self.embed), feats[None].to(self.target.dtype), self.layer,
+                             lambda ks, vs: cache.layer_update(0, ks, vs), cos[None, None], sin[None, None], mask)
+        cache.tokens.extend(tokens)
+        return out[0]
+
+    @torch.inference_mode()
+    def logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Logits [n, kept] float32 over the pruned vocabulary."""
+        return F.linear(feats, self.head_weight).float()
+
+    def full_rows(self, probs_kept: torch.Tensor) -> torch.Tensor:
+        """[n, kept] probabilities as [n, V_target] rows, exactly 0 outside the kept set."""
+        rows = torch.zeros(probs_kept.shape[0], self.target.vocab_size, device=probs_kept.device)
+        return rows.index_copy_(1, self.kept_ids, probs_kept.float())
+
+
+def load_runtime(folder: Path, target: LoadedModel) -> EagleRuntime:
+    """The head in `folder`, bound to `target`. EagleLoadError when it is missing or trained for another
+    target (its features would mean nothing to it)."""
+    from safetensors.torch import load_file
+
+    try:
+        data = json.loads((folder / CONFIG).read_text())
+        config = EagleConfig(**data["config"])
+        tensors = load_file(str(folder / WEIGHTS))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EagleLoadError(f"No usable EAGLE head in {folder}: {type(exc).__name__}: {exc}") from None
+    c = target.model.config
+    if (config.hidden, config.target_vocab) != (c.hidden_size, target.vocab_size):
+        raise EagleLoadError(f"The EAGLE head in {folder} was trained for {config.target!r} (hidden "
+                             f"{config.hidden}, vocabulary {config.target_vocab}), not for {target.name!r}.")
+    head = EagleHead(config)
+    kept = tensors.pop("kept_ids")
+    head.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return EagleRuntime(head, kept, target)
+
+
+class EagleDrafter:
+    """Drafts K tokens with an EAGLE head, keeping its own paged cache and the committed tokens' real
+    features (rows of the target's forwards) in step with the target.
+
+    State between rounds, with n committed tokens: `features` holds the real f_0..f_{n-2}; the head's
+    cache holds draft positions 1..L (L <= n - 1), every one of them computed from real features.
+    """
+
+    kind = DrafterKind.EAGLE
+    needs_features = True
+
+    def __init__(self, runtime: EagleRuntime, sampling: SamplingParams, generator: torch.Generator,
+                 capacity: int, block_size: int = 16, num_blocks: int | None = None,
+                 now: Now = time.perf_counter) -> None:
+        self.runtime, self.sampling, self.generator, self._now = runtime, sampling, generator, now
+        target = runtime.target
+        blocks = num_blocks if num_blocks is not None else pool_blocks(capacity, block_size)
+        self.pool = KVPool(runtime.config.kv_shape, blocks, block_size, target.device, target.dtype)
+        self.cache = self.pool.new_sequence()
+        self.features = torch.empty(0, runtime.config.hidden, device=target.device, dtype=target.dtype)
+        self.forward_ms: list[float] = []
+
+    def _forward(self, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
+        sync_cuda(self.runtime.target.device)
+        t0 = self._now()
+        out = self.runtime.forward(self.cache, tokens, feats)
+        sync_cuda(self.runtime.target.device)
+        self.forward_ms.append((self._now() - t0) * 1000)
+        return out
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], features: torch.Tensor | None) -> None:
+        """Take the prompt's real features and feed draft positions 1..p-1 (their inputs are all known)."""
+        self.features = features
+        if len(prompt) > 1:
+            self._forward(prompt[1:], features[: len(prompt) - 1])
+
+    @torch.inference_mode()
+    def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
+        """K drafts: one forward over the positions not yet cached (real features), then one per draft
+        on the head's own predicted features."""
+        n, cached = len(committed), self.cache.table.length
+        if self.features.shape[0] != n - 1:
+            raise RuntimeError(f"the drafter holds {self.features.shape[0]} real features for {n} committed "
+                               "tokens; it must be committed with every round's accepted features")
+        predicted = self._forward(committed[cached + 1:], self.features[cached:])[-1:]
+        tokens, rows = [], []
+        for i in range(k):
+            logits = self.runtime.logits(predicted)
+            u = draw_uniform(1, self.generator, logits.device)
+            q = logits_to_probs(logits, self.sampling)
+            choice = int(sample_from(q, u)[0])
+            tokens.append(int(self.runtime.kept_ids[choice]))
+            rows.append(q[0])
+            if i + 1 < k:
+                predicted = self._forward([tokens[-1]], predicted)
+        q_draft = self.runtime.full_rows(torch.stack(rows))
+        return Proposal(tokens, q_draft, k, self.kind)
+
+    @torch.inference_mode()
+    def commit(self, committed: list[int], features: torch.Tensor | None) -> None:
+        """Append the real features of the tokens this round committed but the last (the verify
+        forward's rows 0..accepted) and roll back every cached position computed from a prediction."""
+        old = self.features.shape[0] + 1       # committed tokens before this round
+        self.features = torch.cat([self.features, features[: len(committed) - old]])
+        keep = min(self.cache.table.length, old - 1)
+        self.cache.rollback(self.cache.table.length - keep)
+
+    def caches(self) -> list[DraftCache]:
+        return [DraftCache("eagle", self.cache, str(self.runtime.target.device), self.runtime.weight_bytes)]
+
+    def drain_forward_ms(self) -> list[float]:
+        times, self.forward_ms = self.forward_ms, []
+        return times
+
+    def close(self) -> None:
+        self.cache.free()

@@ -1,0 +1,178 @@
+"""The EAGLE-style drafter: a pruned q that is exactly 0 outside the kept set, greedy parity with the target
+at several K, the head's cache and features equal to a fresh recomputation after every round, and
+heads that refuse a target they were not trained for."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import DrafterKind, Mode, SpecConfig
+from engine.drafters.eagle import EagleConfig, EagleHead, EagleLoadError, EagleRuntime, load_runtime, save_head
+from engine.models import LoadedModel, ModelPair
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.speculative import SpeculativeEngine, encode_prompt
+from tests.conftest import tiny_model
+
+CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+
+
+def random_head(target: LoadedModel, kept: int, seed: int = 0, trained_like: bool = True) -> EagleRuntime:
+    """A head initialised from the target's last layer, with `kept` random token ids kept (always the EOS)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(target.vocab_size, generator=g)[:kept]
+    ids = torch.unique(torch.cat([ids, torch.tensor([target.tokenizer.eos_token_id])]))
+    head = EagleHead(EagleConfig.for_target(target, len(ids)))
+    head.init_from_target(target.model)
+    if trained_like:  # perturb it so that its drafts are neither always right nor always wrong
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return EagleRuntime(head, ids, target)
+
+
+def quickly_trained_head(target: LoadedModel, kept: int = 3000, steps: int = 40) -> EagleRuntime:
+    """A head trained for a few seconds on the target's own greedy continuations of stdlib windows: good
+    enough that some drafts are accepted and some rejected, which is what the engine's tests need."""
+    from engine.train.draft_data import SamplingPass, generate_batch
+    from engine.train.eagle import EaglePlan, prepare, rope_tables, unrolled_loss
+    from engine.train.builtin_eval import heldout_windows
+
+    prompts = [w.tolist() for w in heldout_windows(12, 48, seed=5)]
+    seqs = generate_batch(target.model, target.tokenizer, prompts, SamplingPass(), 40, -1, 0)
+    runtime = random_head(target, kept, trained_like=False)
+    head, plan = runtime.head.float().train().requires_grad_(True), EaglePlan(depth=2, accumulate=1)
+    embed = target.model.get_input_embeddings().weight.detach().float()
+    head_kept = target.model.get_output_embeddings().weight.detach().float().index_select(0, runtime.kept_ids)
+    cos, sin = rope_tables(head.config.head_dim, 10000.0, torch.arange(200))
+    opt = torch.optim.AdamW(head.parameters(), lr=2e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        batch = prepare(seqs[step % len(seqs)], head_kept, 200)
+        n = len(batch.ids) - 1
+        loss, _ = unrolled_loss(head, batch, embed, head_kept, plan, cos[1:n + 1], sin[1:n + 1], gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return EagleRuntime(head, runtime.kept_ids, target)
+
+
+@pytest.fixture(scope="module")
+def builtin_eagle(builtin_pair) -> ModelPair:
+    _, target = builtin_pair
+    return ModelPair(target, None, quickly_trained_head(target))
+
+
+def hf_greedy(target: LoadedModel, prompt: list[int], new: int) -> list[int]:
+    eos = target.tokenizer.eos_token_id
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new, eos_token_id=eos,
+                                    pad_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+def run(pair: ModelPair, prompt: list[int], **config) -> SpeculativeEngine:
+    engine = SpeculativeEngine(pair, prompt, SpecConfig(**config))
+    engine.run()
+    engine.close()
+    return engine
+
+
+def test_q_rows_sum_to_one_and_are_exactly_zero_outside_the_kept_set(builtin_eagle, builtin_pair):
+    _, target = builtin_pair
+    prompt = encode_prompt(target.tokenizer, CODE)
+    kept = set(builtin_eagle.eagle.kept_ids.tolist())
+    outside = torch.tensor([t for t in range(target.vocab_size) if t not in kept])
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):
+        engine = SpeculativeEngine(builtin_eagle, prompt, SpecConfig(drafter=DrafterKind.EAGLE, k=4, sampling=sampling,
+                                                                     max_new_tokens=6, stop_at_eos=False))
+        engine.step()
+        drafter = engine.drafter
+        proposal = drafter.propose(engine.tokens, 4)
+        assert torch.allclose(proposal.q_draft.sum(-1), torch.ones(4), atol=1e-5)
+        assert float(proposal.q_draft[:, outside].abs().max()) == 0.0
+        assert all(t in kept for t in proposal.tokens)
+        assert proposal.source is DrafterKind.EAGLE and proposal.forwards == 4
+        engine.close()
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_parity_with_generate_on_the_builtin_target(builtin_eagle, builtin_pair, k):
+    _, target = builtin_pair
+    prompt = encode_prompt(target.tokenizer, CODE)
+    expected = hf_greedy(target, prompt, 40)
+    for mode in (Mode.V2, Mode.V1):
+        engine = run(builtin_eagle, prompt, drafter=DrafterKind.EAGLE, mode=mode, k=k, max_new_tokens=40)
+        assert engine.generated == expected, (mode, k)
+    hybrid = run(builtin_eagle, prompt, drafter=DrafterKind.EAGLE_HYBRID, k=k, max_new_tokens=40)
+    assert hybrid.generated == expected
+    drafted = [r for r in engine.rounds if r.k]
+    assert drafted and all(r.proposer is DrafterKind.EAGLE for r in drafted)
+    assert any(r.accepted for r in drafted) and any(r.accepted < r.k for r in drafted)  # a real test of verify
+
+
+def fresh_features(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
+    runner = ModelRunner(target, len(tokens) + 1)
+    cache = runner.new_sequence()
+    _, feats = runner.forward_features(cache, tokens)
+    cache.free()
+    return feats
+
+
+@pytest.mark.parametrize("drafter", [DrafterKind.EAGLE, DrafterKind.EAGLE_HYBRID])
+@pytest.mark.parametrize("mode", [Mode.V2, Mode.V1])
+def test_head_state_equals_a_fresh_recomputation_after_every_round(builtin_eagle, builtin_pair, drafter, mode):
+    """After each round: the drafter's real features are the target's features of committed[:-1], and its
+    cache holds, for each cached position t, exactly the K/V a fresh head forward over (x_t, f_{t-1}) writes."""
+    _, target = builtin_pair
+    prompt = encode_prompt(target.tokenizer, CODE * 2)
+    engine = SpeculativeEngine(builtin_eagle, prompt, SpecConfig(drafter=drafter, mode=mode, k=4, max_new_tokens=40,
+                                                                 stop_at_eos=False, block_size=4))
+    runtime = builtin_eagle.eagle
+    while not engine.finished:
+        engine.step()
+        head = engine.drafter.model if drafter is DrafterKind.EAGLE_HYBRID else engine.drafter
+        committed = engine.tokens
+        real = fresh_features(target, committed[:-1])
+        assert head.features.shape == real.shape
+        assert torch.allclose(head.features, real, atol=1e-4)
+        cached = head.cache.table.length
+        assert cached <= len(committed) - 1
+        if cached:
+            pool = runtime.config.kv_shape
+            check = EagleRunCache(pool, cached)
+            runtime.forward(check.cache, committed[1:cached + 1], real[:cached])
+            mine = head.cache.physical_slots()
+            theirs = check.cache.physical_slots()
+            for tensors, ref in ((head.pool.keys, check.pool.keys), (head.pool.values, check.pool.values)):
+                assert torch.allclose(tensors[0][:, mine], ref[0][:, theirs], atol=1e-4)
+            check.cache.free()
+    engine.close()
+    assert head.pool.manager.free_blocks == head.pool.num_blocks
+
+
+class EagleRunCache:
+    """A fresh paged cache of the head's shape, for recomputation."""
+
+    def __init__(self, shape, tokens: int) -> None:
+        from engine.kv_cache import KVPool
+
+        self.pool = KVPool(shape, -(-tokens // 16) + 1, 16, "cpu", torch.float32)
+        self.cache = self.pool.new_sequence()
+
+
+def test_save_and_load_round_trip_and_refuse_another_target(builtin_pair, builtin_tokenizer, tmp_path):
+    _, target = builtin_pair
+    runtime = random_head(target, 500, seed=3, trained_like=False)
+    save_head(runtime.head, runtime.kept_ids, tmp_path / "head", {"note": "test"})
+    loaded = load_runtime(tmp_path / "head", target)
+    assert torch.equal(loaded.kept_ids, runtime.kept_ids) and loaded.config == runtime.config
+    for a, b in zip(loaded.head.parameters(), runtime.head.parameters()):
+        assert torch.allclose(a, b.half().float())   # stored in fp16
+    other = tiny_model(builtin_tokenizer, layers=2, seed=0)   # hidden 64, not the built-in target's 384
+    with pytest.raises(EagleLoadError, match="trained for"):
+        load_runtime(tmp_path / "head", other)
+    with pytest.raises(EagleLoadError, match="No usable EAGLE head"):
+        load_runtime(tmp_path / "missing", target)
+    with pytest.raises(ValueError, match="needs an EAGLE head"):
+        SpeculativeEngine(ModelPair(target), [1, 2, 3], SpecConfig(drafter=DrafterKind.EAGLE))

@@ -1,0 +1,102 @@
+"""Losslessness, end to end through the engine: sampled speculative output follows the target's own
+(processed) distribution, for every drafter, with temperature, top-k and top-p.
+
+The target is a tiny random Llama, so the exact distribution of the first three generated tokens can be
+enumerated from its own forwards (top-k keeps the support small). Many runs with different seeds give
+empirical counts of (x1, x2, x3); a Pearson chi-square test at level 1e-3 must not reject. x1 comes from
+the prefill round, x2 and x3 from the first speculative round (drafted, verified, corrected or bonus).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.config import DrafterKind, SpecConfig
+from engine.models import LoadedModel, ModelPair
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, logits_to_probs
+from engine.speculative import SpeculativeEngine
+from playground.teach.losslessness import goodness_of_fit
+from tests.conftest import tiny_model
+from tests.test_eagle import random_head
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=4, top_p=0.95)
+RUNS = 1000
+LEVEL = 1e-3
+PROMPT = [5, 17, 230, 9, 17, 230, 9]   # a repeat, so that prompt lookup finds something to copy
+
+
+def next_probs(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
+    runner = ModelRunner(target, len(tokens) + 1)
+    cache = runner.new_sequence()
+    logits = runner.forward(cache, tokens, last_only=True)
+    cache.free()
+    return logits_to_probs(logits, SAMPLING)[0]
+
+
+def exact_joint(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, int, int], float]:
+    """P(x1, x2, x3) under the target's processed distribution, by enumeration."""
+    out = {}
+    p1 = next_probs(target, prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = next_probs(target, prompt + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = next_probs(target, prompt + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                out[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return out
+
+
+def sampled_counts(pair: ModelPair, drafter: DrafterKind, runs: int) -> dict[tuple[int, int, int], int]:
+    counts: dict[tuple[int, int, int], int] = {}
+    for seed in range(runs):
+        config = SpecConfig(drafter=drafter, k=2, sampling=SAMPLING, seed=seed, max_new_tokens=3, stop_at_eos=False,
+                            record=False, ngram_min=1)
+        engine = SpeculativeEngine(pair, PROMPT, config)
+        engine.run()
+        engine.close()
+        key = tuple(engine.generated)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi_square(exact: dict, counts: dict) -> float:
+    cells = sorted(set(exact) | set(counts))
+    observed = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
+    expected = torch.tensor([exact.get(c, 0.0) for c in cells], dtype=torch.float64)
+    return goodness_of_fit(observed, expected, alpha_level=LEVEL).p_value
+
+
+@pytest.fixture(scope="module")
+def tiny(builtin_tokenizer):
+    target = tiny_model(builtin_tokenizer, layers=2, seed=11)
+    draft = tiny_model(builtin_tokenizer, layers=1, seed=12)
+    # A draft that agrees with the target some of the time: half its logits are the target's.
+    with torch.no_grad():
+        for mine, theirs in zip(draft.model.parameters(), itertools.islice(target.model.parameters(), None)):
+            if mine.shape == theirs.shape:
+                mine.mul_(0.5).add_(theirs, alpha=0.5)
+    return ModelPair(target, draft, random_head(target, 3000, seed=4)), exact_joint(target, PROMPT)
+
+
+@pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.NGRAM, DrafterKind.HYBRID, DrafterKind.EAGLE,
+                                     DrafterKind.EAGLE_HYBRID])
+def test_sampled_output_follows_the_target(tiny, drafter):
+    pair, exact = tiny
+    counts = sampled_counts(pair, drafter, RUNS)
+    assert abs(sum(exact.values()) - 1.0) < 1e-6
+    assert set(counts) <= set(exact)                     # never a sequence the target cannot produce
+    assert chi_square(exact, counts) >= LEVEL
+
+
+def test_the_test_can_fail(tiny):
+    """Counts of the engine's runs against a distribution that differs in one conditional row are rejected:
+    the test has the power to see a lossy rule."""
+    pair, exact = tiny
+    counts = sampled_counts(pair, DrafterKind.NGRAM, RUNS)
+    first = max(exact, key=exact.get)[0]
+    skewed = {key: p * (2.0 if key[0] == first else 1.0) for key, p in exact.items()}
+    total = sum(skewed.values())
+    assert chi_square({k: v / total for k, v in skewed.items()}, counts) < LEVEL
