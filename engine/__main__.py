@@ -1,4 +1,4 @@
-"""`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin."""
+"""`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin, train-draft."""
 import sys
 
 
@@ -8,6 +8,7 @@ def main() -> int:
         "bench": "engine.bench.cli",
         "train-builtin": "engine.train.builtin",
         "eval-builtin": "engine.train.builtin_eval",
+        "train-draft": "engine.train.draft",
         "cache-bench": "engine.bench.cache_bench",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:

@@ -18,11 +18,11 @@ import torch
 from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
 from engine.metrics import describe
-from engine.models import LoadedModel, ModelLoadError, ModelPair, default_devices, load_model
+from engine.models import ModelLoadError, ModelPair, default_devices, load_model
+from engine.prompts import ChatPrompt, PromptError
 from engine.records import RunSummary
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN
-from engine.speculative import PromptError
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
@@ -42,14 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine generate",
                 description="Generate a continuation of a prompt with speculative decoding, and (unless "
                             "--no-compare) with plain target-only decoding interleaved on the same hardware.")
-    p.add_argument("--prompt", required=True, help="the text to continue (the built-in pair knows Python code)")
+    p.add_argument("--prompt", required=True, help="the text to continue (the built-in pair knows Python code), or "
+                                                  "with --chat the user's message")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a chat turn through the target's chat template (generation stops at the "
+                        "end of the assistant's turn)")
+    p.add_argument("--system", default=None, help="with --chat: a system prompt (default: the template's own)")
+    p.add_argument("--eagle", default=None,
+                   help="the EAGLE head for --drafter eagle or eagle-hybrid: a folder, or a source name whose head "
+                        "ships in assets/eagle/ (default: the target's source)")
     p.add_argument("--target", default=BUILTIN, help="target model: 'builtin', a Hugging Face id or a local path "
                                                      "(default: builtin)")
     p.add_argument("--draft", default=BUILTIN, help="draft model for --drafter model or hybrid: 'builtin', a Hugging Face id "
                                                     "or a local path; must share the target's tokenizer (default: builtin)")
     p.add_argument("--drafter", choices=[d.value for d in DrafterKind], default="model",
                    help="model: a small draft LM proposes tokens; ngram: prompt lookup, no draft model; hybrid: prompt "
-                        "lookup when the context repeats, else the draft model (default: model)")
+                        "lookup when the context repeats, else the draft model; eagle: one decoder layer over the "
+                        "target's features; eagle-hybrid: prompt lookup, else the EAGLE head (default: model)")
     p.add_argument("--mode", choices=[m.value for m in Mode], default="v2",
                    help="v2: one target forward per round, rejected KV rolled back; v1: the seed system's "
                         "read-only verify plus a commit forward; target: target-only decoding (default: v2)")
@@ -122,19 +131,29 @@ def check_device(spec: str) -> torch.device:
     return device
 
 
-def load_models(args: argparse.Namespace, config: SpecConfig) -> tuple[LoadedModel, LoadedModel | None]:
-    """(target, draft); the draft is loaded only for the model drafter outside target mode."""
+def load_models(args: argparse.Namespace, config: SpecConfig) -> ModelPair:
+    """The pair a run needs: the draft model only for the model drafters, the EAGLE head only for EAGLE."""
+    from engine.drafters.eagle import EagleLoadError, load_eagle
+
     for spec in (args.draft_device, args.target_device):
         if spec is not None:
             check_device(spec)
     draft_dev, target_dev = default_devices(args.draft_device, args.target_device)
     target = load_model(args.target, "target", device=target_dev, dtype=args.dtype,
                         trust_remote_code=args.trust_remote_code)
-    if not config.uses_draft_model:
-        return target, None
     draft = load_model(args.draft, "draft", device=draft_dev, dtype=args.dtype,
-                       trust_remote_code=args.trust_remote_code)
-    return target, draft
+                       trust_remote_code=args.trust_remote_code) if config.uses_draft_model else None
+    try:
+        eagle = load_eagle(args.eagle or args.target, target) if config.uses_eagle else None
+    except EagleLoadError as exc:
+        raise UsageError(str(exc)) from None
+    return ModelPair(target, draft, eagle)
+
+
+def prompt_from_args(args: argparse.Namespace) -> str | ChatPrompt:
+    if args.system is not None and not args.chat:
+        raise UsageError("--system needs --chat (a system prompt belongs to a chat turn)")
+    return ChatPrompt(args.prompt, args.system) if args.chat else args.prompt
 
 
 def generate(args: argparse.Namespace) -> GenerateResult:
@@ -143,8 +162,10 @@ def generate(args: argparse.Namespace) -> GenerateResult:
     config = config_from_args(args)
     if args.kv_blocks is not None and args.kv_blocks < 1:
         raise UsageError(f"--kv-blocks must be >= 1, got {args.kv_blocks}")
-    target, draft = load_models(args, config)
-    run = ComparedRun(ModelPair(target, draft), args.prompt, config, compare=not args.no_compare,
+    prompt = prompt_from_args(args)
+    pair = load_models(args, config)
+    target = pair.target
+    run = ComparedRun(pair, prompt, config, compare=not args.no_compare,
                       trace_path=args.trace, kv_blocks=args.kv_blocks)
     try:
         run.run_to_end()

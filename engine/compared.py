@@ -1,6 +1,7 @@
 """A speculative run and its target-only baseline, interleaved on the same hardware, optionally traced.
 
-A prompt is text (encoded with the target's tokenizer) or ids already encoded, e.g. by a chat template."""
+A prompt is raw text (encoded with the target's tokenizer), a chat turn (through the target's chat
+template, ending at the assistant's header), or ids already encoded."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,8 +10,9 @@ from pathlib import Path
 from engine.calibration import RCurve
 from engine.config import Mode, SpecConfig
 from engine.models import ModelPair
+from engine.prompts import ChatPrompt, encode_chat, encode_prompt
 from engine.records import RoundRecord, RunSummary
-from engine.speculative import SpeculativeEngine, encode_prompt, kv_bytes
+from engine.speculative import SpeculativeEngine, kv_bytes
 
 
 def kv_bytes_needed(pair: ModelPair, prompt_tokens: int, config: SpecConfig, compare: bool = True) -> int:
@@ -30,12 +32,18 @@ class ComparedRun:
     With `trace_path`, every round is appended to a JSON Lines trace as it happens.
     """
 
-    def __init__(self, pair: ModelPair, prompt: str | list[int], config: SpecConfig, *, compare: bool = True,
-                 trace_path: str | Path | None = None, kv_blocks: int | None = None) -> None:
+    def __init__(self, pair: ModelPair, prompt: str | ChatPrompt | list[int], config: SpecConfig, *,
+                 compare: bool = True, trace_path: str | Path | None = None, kv_blocks: int | None = None) -> None:
         from engine import trace
 
-        self.prompt = prompt if isinstance(prompt, str) else pair.target.tokenizer.decode(prompt)
-        prompt_ids = encode_prompt(pair.target.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        tokenizer = pair.target.tokenizer
+        self.chat = prompt if isinstance(prompt, ChatPrompt) else None
+        if isinstance(prompt, ChatPrompt):
+            self.prompt, prompt_ids = prompt.user, encode_chat(tokenizer, prompt)
+        elif isinstance(prompt, str):
+            self.prompt, prompt_ids = prompt, encode_prompt(tokenizer, prompt)
+        else:
+            self.prompt, prompt_ids = tokenizer.decode(prompt), list(prompt)
         self.config, self.pair = config, pair
         self.spec = SpeculativeEngine(pair, prompt_ids, config, kv_blocks=kv_blocks)
         self.baseline: SpeculativeEngine | None = None
@@ -45,7 +53,8 @@ class ComparedRun:
         self.calibration: RCurve | None = None
         self.writer = None
         if trace_path is not None:
-            header = trace.make_header(self.prompt, prompt_ids, config, pair.target, pair.draft)
+            header = trace.make_header(self.prompt, prompt_ids, config, pair.target, pair.draft, self.chat,
+                                       pair.eagle.name if pair.eagle is not None else None)
             self.writer = trace.TraceWriter(trace_path, header)
 
     def set_calibration(self, curve: RCurve) -> None:

@@ -15,6 +15,7 @@ from engine.config import DrafterKind, Mode, SpecConfig
 from engine.drafters.base import Proposal
 from engine.kv_cache import PagedCache
 from engine.records import Candidate, FinalRecord, KVState, Outcome, PositionRecord, RoundRecord, RoundTimings
+from engine.text import StreamDecoder, TokenText
 from engine.verify import VerifyResult
 
 
@@ -60,15 +61,20 @@ def kv_state(name: str, cache: PagedCache, prompt_len: int) -> KVState:
 class RoundRecorder:
     """Builds RoundRecords for one run."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: SpecConfig, drafter: DrafterKind | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: SpecConfig, drafter: DrafterKind | None,
+                 prompt: list[int] = ()) -> None:
         self.tokenizer, self.config, self.drafter = tokenizer, config, drafter
+        self.stream = StreamDecoder(tokenizer)   # the committed tokens, read as one text
+        if config.record:
+            self.stream.feed_all(list(prompt))
 
-    def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.config.record else ""
+    def _text(self, decoder: StreamDecoder, token: int) -> TokenText:
+        return decoder.feed(token) if self.config.record else TokenText("", False, b"")
 
-    def candidates(self, p_row: torch.Tensor, q_row: torch.Tensor | None, must: list[int],
+    def candidates(self, context: StreamDecoder, p_row: torch.Tensor, q_row: torch.Tensor | None, must: list[int],
                    residual: torch.Tensor | None = None) -> list[Candidate]:
-        """The top tokens of p, q and the residual (plus `must`), for the p/q bars; [] when not recording."""
+        """The top tokens of p, q and the residual (plus `must`), each read after `context`, for the p/q
+        bars; [] when not recording."""
         if not self.config.record:
             return []
         n = self.config.top_n
@@ -76,43 +82,74 @@ class RoundRecorder:
         for row in (q_row, residual):
             if row is not None:
                 ids |= set(torch.topk(row, min(n, row.numel())).indices.tolist())
-        out = [Candidate(t, self._text(t), float(p_row[t]), float(q_row[t]) if q_row is not None else 0.0,
-                         float(residual[t]) if residual is not None else None) for t in ids]
+        out = []
+        for t in ids:
+            text = self._text(context.copy(), t)
+            out.append(Candidate(t, text.text, float(p_row[t]), float(q_row[t]) if q_row is not None else 0.0,
+                                 float(residual[t]) if residual is not None else None, _pending(text)))
         return sorted(out, key=lambda c: -max(c.p_target, c.q_draft, c.residual or 0.0))
 
     def positions(self, result: RoundResult) -> list[PositionRecord]:
-        """One record per draft: its verdict, or UNCHECKED after the rejection."""
+        """One record per draft: its verdict, or UNCHECKED after the rejection. Each draft is read after
+        the committed text and the drafts before it."""
         verdicts = {v.index: v for v in result.verdict.positions}
-        out = []
+        out, reader = [], self.stream.copy()
         for i, token in enumerate(result.drafted):
             v, q_row = verdicts.get(i), result.proposal.q_draft[i]
+            context = reader.copy()
+            text = self._text(reader, token)
             out.append(PositionRecord(
-                index=i, token=token, text=self._text(token), q_draft=float(q_row[token]),
+                index=i, token=token, text=text.text, q_draft=float(q_row[token]),
                 p_target=v.p_target if v else None, alpha=v.alpha if v else None, u=v.u if v else None,
                 outcome=v.outcome if v else Outcome.UNCHECKED,
-                candidates=self.candidates(result.p_rows[i], q_row, [token]) if v else []))
+                candidates=self.candidates(context, result.p_rows[i], q_row, [token]) if v else [],
+                pending=_pending(text)))
         return out
 
     def final(self, result: RoundResult) -> FinalRecord:
         v = result.verdict
         corrected = v.final_outcome is Outcome.CORRECTED
         q_row = result.proposal.q_draft[v.final_row] if corrected else None
+        context = self.stream.copy()
+        if self.config.record:
+            context.feed_all(result.drafted[: v.accepted_count])
+        text = self._text(context.copy(), v.final_token)
         return FinalRecord(
-            token=v.final_token, text=self._text(v.final_token), outcome=v.final_outcome, row=v.final_row,
+            token=v.final_token, text=text.text, outcome=v.final_outcome, row=v.final_row,
             u=v.final_u, p_target=float(result.p_rows[v.final_row][v.final_token]),
-            candidates=self.candidates(result.p_rows[v.final_row], q_row, [v.final_token],
-                                       v.residual if corrected else None))
+            candidates=self.candidates(context, result.p_rows[v.final_row], q_row, [v.final_token],
+                                       v.residual if corrected else None), pending=_pending(text))
 
     def round(self, result: RoundResult, timings: RoundTimings, kv: list[KVState], run: RunState) -> RoundRecord:
         proposal = result.proposal
+        positions, final = self.positions(result), self.final(result)
+        emitted_text = "".join(t.text for t in self.stream.feed_all(result.emitted)) if self.config.record else ""
         return RoundRecord(
             index=run.index, mode=self.config.mode, drafter=self.drafter,
             proposer=proposal.source if proposal is not None and proposal.tokens else None,
-            k=len(result.drafted), positions=self.positions(result), final=self.final(result),
-            emitted=result.emitted, emitted_text=self.tokenizer.decode(result.emitted) if self.config.record else "",
+            k=len(result.drafted), positions=positions, final=final,
+            emitted=result.emitted, emitted_text=emitted_text,
             accepted=min(result.verdict.accepted_count, len(result.emitted)), kv=kv, timings=timings,
             target_forwards=run.target_forwards, draft_forwards=proposal.forwards if proposal else 0,
             tokens_total=run.tokens_total, elapsed_s=run.elapsed_s, finished=run.finished)
+
+
+def _pending(text: TokenText) -> str:
+    """Hex of the bytes a partial token leaves for a later one, e.g. "e6 97"; "" when it completes its text."""
+    if not text.partial:
+        return ""
+    tail = text.raw[len(text.raw) - _unfinished(text.raw):]
+    return " ".join(f"{b:02x}" for b in tail)
+
+
+def _unfinished(raw: bytes) -> int:
+    """How many trailing bytes of `raw` belong to a UTF-8 character that is not finished."""
+    for n in range(1, min(4, len(raw)) + 1):
+        lead = raw[-n]
+        if lead & 0xC0 != 0x80:      # a lead byte: does the character it starts fit in n bytes?
+            need = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+            return n if need > n else 0
+    return min(4, len(raw))
 
 
 def drafter_of(config: SpecConfig) -> DrafterKind | None:

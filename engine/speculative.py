@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from engine.clock import Now, PhaseClock
 from engine.config import K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
@@ -81,7 +82,7 @@ class SpeculativeEngine:
         self.drafter = self._make_drafter(capacity, kv_blocks)
         self._needs_features = self.drafter is not None and self.drafter.needs_features
         self._features: torch.Tensor | None = None   # the last target forward's features, for the drafter
-        self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config))
+        self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config), self.sequence.prompt)
         self.k = config.k
         self.rounds: list[RoundRecord] = []
         self._started = False

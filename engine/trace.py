@@ -26,6 +26,7 @@ from typing import Any, Callable
 from engine.calibration import RCurve
 from engine.config import K_BOUND, SpecConfig
 from engine.models import LoadedModel
+from engine.prompts import ChatPrompt
 from engine.records import Outcome, RoundRecord, RunSummary
 from engine.sampling import SamplingParams
 
@@ -56,6 +57,8 @@ class TraceHeader:
     dtypes: dict[str, str]       # role -> dtype
     versions: dict[str, str]     # python, torch, transformers, specplay
     seed: int
+    chat: ChatPrompt | None = None   # the chat turn the prompt ids were templated from (None: raw text)
+    eagle: str | None = None     # the EAGLE head the run drafted with, when it used one
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def _specplay_version() -> str:
 
 
 def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: LoadedModel,
-                draft: LoadedModel | None) -> TraceHeader:
+                draft: LoadedModel | None, chat: ChatPrompt | None = None, eagle: str | None = None) -> TraceHeader:
     """The header for a run. The draft is recorded only if the run uses it (model drafter, not target mode)."""
     import torch
     import transformers
@@ -119,7 +122,7 @@ def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: 
         dtypes={role: str(m.dtype).replace("torch.", "") for role, m in roles.items()},
         versions={"python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "specplay": _specplay_version()},
-        seed=config.seed)
+        seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None)
 
 
 # ---------------------------------------------------------------------------- records <-> dicts
@@ -302,11 +305,13 @@ def _upgrade_v1_round(data: Any) -> Any:
     positions = []
     for p in data.get("positions") or []:
         if isinstance(p, dict):
-            p = dict(p)
+            p = _with_pending(p)
             if p.pop("checked", True) is False:
                 p["outcome"] = Outcome.UNCHECKED.value
         positions.append(p)
     data["positions"] = positions
+    if isinstance(data.get("final"), dict):
+        data["final"] = _with_pending(data["final"])
     drafter = None if data.get("drafter") == "none" else data.get("drafter")
     data["drafter"] = drafter
     copied = drafter == "ngram" or (drafter == "hybrid" and data.get("draft_forwards") == 0)
@@ -322,11 +327,22 @@ def _upgrade_v1_round(data: Any) -> Any:
     return data
 
 
+def _with_pending(record: dict) -> dict:
+    """Version 1 decoded each token alone and marked no unfinished bytes (engine.text): "" for each."""
+    out = {**record, "pending": record.get("pending", "")}
+    if isinstance(out.get("candidates"), list):
+        out["candidates"] = [{**c, "pending": c.get("pending", "")} if isinstance(c, dict) else c
+                             for c in out["candidates"]]
+    return out
+
+
 def header_from_dict(data: dict) -> TraceHeader:
     """Validate and build the header; the version must be one of READABLE_VERSIONS. Raises TraceError."""
     if isinstance(data, dict) and data.get("version") not in READABLE_VERSIONS:
         raise TraceError(f"trace version {data.get('version')!r} is not supported (this build reads "
                          f"versions {', '.join(map(str, READABLE_VERSIONS))})")
+    if isinstance(data, dict) and data.get("version") == 1:
+        data = {"chat": None, "eagle": None, **data}   # version 1 had neither chat prompts nor EAGLE heads
     header = _decode(TraceHeader, data, "header")
     config_from_dict(header.config)
     return header

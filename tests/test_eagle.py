@@ -31,21 +31,24 @@ def random_head(target: LoadedModel, kept: int, seed: int = 0, trained_like: boo
     return EagleRuntime(head, ids, target)
 
 
-def quickly_trained_head(target: LoadedModel, kept: int = 3000, steps: int = 40) -> EagleRuntime:
-    """A head trained for a few seconds on the target's own greedy continuations of stdlib windows: good
-    enough that some drafts are accepted and some rejected, which is what the engine's tests need."""
-    from engine.train.draft_data import SamplingPass, generate_batch
+def quickly_trained_head(target: LoadedModel, kept: int = 3000, steps: int = 80) -> EagleRuntime:
+    """A head trained for a few seconds (teacher-forced, one unrolled step) on the target's features over
+    real stdlib code: good enough that some drafts are accepted and some rejected, which is what the
+    engine's tests need."""
+    from engine.train.corpus import list_sources
+    from engine.train.draft_data import Sequence
     from engine.train.eagle import EaglePlan, prepare, rope_tables, unrolled_loss
-    from engine.train.builtin_eval import heldout_windows
 
-    prompts = [w.tolist() for w in heldout_windows(12, 48, seed=5)]
-    seqs = generate_batch(target.model, target.tokenizer, prompts, SamplingPass(), 40, -1, 0)
+    text = "".join(f.text for f in list_sources("train")[:6])
+    ids = target.tokenizer(text, add_special_tokens=False)["input_ids"][:12 * 160]
+    windows = [ids[i: i + 160] for i in range(0, len(ids) - 159, 160)]
+    seqs = [Sequence(torch.tensor(w, dtype=torch.int32), 1, fresh_features(target, w)[:-1].half()) for w in windows]
     runtime = random_head(target, kept, trained_like=False)
-    head, plan = runtime.head.float().train().requires_grad_(True), EaglePlan(depth=2, accumulate=1)
+    head, plan = runtime.head.float().train().requires_grad_(True), EaglePlan(depth=1, accumulate=1, noise=0.0)
     embed = target.model.get_input_embeddings().weight.detach().float()
     head_kept = target.model.get_output_embeddings().weight.detach().float().index_select(0, runtime.kept_ids)
     cos, sin = rope_tables(head.config.head_dim, 10000.0, torch.arange(200))
-    opt = torch.optim.AdamW(head.parameters(), lr=2e-3)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
         batch = prepare(seqs[step % len(seqs)], head_kept, 200)
@@ -108,7 +111,6 @@ def test_greedy_parity_with_generate_on_the_builtin_target(builtin_eagle, builti
     assert hybrid.generated == expected
     drafted = [r for r in engine.rounds if r.k]
     assert drafted and all(r.proposer is DrafterKind.EAGLE for r in drafted)
-    assert any(r.accepted for r in drafted) and any(r.accepted < r.k for r in drafted)  # a real test of verify
 
 
 def fresh_features(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
@@ -148,6 +150,9 @@ def test_head_state_equals_a_fresh_recomputation_after_every_round(builtin_eagle
                 assert torch.allclose(tensors[0][:, mine], ref[0][:, theirs], atol=1e-4)
             check.cache.free()
     engine.close()
+    # the paths that matter were taken: drafts accepted (their predicted positions rolled back and
+    # refed with real features) and rejected
+    assert any(r.accepted for r in engine.rounds if r.k) and any(r.accepted < r.k for r in engine.rounds if r.k)
     assert head.pool.manager.free_blocks == head.pool.num_blocks
 
 

@@ -26,8 +26,8 @@ from engine.bench.runs import BenchModels, run_bench
 from engine.calibration import calibrate
 from engine.cli import DTYPES, Parser, UsageError, check_device, quiet_transformers
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
+from engine.prompts import PromptError
 from engine.sources import BUILTIN
-from engine.speculative import PromptError
 
 QUICK = {"num_prompts": 1, "prompt_tokens": 32, "new_tokens": 8, "repeats": 1, "warmup": 0, "ks": "2",
          "calibration_repeats": 1}

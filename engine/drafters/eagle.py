@@ -37,6 +37,7 @@ from engine.kv_cache import KVPool, KVShape, PagedCache
 from engine.models import LoadedModel
 from engine.runner import pool_blocks
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
+from engine.sources import eagle_folder
 
 EAGLE_FORMAT = 1
 WEIGHTS, CONFIG = "head.safetensors", "eagle.json"
@@ -157,11 +158,11 @@ class EagleRuntime:
     """A trained head bound to its target: the head's layer, the target's embeddings and the kept slice
     of its LM head, on the target's device and dtype. Read-only; shared by every drafter of the target."""
 
-    def __init__(self, head: EagleHead, kept_ids: torch.Tensor, target: LoadedModel) -> None:
+    def __init__(self, head: EagleHead, kept_ids: torch.Tensor, target: LoadedModel, name: str = "eagle") -> None:
         if target.fused is None:
             raise EagleLoadError(f"The EAGLE drafter reads the target's features through the engine's fused "
                                  f"forward, which {target.name!r} does not have.")
-        self.config, self.target = head.config, target
+        self.config, self.target, self.name = head.config, target, name
         self.head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.layer = self.head.layer()
         self.kept_ids = kept_ids.to(target.device)
@@ -217,7 +218,17 @@ def load_runtime(folder: Path, target: LoadedModel) -> EagleRuntime:
     head = EagleHead(config)
     kept = tensors.pop("kept_ids")
     head.load_state_dict({k: v.float() for k, v in tensors.items()})
-    return EagleRuntime(head, kept, target)
+    return EagleRuntime(head, kept, target, name=f"eagle:{folder.name}")
+
+
+def load_eagle(source: str, target: LoadedModel) -> EagleRuntime:
+    """The EAGLE head for a target: the one shipped for a source name ('smollm2', 'builtin', under
+    assets/eagle/), or a folder path. EagleLoadError names the command that builds one."""
+    folder = eagle_folder(source) if not Path(source).is_dir() else Path(source)
+    if not (folder / CONFIG).is_file():
+        raise EagleLoadError(f"No EAGLE head for {source!r} at {folder}. Train one with "
+                             f"`python -m engine train-draft --target {source}`.")
+    return load_runtime(folder, target)
 
 
 class EagleDrafter:

@@ -20,15 +20,9 @@ from pathlib import Path
 
 import torch
 
-from engine.sources import ASSETS, BUILTIN, REPO_ROOT, SMOLLM2
+from engine.sources import BUILTIN, REPO_ROOT, SMOLLM2, eagle_folder
 
-EAGLE_ASSETS = ASSETS / "eagle"
 WORK = REPO_ROOT / ".cache" / "train-draft"
-
-
-def eagle_folder(target: str) -> Path:
-    """Where the shipped head for a target source lives: assets/eagle/<source>."""
-    return EAGLE_ASSETS / target
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kept", type=int, default=None, help="pruned vocabulary (default: 8192, or the whole "
                                                              "vocabulary when smaller)")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
+    ap.add_argument("--skip-data", action="store_true",
+                    help="train on the shards generated so far instead of generating the missing ones first")
     ap.add_argument("--skip-eval", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
@@ -165,14 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     work = WORK / a.target
     with quiet_transformers():
         target = load_model(a.target, "target")
-    log(f"target {target.name}: generating training data under {work / 'data'}")
-    prompts = training_prompts(target, a.target, a.prompts)
-    plan = DataPlan((SamplingPass(), SamplingPass(0.7, 0.95)), a.batch, a.max_new_tokens)
-    tokens = build(target.model, target.tokenizer, prompts, plan, work / "data", target.tokenizer.eos_token_id,
-                   log=log, deadline=deadline)
-    if deadline is not None and time.time() > deadline:
-        log(f"data: {tokens:,} tokens so far; rerun to continue")
-        return 0
+    if not a.skip_data:
+        log(f"target {target.name}: generating training data under {work / 'data'}")
+        prompts = training_prompts(target, a.target, a.prompts)
+        plan = DataPlan((SamplingPass(), SamplingPass(0.7, 0.95)), a.batch, a.max_new_tokens)
+        tokens = build(target.model, target.tokenizer, prompts, plan, work / "data", target.tokenizer.eos_token_id,
+                       log=log, deadline=deadline)
+        if deadline is not None and time.time() > deadline:
+            log(f"data: {tokens:,} tokens so far; rerun to continue")
+            return 0
     kept = a.kept or min(8192, target.vocab_size)
     result = train(target, work / "data", work / "train", eagle_folder(a.target),
                    EaglePlan(kept=kept, epochs=a.epochs), log=log, deadline=deadline)

@@ -31,7 +31,6 @@ from engine.models import LoadedModel
 from engine.train.draft_data import Sequence, iter_shards, load_shard
 
 
-
 @dataclass(frozen=True, slots=True)
 class EaglePlan:
     kept: int = 8192                 # pruned vocabulary: the most frequent answer tokens
@@ -235,7 +234,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: EaglePla
             n = len(b.ids) - 1
             loss, agree = unrolled_loss(head, b, embed, head_kept, plan, cos_all[1:n + 1], sin_all[1:n + 1], gen)
             (loss / plan.accumulate).backward()
-            running.append(float(loss))
+            running.append(float(loss.detach()))
             running_agree.append(agree)
             state.seen += 1
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -257,7 +256,8 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: EaglePla
     figures = evaluate()
     log(f"held-out (training distribution, {len(heldout)} sequences): loss {figures['heldout_loss']:.3f}, "
         "top-1 by step " + " ".join(f"{a:.2f}" for a in figures["heldout_top1_by_step"]))
-    meta = {"plan": asdict(plan), "sequences": len(sequences), "train_sequences": len(train_ids),
+    meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()),
+            "sequences": len(sequences), "train_sequences": len(train_ids),
             "tokens": sum(len(s.ids) for s in sequences), "steps": state.step, "kept": len(kept), **figures,
             "log": state.log}
     save_head(head, kept, out, meta)
