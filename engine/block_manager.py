@@ -19,7 +19,8 @@ class BlockTable:
 
 @dataclass(frozen=True, slots=True)
 class SlotChange:
-    """What one append or rollback did: the physical slots touched and blocks allocated or freed."""
+    """What one append, rollback or move did: the physical slots touched and blocks allocated or freed
+    (for a move: the slots that received another slot's K/V)."""
 
     slots: list[int]
     blocks_allocated: list[int]

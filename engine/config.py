@@ -6,8 +6,73 @@ from enum import Enum
 
 from engine.sampling import SamplingParams
 
-K_BOUND = 16  # the largest K the engine accepts; verify rows and UI charts are sized for it
+K_BOUND = 32  # the largest K (and tree, engine.tree.TREE_BOUND) the engine accepts
 K_SLACK = K_BOUND + 2  # KV room beyond max_new_tokens for a round's K+1 speculative slots
+
+
+TREE_BOUND = K_BOUND   # a tree's drafted nodes at most: its verify forward covers TREE_BOUND + 1 rows
+
+
+class TreeRule(str, Enum):
+    RECURSIVE = "recursive"                        # recursive rejection sampling without replacement
+    NO_RESIDUAL_UPDATE = "no-residual-update"      # deliberately wrong: siblings tested against the same p
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSpec:
+    """A tree's shape: fixed widths per depth (static), or a node budget and a depth (dynamic)."""
+
+    widths: tuple[int, ...] = ()
+    budget: int = 0
+    depth: int = 4
+    rule: TreeRule = TreeRule.RECURSIVE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rule, TreeRule):
+            try:
+                object.__setattr__(self, "rule", TreeRule(self.rule))
+            except ValueError:
+                raise ValueError(f"tree rule must be one of {[r.value for r in TreeRule]}, not {self.rule!r}") from None
+        object.__setattr__(self, "widths", tuple(self.widths))
+        if self.widths:
+            if self.budget:
+                raise ValueError("a tree is static (widths per depth) or dynamic (a node budget), not both")
+            if any(not isinstance(w, int) or w < 1 for w in self.widths):
+                raise ValueError(f"every width must be a positive integer, got {list(self.widths)}")
+            if sum(self.widths) > TREE_BOUND:
+                raise ValueError(f"the tree {'-'.join(map(str, self.widths))} has {sum(self.widths)} nodes; "
+                                 f"the bound is {TREE_BOUND}")
+        else:
+            if not isinstance(self.budget, int) or not 1 <= self.budget <= TREE_BOUND:
+                raise ValueError(f"a dynamic tree needs a node budget between 1 and {TREE_BOUND}, got {self.budget!r}")
+            if not isinstance(self.depth, int) or not 1 <= self.depth <= TREE_BOUND:
+                raise ValueError(f"tree depth must be between 1 and {TREE_BOUND}, got {self.depth!r}")
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.widths) if self.widths else self.budget
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.widths) if self.widths else self.depth
+
+    @staticmethod
+    def parse(text: str) -> "TreeSpec":
+        """'4-2-2-1' (static widths) or 'N16' / 'N16d6' (dynamic: budget, optional depth)."""
+        text = text.strip().lower()
+        try:
+            if text.startswith("n"):
+                budget, _, depth = text[1:].partition("d")
+                return TreeSpec(budget=int(budget), depth=int(depth) if depth else 4)
+            return TreeSpec(widths=tuple(int(w) for w in text.split("-")))
+        except ValueError as exc:
+            if "invalid literal" in str(exc):
+                raise ValueError(f"a tree is written as widths per depth (e.g. 4-2-2-1) or a budget (e.g. N16 or "
+                                 f"N16d6), not {text!r}") from None
+            raise
+
+    def label(self) -> str:
+        return "-".join(map(str, self.widths)) if self.widths else f"N{self.budget}d{self.depth}"
 
 
 class Mode(str, Enum):
@@ -65,6 +130,7 @@ class SpecConfig:
     hybrid_min_n: int = 2   # hybrid: copy when the last hybrid_min_n+ tokens occurred before, else draft
     block_size: int = 16
     fused_forward: bool = True  # the engine's own Llama-family forward; False runs the transformers one
+    tree: TreeSpec | None = None  # draft a tree instead of a chain (model and EAGLE drafters)
 
     def __post_init__(self) -> None:
         for name, enum in (("mode", Mode), ("drafter", DrafterKind), ("k_schedule", KSchedule)):
@@ -92,6 +158,14 @@ class SpecConfig:
             raise ValueError(f"need 1 <= hybrid_min_n <= ngram_max, got {self.hybrid_min_n}, {self.ngram_max}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.tree is not None:
+            if not isinstance(self.tree, TreeSpec):
+                raise ValueError("tree must be a TreeSpec (engine.tree), e.g. TreeSpec(widths=(4, 2, 2, 1))")
+            if self.drafter not in (DrafterKind.MODEL, DrafterKind.EAGLE):
+                raise ValueError(f"a tree is drafted by the draft model or the EAGLE head, not by the "
+                                 f"{self.drafter.value} drafter")
+            if self.k_schedule is not KSchedule.CONSTANT:
+                raise ValueError("a tree has its own shape: use the constant K schedule with it")
 
     @property
     def uses_draft_model(self) -> bool:

@@ -150,27 +150,28 @@ class FusedLlama:
         return self.forward_features(cache, ids, last_only)[0]
 
     def forward_features(self, cache: PagedCache, ids: torch.Tensor, last_only: bool = False,
-                         depths: torch.Tensor | None = None,
-                         tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         positions: torch.Tensor | None = None,
+                         attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [q or 1, V] float32, post-norm features [q, d] in the model's dtype).
 
         The features are the final norm's output for every fed row, the rows the LM head reads: an
         EAGLE-style drafter predicts the next one from them, so the verify forward hands them over
         for free (logits are computed for the last row only with `last_only`, features for all).
 
-        A tree of candidates is fed with `depths` ([q] long: node i sits at position past + depths[i])
-        and `tree_mask` ([q, q] bool: node i sees node j), on top of the whole cached past.
+        A tree of candidates is fed with `positions` ([q] long rotary positions: a node at depth d below
+        a root at position r sits at r + d) and `attn_mask` ([q, past + q] bool: which cached and fed
+        rows each fed row attends to); without them the rows are a chain (causal mask).
         """
         q = ids.shape[1]
         past = cache.get_seq_length()
         x = F.embedding(ids, self.embed)
-        if depths is None:
+        if positions is None:
             cos, sin = self._rope(past, q, x.dtype)
             mask = self._mask(q, past + q)
         else:
-            cos, sin = self._rope(past, int(depths.max()) + 1, x.dtype)
-            cos, sin = cos[depths], sin[depths]
-            mask = torch.cat([torch.ones(q, past, dtype=torch.bool, device=self.device), tree_mask], dim=1)
+            cos, sin = self._rope(0, int(positions.max()) + 1, x.dtype)
+            cos, sin = cos[positions], sin[positions]
+            mask = attn_mask.to(self.device)
         cos, sin = cos[None, None], sin[None, None]
         for i, layer in enumerate(self.layers):
             x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,

@@ -60,8 +60,9 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
-    def new_sequence(self) -> "PagedCache":
-        return PagedCache(self, self.manager.new_table())
+    def new_sequence(self, fast_path: bool = True) -> "PagedCache":
+        """A sequence's cache; `fast_path=False` always gathers through the block table (for measuring)."""
+        return PagedCache(self, self.manager.new_table(), fast_path)
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -108,8 +109,8 @@ class PagedCache(Cache):
     (the seed system's v1 verify). `tokens` holds the ids whose K/V is cached, kept by the runner.
     """
 
-    def __init__(self, pool: KVPool, table: BlockTable) -> None:
-        self.pool, self.table = pool, table
+    def __init__(self, pool: KVPool, table: BlockTable, fast_path: bool = True) -> None:
+        self.pool, self.table, self._fast_path = pool, table, fast_path
         self.tokens: list[int] = []
         self.log: list[tuple[str, SlotChange]] = []
         self._read_only = False
@@ -168,6 +169,8 @@ class PagedCache(Cache):
         return pool.index_select(1, index)
 
     def _contiguous_span(self) -> tuple[int, int] | None:
+        if not self._fast_path:
+            return None
         blocks, bs = self.table.blocks, self.pool.block_size
         if blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and all(
                 b == blocks[0] + i for i, b in enumerate(blocks)):
@@ -190,6 +193,29 @@ class PagedCache(Cache):
         self.log.append(("rollback", change))
         self._slot_index = self._slot_index[: self.table.length]
         del self.tokens[self.table.length :]
+        return change
+
+    def compact(self, start: int, keep: list[int]) -> SlotChange:
+        """Keep rows start + keep[i] (ascending offsets into what was written from logical position
+        `start`, e.g. a tree's root and its accepted path) at consecutive positions start + i, moving
+        their K/V there, and roll back the rest. Returns the move (the slots that received K/V)."""
+        if sorted(set(keep)) != list(keep) or (keep and (keep[0] < 0 or start + keep[-1] >= self.table.length)):
+            raise ValueError(f"keep must be ascending offsets within the written span, got {keep}")
+        manager = self.pool.manager
+        pairs = [(manager.slot(self.table, start + k), manager.slot(self.table, start + i))
+                 for i, k in enumerate(keep) if k != i]
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.pool.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.pool.device)
+            for keys, values in zip(self.pool.keys, self.pool.values):
+                keys[:, dst] = keys[:, src]      # gathered before written: later sources are never overwritten
+                values[:, dst] = values[:, src]
+            for i, k in enumerate(keep):
+                if k != i and start + k < len(self.tokens):
+                    self.tokens[start + i] = self.tokens[start + k]
+        change = SlotChange([d for _, d in pairs], [], [])
+        self.log.append(("move", change))
+        self.rollback(self.table.length - (start + len(keep)))
         return change
 
     def free(self) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.config import DrafterKind, Mode
-from engine.records import Outcome, RoundRecord, RunSummary
+from engine.records import RoundRecord, RunSummary
 
 Rounds = Sequence[RoundRecord]
 # Speed-ups within this relative distance of the maximum count as ties, won by the smaller K: with
@@ -106,8 +106,7 @@ def position_rates(rounds: Rounds) -> list[float]:
     drafted = drafted_rounds(rounds)
     if not drafted:
         return []
-    checks = [[p.outcome is Outcome.ACCEPTED for p in r.positions if p.verified] for r in drafted]
-    return per_position_acceptance(checks, max(r.k for r in drafted))
+    return per_position_acceptance([r.checks() for r in drafted], max(r.depth for r in drafted))
 
 
 def mean_k(rounds: Rounds) -> int | None:
@@ -243,15 +242,17 @@ def finite(x: float | None) -> bool:
 
 # -- the prediction for a run ---------------------------------------------------------------------------
 def predicted_over_rounds(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draft_forwards: Sequence[int],
-                          c: float, r_of_n: Callable[[int], float]) -> float:
+                          c: float, r_of_n: Callable[[int], float], depths: Sequence[int] | None = None) -> float:
     """Leviathan's speed-up for rounds of varying K: sum of E(k_i) over sum of (c f_i + r(k_i + 1)).
 
     tokens_at(k): the expected tokens of a round that drafted k (E(alpha, k), or from per-position
     rates); a round that drafted nothing yields 1 token for one plain step. f_i: the draft-model
     forwards the round really ran (a copied hybrid round runs none). With a constant K this is
-    exactly E(K) / (cK + r(K + 1)).
+    exactly E(K) / (cK + r(K + 1)). A tree round of N nodes verifies N + 1 rows and can accept as many
+    tokens as it is deep: `depths[i]` (default: rounds_k[i]) is what tokens_at is asked about.
     """
-    tokens = sum(tokens_at(k) if k else 1.0 for k in rounds_k)
+    depths = rounds_k if depths is None else depths
+    tokens = sum(tokens_at(d) if k else 1.0 for k, d in zip(rounds_k, depths, strict=True))
     cost = sum(c * f + (r_of_n(k + 1) if k else 1.0) for k, f in zip(rounds_k, draft_forwards, strict=True))
     return tokens / cost if cost > 0 else math.nan
 
@@ -296,19 +297,18 @@ def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | N
     if r_of_n is None:
         return NotMeasured("r(n) not measured yet: the calibration of the target's forward is still running.")
     a, rates = alpha(drafted), position_rates(drafted)
-    ks = [r.k for r in drafted]
     steps = decode_rounds(rounds)  # rounds that drafted nothing cost one plain step for one token
-    all_ks, forwards = [r.k for r in steps], [r.draft_forwards for r in steps]
+    all_ks, forwards, depths = [r.k for r in steps], [r.draft_forwards for r in steps], [r.depth for r in steps]
     iid = lambda k: expected_tokens_per_round(a, k)  # noqa: E731
     by_rates = lambda k: expected_tokens_from_rates(rates, k)  # noqa: E731
     best = best_k(a, c, r_of_n, k_max)
     return Prediction(
         draft_acceptance=draft_acceptance(drafted), alpha=a, rates=rates, c=c, k=mean_k(drafted),
-        r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(map(iid, ks)) / len(ks),
-        tokens_rates=sum(map(by_rates, ks)) / len(ks),
+        r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(iid(r.depth) for r in drafted) / len(drafted),
+        tokens_rates=sum(by_rates(r.depth) for r in drafted) / len(drafted),
         tokens_measured=sum(len(r.emitted) for r in drafted) / len(drafted),
-        speedup_iid=predicted_over_rounds(iid, all_ks, forwards, c, r_of_n),
-        speedup_rates=predicted_over_rounds(by_rates, all_ks, forwards, c, r_of_n),
+        speedup_iid=predicted_over_rounds(iid, all_ks, forwards, c, r_of_n, depths),
+        speedup_rates=predicted_over_rounds(by_rates, all_ks, forwards, c, r_of_n, depths),
         best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1)))
 
 

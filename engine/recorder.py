@@ -12,10 +12,21 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import DrafterKind, Mode, SpecConfig
-from engine.drafters.base import Proposal
+from engine.drafters.base import Proposal, TreeProposal
 from engine.kv_cache import PagedCache
-from engine.records import Candidate, FinalRecord, KVState, Outcome, PositionRecord, RoundRecord, RoundTimings
+from engine.records import (
+    Candidate,
+    FinalRecord,
+    KVState,
+    Outcome,
+    PositionRecord,
+    RoundRecord,
+    RoundTimings,
+    TreeNode,
+    TreeRecord,
+)
 from engine.text import StreamDecoder, TokenText
+from engine.tree import TreeVerdict
 from engine.verify import VerifyResult
 
 
@@ -23,13 +34,15 @@ from engine.verify import VerifyResult
 class RoundResult:
     """What one round did, before it becomes a record."""
 
-    proposal: Proposal | None      # None: nothing drafted (the prefill, target-only, no n-gram match)
-    p_rows: torch.Tensor           # [K+1, V] the target's processed rows (one-hot when greedy)
-    verdict: VerifyResult
+    proposal: Proposal | TreeProposal | None   # None: nothing drafted (the prefill, target-only, no n-gram match)
+    p_rows: torch.Tensor           # [K+1, V] the target's processed rows (one-hot when greedy); a tree: one per node
+    verdict: VerifyResult | TreeVerdict
     emitted: list[int]             # what the sequence kept (cut at EOS or the budget)
 
     @property
     def drafted(self) -> list[int]:
+        if isinstance(self.proposal, TreeProposal):
+            return self.proposal.tree.tokens[1:]
         return self.proposal.tokens if self.proposal is not None else []
 
 
@@ -55,7 +68,8 @@ def kv_state(name: str, cache: PagedCache, prompt_len: int) -> KVState:
         written=[s for kind, ch in log if kind == "write" for s in ch.slots],
         rolled_back=[s for kind, ch in log if kind == "rollback" for s in ch.slots],
         blocks_allocated=[b for _, ch in log for b in ch.blocks_allocated],
-        blocks_freed=[b for _, ch in log for b in ch.blocks_freed], pool_bytes=pool.nbytes)
+        blocks_freed=[b for _, ch in log for b in ch.blocks_freed], pool_bytes=pool.nbytes,
+        moved=[s for kind, ch in log if kind == "move" for s in ch.slots])
 
 
 class RoundRecorder:
@@ -120,18 +134,57 @@ class RoundRecorder:
             candidates=self.candidates(context, result.p_rows[v.final_row], q_row, [v.final_token],
                                        v.residual if corrected else None), pending=_pending(text))
 
+    def tree(self, result: RoundResult) -> TreeRecord:
+        """Every node of a tree round with its test (or UNCHECKED), read after the committed text and its
+        ancestors; the candidates of a tested node are its parent's p and q rows."""
+        tree, verdict = result.proposal.tree, result.verdict
+        tests = {t.node: t for t in verdict.tested}
+        readers = {0: self.stream.copy()}
+        nodes = []
+        for i in range(1, len(tree.tokens)):
+            parent, token = tree.parents[i], tree.tokens[i]
+            readers[i] = readers[parent].copy()
+            context = readers[parent].copy()
+            text = self._text(readers[i], token)
+            t = tests.get(i)
+            q_row = tree.q_rows.get(parent)
+            nodes.append(TreeNode(
+                i, parent, tree.depths[i], token, text.text, tree.scores[i],
+                t.q_draft if t else float(q_row[token]) if q_row is not None else 0.0,
+                t.p_target if t else None, t.alpha if t else None, t.u if t else None,
+                t.outcome if t else Outcome.UNCHECKED,
+                self.candidates(context, result.p_rows[parent], q_row, [token]) if t else [], _pending(text)))
+        return TreeRecord(self.config.tree.label(), nodes, list(verdict.path), verdict.final_node)
+
+    def tree_final(self, result: RoundResult) -> FinalRecord:
+        tree, v = result.proposal.tree, result.verdict
+        context = self.stream.copy()
+        if self.config.record:
+            context.feed_all([tree.tokens[n] for n in v.path])
+        text = self._text(context.copy(), v.final_token)
+        corrected = v.final_outcome is Outcome.CORRECTED
+        q_row = tree.q_rows.get(v.final_node) if corrected else None
+        return FinalRecord(
+            token=v.final_token, text=text.text, outcome=v.final_outcome, row=v.final_node, u=v.final_u,
+            p_target=float(result.p_rows[v.final_node][v.final_token]),
+            candidates=self.candidates(context, result.p_rows[v.final_node], q_row, [v.final_token],
+                                       v.residual if corrected else None), pending=_pending(text))
+
     def round(self, result: RoundResult, timings: RoundTimings, kv: list[KVState], run: RunState) -> RoundRecord:
         proposal = result.proposal
-        positions, final = self.positions(result), self.final(result)
+        if isinstance(proposal, TreeProposal):
+            positions, final, tree = [], self.tree_final(result), self.tree(result)
+        else:
+            positions, final, tree = self.positions(result), self.final(result), None
         emitted_text = "".join(t.text for t in self.stream.feed_all(result.emitted)) if self.config.record else ""
         return RoundRecord(
             index=run.index, mode=self.config.mode, drafter=self.drafter,
-            proposer=proposal.source if proposal is not None and proposal.tokens else None,
+            proposer=proposal.source if proposal is not None and result.drafted else None,
             k=len(result.drafted), positions=positions, final=final,
             emitted=result.emitted, emitted_text=emitted_text,
             accepted=min(result.verdict.accepted_count, len(result.emitted)), kv=kv, timings=timings,
             target_forwards=run.target_forwards, draft_forwards=proposal.forwards if proposal else 0,
-            tokens_total=run.tokens_total, elapsed_s=run.elapsed_s, finished=run.finished)
+            tokens_total=run.tokens_total, elapsed_s=run.elapsed_s, finished=run.finished, tree=tree)
 
 
 def _pending(text: TokenText) -> str:

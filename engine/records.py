@@ -75,6 +75,41 @@ class FinalRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeNode:
+    """One drafted node of a tree round and what verification made of it."""
+
+    index: int                 # 1..N (0 is the root, the last committed token)
+    parent: int
+    depth: int
+    token: int
+    text: str
+    score: float               # cumulative draft probability of its path
+    q_draft: float             # q of its token in the row it was drawn from (renormalised without earlier siblings)
+    p_target: float | None     # the target's (residual-updated) p of its token when tested; None if never tested
+    alpha: float | None
+    u: float | None
+    outcome: Outcome           # ACCEPTED (on the path), REJECTED (tested), UNCHECKED (never reached)
+    candidates: list[Candidate] = field(default_factory=list)   # p and q at its parent, for the bars
+    pending: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TreeRecord:
+    """A tree round: its shape, every node, and the accepted path."""
+
+    shape: str                 # TreeSpec.label(): "4-2-2-1" or "N16d4"
+    nodes: list[TreeNode]
+    path: list[int]            # accepted node indices, root's child first
+    final_parent: int          # the node the final token hangs under (0: the root)
+
+    @property
+    def depths_verified(self) -> int:
+        """Depths whose children were tested: the path, plus the depth where it stopped (unless a leaf)."""
+        leaf = not any(n.parent == self.final_parent for n in self.nodes)
+        return len(self.path) + (0 if leaf else 1)
+
+
+@dataclass(frozen=True, slots=True)
 class KVState:
     """One model's paged cache after a round, and what the round did to it."""
 
@@ -91,6 +126,7 @@ class KVState:
     blocks_allocated: list[int]
     blocks_freed: list[int]
     pool_bytes: int
+    moved: list[int] = field(default_factory=list)   # slots that received a kept tree node's K/V this round
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +169,29 @@ class RoundRecord:
     tokens_total: int            # generated tokens after this round
     elapsed_s: float             # time spent decoding so far (prefill included, idle time between steps not)
     finished: bool
+    tree: TreeRecord | None = None   # a tree round: k counts its nodes, positions is empty
 
     @property
     def verified(self) -> int:
-        """Draft positions whose accept test ran: accepted + 1 at a rejection, K after a full accept."""
+        """Positions whose accept test ran: accepted + 1 at a rejection, K after a full accept. A tree
+        round counts depths: the accepted path, plus the depth where it stopped."""
+        if self.tree is not None:
+            return self.tree.depths_verified
         return sum(p.verified for p in self.positions)
+
+    @property
+    def depth(self) -> int:
+        """The most positions the round could verify: K for a chain, the deepest node for a tree."""
+        if self.tree is not None:
+            return max((n.depth for n in self.tree.nodes), default=0)
+        return self.k
+
+    def checks(self) -> list[bool]:
+        """The accept results in order, position by position (a tree: depth by depth): accepted ones,
+        then a False where the round stopped at a rejection."""
+        if self.tree is not None:
+            return [True] * len(self.tree.path) + [False] * (self.tree.depths_verified - len(self.tree.path))
+        return [p.outcome is Outcome.ACCEPTED for p in self.positions if p.verified]
 
     @property
     def is_prefill(self) -> bool:

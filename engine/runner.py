@@ -60,17 +60,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_features(self, cache: PagedCache, token_ids: list[int], last_only: bool = False,
-                         features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         features: bool = True, positions: list[int] | None = None,
+                         attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the post-norm features of every fed row ([len(token_ids), d]) when `features`
-        (all rows even with `last_only`, which keeps only the last row's logits)."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
-        sync_cuda(self.loaded.device)
+        (all rows even with `last_only`, which keeps only the last row's logits).
+
+        A tree is fed with `positions` (rotary positions, one per token) and `attn_mask` ([q, past + q]
+        bool, which cached and fed rows each token sees); see engine.tree.attention_mask."""
+        device = self.loaded.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device) if positions is not None else None
+        sync_cuda(device)
         t0 = self._now()
         if self.fused is not None:
-            logits, hidden = self.fused.forward_features(cache, ids, last_only)
+            logits, hidden = self.fused.forward_features(cache, ids, last_only, pos, attn_mask)
         else:
-            out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True,
-                                    logits_to_keep=1 if last_only else 0, output_hidden_states=features)
+            extra = {}
+            if pos is not None:  # a 4-D additive mask and explicit positions, as transformers takes a tree
+                blocked = torch.zeros(attn_mask.shape, dtype=self.loaded.dtype, device=device)
+                blocked.masked_fill_(~attn_mask.to(device), torch.finfo(self.loaded.dtype).min)
+                extra = {"attention_mask": blocked[None, None], "position_ids": pos[None]}
+            out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0,
+                                    output_hidden_states=features, **extra)
             logits = out.logits[0].float()
             hidden = out.hidden_states[-1][0] if features else None
         sync_cuda(self.loaded.device)

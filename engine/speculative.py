@@ -20,6 +20,7 @@ import torch
 from engine.clock import Now, PhaseClock
 from engine.config import K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
+from engine.drafters.base import TreeProposal
 from engine.drafters.eagle import EagleDrafter
 from engine.metrics import summarize
 from engine.models import ModelPair
@@ -29,6 +30,7 @@ from engine.records import Outcome, RoundRecord, RoundTimings, RunSummary
 from engine.runner import ModelRunner, pool_blocks, pool_bytes
 from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.sequence import Sequence
+from engine.tree import TreeVerdict, attention_mask, verify_tree
 from engine.verify import VerifyResult, verify, verify_greedy
 
 
@@ -154,7 +156,7 @@ class SpeculativeEngine:
             p_rows, verdict = self._verify(logits, proposal)
         with clock.phase("commit"):
             emitted = self.sequence.accept(verdict.tokens)
-            self._commit()
+            self._commit(proposal, verdict)
         self._schedule(proposal, verdict)
         record = self._record(RoundResult(proposal, p_rows, verdict, emitted), clock, forwards_before)
         self.rounds.append(record)
@@ -171,29 +173,44 @@ class SpeculativeEngine:
             self.drafter.prefill(self.prompt, self._features)
         return logits
 
-    def _draft(self) -> Proposal | None:
-        """Up to K drafts, never more than the tokens still to generate leave room to verify."""
+    def _draft(self) -> Proposal | TreeProposal | None:
+        """Up to K drafts (or a tree), never more than the tokens still to generate leave room to verify."""
         remaining = self.sequence.remaining
         k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
         if not k:
             return None
+        if self.config.tree is not None:
+            return self.drafter.propose_tree(self.tokens, self.config.tree)
         proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1))
         return proposal if proposal.tokens else None
 
-    def _verify_forward(self, proposal: Proposal | None) -> torch.Tensor:
-        """Target logits for [last, d1..dK]: K+1 rows, row K the bonus row."""
-        feed = [self.sequence.last, *(proposal.tokens if proposal else [])]
+    def _verify_forward(self, proposal: Proposal | TreeProposal | None) -> torch.Tensor:
+        """Target logits for [last, d1..dK]: K+1 rows, row K the bonus row; for a tree, one row per node
+        (the root first), each node at its depth and attending to its ancestors."""
+        extra: dict = {}
+        if isinstance(proposal, TreeProposal):
+            tree, past = proposal.tree, len(self.tokens) - 1
+            feed = tree.tokens
+            extra = {"positions": [past + d for d in tree.depths], "attn_mask": attention_mask(tree, past)}
+        else:
+            feed = [self.sequence.last, *(proposal.tokens if proposal else [])]
         forward = self.target_runner.forward_features
         if self.config.mode is Mode.V1:
             with self.target_cache.read_only():
-                logits, self._features = forward(self.target_cache, feed, features=self._needs_features)
+                logits, self._features = forward(self.target_cache, feed, features=self._needs_features, **extra)
         else:
-            logits, self._features = forward(self.target_cache, feed, features=self._needs_features)
+            logits, self._features = forward(self.target_cache, feed, features=self._needs_features, **extra)
         return logits
 
-    def _verify(self, logits: torch.Tensor, proposal: Proposal | None) -> tuple[torch.Tensor, VerifyResult]:
+    def _verify(self, logits: torch.Tensor,
+                proposal: Proposal | TreeProposal | None) -> tuple[torch.Tensor, VerifyResult | TreeVerdict]:
         """(processed target rows, the round's verdict). Greedy rounds verify from the argmaxes
         (`verify_greedy`, the same result as `verify` on one-hot rows, without the [K+1, V] work)."""
+        if isinstance(proposal, TreeProposal):
+            greedy = self.config.sampling.greedy
+            p_rows = one_hot_rows(greedy_ids(logits), logits.shape[1]) if greedy else \
+                logits_to_probs(logits, self.config.sampling)
+            return p_rows, verify_tree(proposal.tree, p_rows, self.gen_verify, greedy, self.config.tree.rule)
         if self.config.sampling.greedy:
             ids = greedy_ids(logits)
             p_rows = one_hot_rows(ids, logits.shape[1])
@@ -214,10 +231,18 @@ class SpeculativeEngine:
                             positions=[], final_token=token, final_outcome=Outcome.BONUS, final_row=0,
                             final_u=float(u[0]), residual=None)
 
-    def _commit(self) -> None:
-        """Bring both caches back to the invariant: K/V of tokens[:-1]."""
+    def _commit(self, proposal: Proposal | TreeProposal | None, verdict: VerifyResult | TreeVerdict) -> None:
+        """Bring both caches back to the invariant: K/V of tokens[:-1]. A tree round first moves its
+        accepted path's K/V next to the root's, into consecutive slots, and hands the drafter the
+        features of the root and the path."""
         keep = len(self.tokens) - 1
         cache = self.target_cache
+        if isinstance(proposal, TreeProposal):
+            rows = [0, *verdict.path]
+            if self.config.mode is not Mode.V1:   # v2 wrote the whole tree: its last len(tree) slots
+                cache.compact(cache.table.length - len(proposal.tree.tokens), rows)
+            if self._features is not None:
+                self._features = self._features[rows]
         if self.config.mode is Mode.V1:
             # The seed system's second forward: commit the accepted tokens' K/V.
             feed = self.tokens[cache.table.length : keep]
@@ -227,9 +252,9 @@ class SpeculativeEngine:
         if self.drafter is not None:
             self.drafter.commit(self.tokens, self._features)
 
-    def _schedule(self, proposal: Proposal | None, verdict: VerifyResult) -> None:
+    def _schedule(self, proposal: Proposal | TreeProposal | None, verdict: VerifyResult | TreeVerdict) -> None:
         """The next round's K (the heuristic schedule reacts to a fully accepted round)."""
-        if proposal is not None:
+        if isinstance(proposal, Proposal):
             self.k = self.config.next_k(self.k, verdict.accepted_count == len(proposal.tokens))
 
     # -- records ----------------------------------------------------------------------------------

@@ -278,12 +278,14 @@ def _check_round(r: RoundRecord) -> None:
     """Cross-field sanity: the counts a renderer relies on agree with each other."""
     if not 0 <= r.k <= K_BOUND:
         raise TraceError(f"round.k: {r.k} is outside [0, {K_BOUND}]")
-    if len(r.positions) != r.k:
+    if r.tree is not None:
+        _check_tree(r)
+    elif len(r.positions) != r.k:
         raise TraceError(f"round.positions: {len(r.positions)} positions for k={r.k}")
     if not 0 <= r.accepted <= r.k:
         raise TraceError(f"round.accepted: {r.accepted} is outside [0, k={r.k}]")
-    if not 1 <= len(r.emitted) <= r.k + 1:
-        raise TraceError(f"round.emitted: {len(r.emitted)} tokens for k={r.k} (expected 1..k+1)")
+    if not 1 <= len(r.emitted) <= r.depth + 1:
+        raise TraceError(f"round.emitted: {len(r.emitted)} tokens for k={r.k} (expected 1..{r.depth + 1})")
     if r.final.outcome not in (Outcome.CORRECTED, Outcome.BONUS):
         raise TraceError(f"round.final.outcome: {r.final.outcome.value!r} (expected corrected or bonus)")
     if min(r.emitted) < 0 or r.tokens_total < 0 or r.index < 0:
@@ -312,6 +314,9 @@ def _upgrade_v1_round(data: Any) -> Any:
     data["positions"] = positions
     if isinstance(data.get("final"), dict):
         data["final"] = _with_pending(data["final"])
+    data.setdefault("tree", None)   # version 1 drafted chains only
+    if isinstance(data.get("kv"), list):
+        data["kv"] = [{**kv, "moved": kv.get("moved", [])} if isinstance(kv, dict) else kv for kv in data["kv"]]
     drafter = None if data.get("drafter") == "none" else data.get("drafter")
     data["drafter"] = drafter
     copied = drafter == "ngram" or (drafter == "hybrid" and data.get("draft_forwards") == 0)
@@ -325,6 +330,24 @@ def _upgrade_v1_round(data: Any) -> Any:
         t.setdefault("draft_forward_ms", [draft_ms / n] * n if n > 0 and isinstance(draft_ms, (int, float)) else [])
         data["timings"] = t
     return data
+
+
+def _check_tree(r: RoundRecord) -> None:
+    """A tree round's nodes are numbered 1..k, each under an earlier node one depth up, and its path
+    descends from the root through them."""
+    nodes = r.tree.nodes
+    if len(nodes) != r.k or [n.index for n in nodes] != list(range(1, r.k + 1)) or r.positions:
+        raise TraceError(f"round.tree: {len(nodes)} nodes numbered 1..{len(nodes)} for k={r.k} and no positions")
+    depth = {0: 0}
+    for n in nodes:
+        if not 0 <= n.parent < n.index or n.depth != depth[n.parent] + 1:
+            raise TraceError(f"round.tree.nodes[{n.index}]: parent {n.parent} and depth {n.depth} do not make a tree")
+        depth[n.index] = n.depth
+    parent = 0
+    for node in r.tree.path:
+        if not 1 <= node <= r.k or nodes[node - 1].parent != parent:
+            raise TraceError(f"round.tree.path: {r.tree.path} does not descend from the root")
+        parent = node
 
 
 def _with_pending(record: dict) -> dict:

@@ -45,6 +45,7 @@ def quickly_trained_head(target: LoadedModel, kept: int = 3000, steps: int = 80)
     seqs = [Sequence(torch.tensor(w, dtype=torch.int32), 1, fresh_features(target, w)[:-1].half()) for w in windows]
     runtime = random_head(target, kept, trained_like=False)
     head, plan = runtime.head.float().train().requires_grad_(True), EaglePlan(depth=1, accumulate=1, noise=0.0)
+    head.init_for_training(torch.Generator().manual_seed(0))
     embed = target.model.get_input_embeddings().weight.detach().float()
     head_kept = target.model.get_output_embeddings().weight.detach().float().index_select(0, runtime.kept_ids)
     cos, sin = rope_tables(head.config.head_dim, 10000.0, torch.arange(200))

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from engine.config import DrafterKind, SpecConfig
+from engine.config import DrafterKind, SpecConfig, TreeRule, TreeSpec
 from engine.models import LoadedModel, ModelPair
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
@@ -100,3 +100,37 @@ def test_the_test_can_fail(tiny):
     skewed = {key: p * (2.0 if key[0] == first else 1.0) for key, p in exact.items()}
     total = sum(skewed.values())
     assert chi_square({k: v / total for k, v in skewed.items()}, counts) < LEVEL
+
+
+def tree_counts(pair: ModelPair, drafter: DrafterKind, spec: TreeSpec, runs: int) -> dict[tuple[int, int, int], int]:
+    counts: dict[tuple[int, int, int], int] = {}
+    for seed in range(runs):
+        config = SpecConfig(drafter=drafter, tree=spec, sampling=SAMPLING, seed=seed, max_new_tokens=3,
+                            stop_at_eos=False, record=False)
+        engine = SpeculativeEngine(pair, PROMPT, config)
+        engine.run()
+        engine.close()
+        key = tuple(engine.generated)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("drafter, spec", [
+    (DrafterKind.MODEL, TreeSpec(widths=(3, 2))),
+    (DrafterKind.MODEL, TreeSpec(budget=6, depth=2)),
+    (DrafterKind.EAGLE, TreeSpec(widths=(3, 3))),
+], ids=["model-static-3-2", "model-dynamic-N6", "eagle-static-3-3"])
+def test_tree_sampling_follows_the_target(tiny, drafter, spec):
+    pair, exact = tiny
+    counts = tree_counts(pair, drafter, spec, RUNS)
+    assert set(counts) <= set(exact)
+    assert chi_square(exact, counts) >= LEVEL
+
+
+def test_a_tree_rule_that_skips_the_residual_update_fails_the_same_test(tiny):
+    """Testing every sibling against the same p (no residual update between them) over-produces
+    the tokens the draft proposes first; the chi-square test sees it."""
+    pair, exact = tiny
+    wrong = TreeSpec(widths=(4, 1), rule=TreeRule.NO_RESIDUAL_UPDATE)
+    counts = tree_counts(pair, DrafterKind.MODEL, wrong, RUNS)
+    assert chi_square(exact, counts) < LEVEL

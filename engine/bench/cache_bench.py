@@ -27,18 +27,15 @@ def _decode_ms(forward, prompt: torch.Tensor, steps: int) -> float:
 def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
     from transformers import DynamicCache
 
-    from engine.fused_llama import fused_for
     from engine.kv_cache import KVPool
 
-    model, fused = loaded.model, fused_for(loaded.model)
+    model, fused = loaded.model, loaded.fused
     prompt = torch.randint(0, loaded.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     pool = KVPool(loaded.kv_shape, -(-(context + 64) // 16), 16, loaded.device, loaded.dtype)
     times: dict[str, list[float]] = {}
 
     def paged(name: str, contiguous: bool, use_fused: bool) -> None:
-        cache = pool.new_sequence()
-        if not contiguous:
-            cache._contiguous_span = lambda: None  # force the index_select path
+        cache = pool.new_sequence(fast_path=contiguous)
         if use_fused:
             forward = lambda ids: fused.forward(cache, ids)  # noqa: E731
         else:

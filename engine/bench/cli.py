@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -14,7 +14,9 @@ from engine.bench.methods import (
     CODE_PROMPT_TOKENS,
     DEFAULT_KS,
     METHOD_NAMES,
+    PROMPT_SETS,
     BenchSettings,
+    Method,
     build_methods,
     parse_method,
 )
@@ -25,6 +27,7 @@ from engine.bench.results import summarize_all
 from engine.bench.runs import BenchModels, run_bench
 from engine.calibration import calibrate
 from engine.cli import DTYPES, Parser, UsageError, check_device, quiet_transformers
+from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
 from engine.prompts import PromptError
 from engine.sources import BUILTIN
@@ -37,13 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine bench",
                 description="Benchmark speculative decoding (v2, v1, heuristic K, n-gram) against target-only "
                             "decoding and Hugging Face assisted generation, interleaved, medians over repeats.")
-    p.add_argument("--target", default=BUILTIN, help="target: 'builtin', a Hugging Face id or a path (default: builtin)")
-    p.add_argument("--draft", default=BUILTIN, help="draft model, sharing the target's tokenizer (default: builtin)")
+    p.add_argument("--target", default=BUILTIN,
+                   help="target: 'builtin', 'smollm2', a Hugging Face id or a path (default: builtin)")
+    p.add_argument("--draft", default=None,
+                   help="draft model, sharing the target's tokenizer, or 'none' (default: builtin for the built-in "
+                        "target, else none: methods that need a draft model are then left out)")
+    p.add_argument("--eagle", default=None,
+                   help="EAGLE head for the eagle methods: a folder or a source name under assets/eagle "
+                        "(default: the target's source)")
     p.add_argument("--draft-device", default=None, help="default: cuda:0 if present, else cpu")
     p.add_argument("--target-device", default=None, help="default: cuda:1 with 2+ GPUs, cuda:0 with one, else cpu")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype; auto = fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--prompts", choices=("heldout", "code"), default="heldout",
-                   help="heldout: windows of held-out stdlib test files; code: their first halves, to continue")
+    p.add_argument("--prompts", choices=PROMPT_SETS, default="heldout",
+                   help="heldout: windows of held-out stdlib test files; code: their first halves, to continue; "
+                        "chat: the project's 32 chat questions; chat-heldout: the 16 kept from every training "
+                        "(both through the target's chat template)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts (default: 8)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help=f"heldout: window length (default 128); code: most prompt tokens kept (default {CODE_PROMPT_TOKENS})")
@@ -89,13 +100,25 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
         raise UsageError(str(exc)) from None
 
 
-def load_pair(a: argparse.Namespace, needs_draft: bool) -> tuple[LoadedModel, LoadedModel | None]:
+def load_pair(a: argparse.Namespace, needs_draft: bool,
+              needs_eagle: bool) -> tuple[LoadedModel, LoadedModel | None, EagleRuntime | None]:
     for spec in (a.draft_device, a.target_device):
         if spec is not None:
             check_device(spec)
     draft_dev, target_dev = default_devices(a.draft_device, a.target_device)
     target = load_model(a.target, "target", device=target_dev, dtype=a.dtype)
-    return target, load_model(a.draft, "draft", device=draft_dev, dtype=a.dtype) if needs_draft else None
+    draft = load_model(a.draft, "draft", device=draft_dev, dtype=a.dtype) if needs_draft else None
+    try:
+        eagle = load_eagle(a.eagle or a.target, target) if needs_eagle else None
+    except EagleLoadError as exc:
+        raise UsageError(str(exc)) from None
+    return target, draft, eagle
+
+
+def draft_source(a: argparse.Namespace) -> str | None:
+    """The draft model to load: --draft, else the built-in draft for the built-in target, else none."""
+    source = a.draft if a.draft is not None else (BUILTIN if a.target == BUILTIN else "none")
+    return None if source == "none" else source
 
 
 def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
@@ -107,10 +130,17 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
         chosen = parse_method(a.profile, settings.ks[0]) if a.profile else None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    a.draft = draft_source(a)
+    if a.draft is None:   # no draft model: the methods that run one are left out
+        settings = replace(settings, methods=tuple(m for m in settings.methods if not Method(m, 1).uses_draft_model
+                                                   and m != "hf-assisted"))
+        if chosen is not None and (chosen.uses_draft_model or chosen.name == "hf-assisted"):
+            raise UsageError(f"{chosen.name} needs a draft model: pass --draft")
     drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)
     with quiet_transformers():  # assisted generation warns on every call about its own internal kwargs
-        target, draft = load_pair(a, needs_draft=any(m.uses_draft_model for m in drafters))
-        models = BenchModels(target, draft)
+        target, draft, eagle = load_pair(a, any(m.uses_draft_model or m.name == "hf-assisted" for m in drafters),
+                                         any(m.uses_eagle for m in drafters))
+        models = BenchModels(target, draft, eagle)
         prompts = make_prompts(settings, target)
         if chosen:
             return profile(chosen, settings, models, prompts, a.profile_top)

@@ -4,15 +4,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
+from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig, TreeSpec
 
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 HEURISTIC_START_K = 4
 BASELINES = ("hf-generate", "target")      # always run: the speed-up reference and the token reference
 REFERENCE = "hf-generate"
 METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "hf-prompt-lookup",
-                "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic")
+                "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic",
+                "eagle", "eagle-heuristic", "eagle-hybrid", "tree-static", "tree-dynamic", "eagle-tree-static",
+                "eagle-tree-dynamic")
+# Tree methods take K as their node budget N: the verify forward covers N + 1 rows, like a chain at K = N.
+STATIC_TREES = {1: (1,), 2: (2,), 3: (2, 1), 4: (2, 1, 1), 6: (3, 2, 1), 8: (3, 2, 2, 1), 12: (4, 3, 2, 2, 1),
+                16: (4, 4, 3, 3, 2), 24: (6, 6, 5, 4, 3), 32: (8, 8, 6, 4, 3, 2, 1)}
+DYNAMIC_TREE_DEPTH = 8
+DEFAULT_METHODS = METHOD_NAMES[:12]   # the EAGLE and tree methods run when named (--methods)
 UNDRAFTED = ("hf-generate", "target", "target-transformers")  # target-only: no K
+PROMPT_SETS = ("heldout", "code", "chat", "chat-heldout")
 NGRAM_MAX = 4
 # Code prompts keep the last 192 tokens of each file's first half: the built-in pair was trained on
 # 256-token windows, so 192 + 64 new tokens stay inside what it learned. Past that both models are
@@ -42,13 +50,28 @@ class Method:
         if self.k is None:
             return "none"
         base = self.name.removesuffix("-heuristic")
-        if base == "hybrid":
-            return "hybrid"
+        if base in ("hybrid", "eagle-hybrid"):
+            return base
+        if base.startswith("eagle"):
+            return "eagle"
         return "ngram" if base in ("ngram", "hf-prompt-lookup") else "model"
 
     @property
     def uses_draft_model(self) -> bool:
         return self.drafter in ("model", "hybrid")
+
+    @property
+    def uses_eagle(self) -> bool:
+        return self.drafter in ("eagle", "eagle-hybrid")
+
+    @property
+    def tree(self) -> TreeSpec | None:
+        """The tree of a tree method at its budget N = K (static shapes from STATIC_TREES)."""
+        if not self.name.endswith(("tree-static", "tree-dynamic")):
+            return None
+        if self.name.endswith("static"):
+            return TreeSpec(widths=STATIC_TREES[self.k])
+        return TreeSpec(budget=self.k, depth=min(self.k, DYNAMIC_TREE_DEPTH))
 
     @property
     def schedule(self) -> str:
@@ -60,11 +83,11 @@ class Method:
         """The engine config of an engine method: greedy, no EOS stop (exact token counts), no UI records."""
         base = self.name.removesuffix("-heuristic")
         mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1}.get(base, Mode.V2)
-        drafter = {"ngram": DrafterKind.NGRAM, "hybrid": DrafterKind.HYBRID}.get(base, DrafterKind.MODEL)
+        drafter = DrafterKind(self.drafter) if self.drafter != "none" else DrafterKind.MODEL
         schedule = KSchedule.HEURISTIC if self.schedule == "heuristic" else KSchedule.CONSTANT
         return SpecConfig(mode=mode, drafter=drafter, k=self.k or 1, k_schedule=schedule, k_max=max(8, self.k or 1),
                           max_new_tokens=new_tokens, stop_at_eos=False, record=False, ngram_max=NGRAM_MAX,
-                          fused_forward=self.name != "target-transformers")
+                          fused_forward=self.name != "target-transformers", tree=self.tree)
 
 
 def build_methods(names: Sequence[str], ks: Sequence[int]) -> list[Method]:
@@ -84,20 +107,22 @@ def build_methods(names: Sequence[str], ks: Sequence[int]) -> list[Method]:
 
 @dataclass(frozen=True, slots=True)
 class BenchSettings:
-    prompt_set: str = "heldout"        # "heldout" or "code"
+    prompt_set: str = "heldout"        # one of PROMPT_SETS
     num_prompts: int = 8
     prompt_tokens: int = 128           # heldout: window length; code: the most prompt tokens kept
     new_tokens: int = 64
     repeats: int = 3
     warmup: int = 1                    # untimed runs of every method before timing
     ks: tuple[int, ...] = DEFAULT_KS
-    methods: tuple[str, ...] = METHOD_NAMES
+    methods: tuple[str, ...] = DEFAULT_METHODS
     seed: int = 0
     calibration_repeats: int = 5       # passes of the r(n) calibration before the runs
 
     def __post_init__(self) -> None:
-        if self.prompt_set not in ("heldout", "code"):
-            raise ValueError(f"--prompts must be heldout or code, not {self.prompt_set!r}")
+        if self.prompt_set not in PROMPT_SETS:
+            raise ValueError(f"--prompts must be one of {', '.join(PROMPT_SETS)}, not {self.prompt_set!r}")
+        if "tree-static" in " ".join(self.methods) and any(k not in STATIC_TREES for k in self.ks):
+            raise ValueError(f"static trees are defined for N in {sorted(STATIC_TREES)}, got K = {list(self.ks)}")
         for name in ("num_prompts", "prompt_tokens", "new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -20,7 +20,8 @@ def write_plot(results: Sequence[MethodResult], meta: BenchMeta, path: Path) -> 
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    palette = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2")
+    palette = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+               "#17becf", "#000000", "#aec7e8", "#ffbb78")
     swept = [m for m in METHOD_NAMES if any(r.method == m and r.schedule == "constant" for r in results)]
     for colour, name in zip(palette, swept):
         rs = sorted((r for r in results if r.method == name), key=lambda r: r.k)

@@ -5,8 +5,9 @@ import random
 from dataclasses import dataclass
 
 from engine.bench.methods import BenchSettings
+from engine.config import K_SLACK
 from engine.models import LoadedModel
-from engine.speculative import K_SLACK, PromptError
+from engine.prompts import PromptError
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,18 @@ def code_prompts(tokenizer, count: int, max_tokens: int, seed: int) -> list[Prom
     return out
 
 
+def chat_prompts(tokenizer, which: str, count: int) -> list[Prompt]:
+    """The project's chat questions ('bench', 32; or 'heldout', 16, never trained on), each through the
+    target's chat template."""
+    from engine.prompts import ChatPrompt, encode_chat, has_chat_template
+    from engine.train.chat_prompts import chat_prompts as written
+
+    if not has_chat_template(tokenizer):
+        raise PromptError("chat prompts need a target with a chat template (e.g. --target smollm2)")
+    texts = written(which)[:count]
+    return [Prompt(f"{which} #{i + 1}: {t[:40]}", encode_chat(tokenizer, ChatPrompt(t))) for i, t in enumerate(texts)]
+
+
 def make_prompts(settings: BenchSettings, target: LoadedModel) -> list[Prompt]:
     """The prompt set, cut so that prompt + new tokens + a round's slack fit the target's context."""
     room = target.max_context - settings.new_tokens - K_SLACK
@@ -57,6 +70,9 @@ def make_prompts(settings: BenchSettings, target: LoadedModel) -> list[Prompt]:
         raise PromptError(f"{settings.new_tokens} new tokens leave no room for a prompt in a "
                           f"{target.max_context}-token context")
     length = min(settings.prompt_tokens, room)
+    if settings.prompt_set in ("chat", "chat-heldout"):
+        return chat_prompts(target.tokenizer, "bench" if settings.prompt_set == "chat" else "heldout",
+                            settings.num_prompts)
     if settings.prompt_set == "code":
         return code_prompts(target.tokenizer, settings.num_prompts, length, settings.seed)
     return heldout_prompts(target.tokenizer, settings.num_prompts, length, settings.seed)

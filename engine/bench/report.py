@@ -97,10 +97,19 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
     Hugging Face assisted generation and v1 at the same K, the engine's target-only against `generate`."""
     by_label = {r.label: r for r in results}
     lines = []
-    for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hybrid-heuristic", "hf-assisted", "hf-prompt-lookup"):
+    for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hybrid-heuristic", "eagle", "eagle-heuristic",
+                 "eagle-hybrid", "tree-static", "tree-dynamic", "eagle-tree-static", "eagle-tree-dynamic", "hf-assisted",
+                 "hf-prompt-lookup"):
         best = max((r for r in results if r.method == name), key=lambda r: r.speedup, default=None)
         if best:
             lines.append(f"best {name}: {best.label} at {best.speedup:.2f}x (predicted {best.predicted_speedup:.2f}x)")
+    for tree in (r for r in results if r.method in ("tree-static", "tree-dynamic", "eagle-tree-static",
+                                                    "eagle-tree-dynamic")):
+        chain = by_label.get(f"{'eagle' if tree.method.startswith('eagle') else 'v2'} K={tree.k}")
+        if chain and chain.mean_accepted_length:
+            lines.append(f"{tree.label} against a chain of the same width: "
+                         f"{tree.mean_accepted_length / chain.mean_accepted_length:.2f}x tokens per round, "
+                         f"{tree.tokens_per_s / chain.tokens_per_s:.2f}x tokens/s")
     for r in (r for r in results if r.method == "v2"):
         others = [(o, by_label.get(f"{o} K={r.k}")) for o in ("hf-assisted", "v1")]
         ratios = [f"{r.tokens_per_s / o.tokens_per_s:.2f}x {name}" for name, o in others if o]

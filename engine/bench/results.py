@@ -113,14 +113,15 @@ def predict_runs(method: Method, first: Sequence[RunSample], c: float, r_of_n: C
         return Prediction(math.nan, math.nan, None, [])
     rounds_k = [k for s in first for k in s.rounds_k]
     forwards = [f for s in first for f in (s.rounds_draft_forwards or s.rounds_k)]
+    depths = [d for s in first for d in (s.rounds_depth or s.rounds_k)]
     accepted = sum(s.accepted for s in first)
     alpha = metrics.alpha_rate(accepted, sum(verified))
     checks = [c for s in first for c in s.checks]
-    rates = metrics.per_position_acceptance(checks, max(rounds_k)) if checks else []
+    rates = metrics.per_position_acceptance(checks, max(depths)) if checks else []
     iid = metrics.predicted_over_rounds(lambda k: metrics.expected_tokens_per_round(alpha, k), rounds_k, forwards,
-                                        c, r_of_n)
+                                        c, r_of_n, depths)
     by_rates = metrics.predicted_over_rounds(lambda k: metrics.expected_tokens_from_rates(rates, k), rounds_k,
-                                             forwards, c, r_of_n) if rates else math.nan
+                                             forwards, c, r_of_n, depths) if rates else math.nan
     return Prediction(iid, by_rates, alpha, rates)
 
 

@@ -12,8 +12,8 @@ import torch
 from engine.bench.clock import ForwardClock, ForwardTime
 from engine.bench.methods import NGRAM_MAX, BenchSettings, Method, build_methods
 from engine.bench.prompts import Prompt
+from engine.drafters.eagle import EagleRuntime
 from engine.models import LoadedModel, ModelPair
-from engine.records import Outcome
 from engine.speculative import SpeculativeEngine
 
 
@@ -48,6 +48,7 @@ class RunSample:
     phases: Phases | None           # engine methods only
     rounds_draft_forwards: list[int] | None = None  # draft-model forwards per round (engine); None: rounds_k
     checks: list[list[bool]] = field(default_factory=list)  # per drafted round, its verified accepts (engine)
+    rounds_depth: list[int] | None = None   # the most tokens each round could accept (a tree: its depth)
 
     @property
     def decode_forwards(self) -> tuple[list[ForwardTime], list[ForwardTime]]:
@@ -62,11 +63,12 @@ class BenchModels:
 
     target: LoadedModel
     draft: LoadedModel | None
+    eagle: EagleRuntime | None = None
     pair: ModelPair = field(init=False)
     assistants: dict[int, torch.nn.Module] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.pair = ModelPair(self.target, self.draft)
+        self.pair = ModelPair(self.target, self.draft, self.eagle)
 
     def assistant(self, k: int) -> torch.nn.Module:
         if k not in self.assistants:
@@ -114,7 +116,7 @@ def run_engine(method: Method, models: BenchModels, prompt: list[int], new_token
     target_fwd, draft_fwd = _forward_times(rounds, len(prompt))
     return RunSample(-1, list(engine.generated), wall, ttft, [r.k for r in rounds], sum(r.accepted for r in rounds),
                      sum(r.verified for r in rounds), target_fwd, draft_fwd, phases, [r.draft_forwards for r in rounds],
-                     [[p.outcome is Outcome.ACCEPTED for p in r.positions if p.verified] for r in rounds if r.k])
+                     [r.checks() for r in rounds if r.k], [r.depth for r in rounds])
 
 
 def hf_config(target: LoadedModel, method: Method, new_tokens: int):

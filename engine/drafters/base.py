@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.config import DrafterKind
 from engine.kv_cache import PagedCache
+
+if TYPE_CHECKING:
+    from engine.tree import DraftTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,15 @@ class Drafter(Protocol):
     def caches(self) -> list[DraftCache]: ...
     def drain_forward_ms(self) -> list[float]: ...
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TreeProposal:
+    """A round's draft tree (engine.tree.DraftTree), the draft forwards it took, and who drafted it."""
+
+    tree: "DraftTree"
+    forwards: int
+    source: DrafterKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,13 +31,14 @@ from torch import nn
 
 from engine.clock import Now, sync_cuda
 from engine.config import DrafterKind
-from engine.drafters.base import DraftCache, Proposal
+from engine.drafters.base import DraftCache, Proposal, TreeProposal
 from engine.fused_llama import _rms_norm, decoder_block
 from engine.kv_cache import KVPool, KVShape, PagedCache
 from engine.models import LoadedModel
 from engine.runner import pool_blocks
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
 from engine.sources import eagle_folder
+from engine.tree import DraftTree, TreeSpec, attention_mask, grow
 
 EAGLE_FORMAT = 1
 WEIGHTS, CONFIG = "head.safetensors", "eagle.json"
@@ -109,6 +110,23 @@ class EagleHead(nn.Module):
         self.norm_in, self.norm_post, self.norm_out = (nn.Parameter(torch.ones(d)) for _ in range(3))
 
     @torch.no_grad()
+    def init_for_training(self, generator: torch.Generator) -> None:
+        """The starting point training uses: a freshly initialised layer (Linear's own uniform init, from
+        `generator`), unit norms, and fc passing the feature through beside its random part. Measured
+        here on SmolLM2's data, this learns several times faster per sequence than starting from the
+        target's last layer, whose weights expect the residual stream, not post-norm features."""
+        for module in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
+                       self.down_proj):
+            bound = module.in_features ** -0.5
+            module.weight.uniform_(-bound, bound, generator=generator)
+            if module.bias is not None:
+                module.bias.uniform_(-bound, bound, generator=generator)
+        for norm in (self.norm_in, self.norm_post, self.norm_out):
+            norm.fill_(1.0)
+        d = self.config.hidden
+        self.fc.weight[:, d:] += torch.eye(d)
+
+    @torch.no_grad()
     def init_from_target(self, target: torch.nn.Module) -> None:
         """Start from the target's last decoder layer and final norm, with fc passing the feature through
         (so the untrained head computes the target's last layer over the current feature)."""
@@ -176,14 +194,21 @@ class EagleRuntime:
         return own + self.head_weight.numel() * self.head_weight.element_size()
 
     @torch.inference_mode()
-    def forward(self, cache: PagedCache, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
+    def forward(self, cache: PagedCache, tokens: list[int], feats: torch.Tensor, positions: list[int] | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted features [n, d] for draft positions past+1 .. past+n, whose inputs are `tokens` (x_t)
-        and `feats` ([n, d], f_{t-1}); writes their K/V into the head's cache."""
+        and `feats` ([n, d], f_{t-1}); writes their K/V into the head's cache. A tree's nodes come with
+        their own draft `positions` and an `attn_mask` [n, past + n] (engine.tree.attention_mask)."""
         n = len(tokens)
         past = cache.get_seq_length()
         ids = torch.tensor([tokens], dtype=torch.long, device=self.target.device)
-        cos, sin = self._rope(past + 1, n, self.target.dtype)   # draft position t sits at rotary position t
-        mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
+        if positions is None:
+            cos, sin = self._rope(past + 1, n, self.target.dtype)   # draft position t sits at rotary position t
+            mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
+        else:
+            cos, sin = self._rope(0, max(positions) + 1, self.target.dtype)
+            index = torch.tensor(positions, device=ids.device)
+            cos, sin, mask = cos[index], sin[index], attn_mask.to(ids.device)
         out = self.head.step(F.embedding(ids, self.embed), feats[None].to(self.target.dtype), self.layer,
                              lambda ks, vs: cache.layer_update(0, ks, vs), cos[None, None], sin[None, None], mask)
         cache.tokens.extend(tokens)
@@ -253,10 +278,11 @@ class EagleDrafter:
         self.features = torch.empty(0, runtime.config.hidden, device=target.device, dtype=target.dtype)
         self.forward_ms: list[float] = []
 
-    def _forward(self, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
+    def _forward(self, tokens: list[int], feats: torch.Tensor, positions: list[int] | None = None,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         sync_cuda(self.runtime.target.device)
         t0 = self._now()
-        out = self.runtime.forward(self.cache, tokens, feats)
+        out = self.runtime.forward(self.cache, tokens, feats, positions, attn_mask)
         sync_cuda(self.runtime.target.device)
         self.forward_ms.append((self._now() - t0) * 1000)
         return out
@@ -289,6 +315,37 @@ class EagleDrafter:
                 predicted = self._forward([tokens[-1]], predicted)
         q_draft = self.runtime.full_rows(torch.stack(rows))
         return Proposal(tokens, q_draft, k, self.kind)
+
+    @torch.inference_mode()
+    def propose_tree(self, committed: list[int], spec: TreeSpec) -> TreeProposal:
+        """A draft tree: the first forward (real features) gives the root's prediction; each wave of nodes
+        then reads its parents' predicted features, attending to the real positions and its ancestors."""
+        n, cached = len(committed), self.cache.table.length
+        predicted: dict[int, torch.Tensor] = {}
+        root_position, base, forwards, fed = n - 1, n - 1, 0, []
+
+        def rows_at(tree: DraftTree, nodes: list[int]) -> dict[int, torch.Tensor]:
+            nonlocal forwards
+            forwards += 1
+            if nodes == [0]:
+                out = self._forward(committed[cached + 1:], self.features[cached:])[-1:]
+                predicted[0] = out[0]
+                return {0: self._rows(out)[0]}
+            fed.extend(nodes)
+            feats = torch.stack([predicted[tree.parents[i]] for i in nodes])
+            out = self._forward([tree.tokens[i] for i in nodes], feats,
+                                [root_position + tree.depths[i] for i in nodes], attention_mask(tree, base, nodes, fed))
+            predicted.update(zip(nodes, out))
+            return dict(zip(nodes, self._rows(out)))
+
+        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator)
+        return TreeProposal(tree, forwards, self.kind)
+
+    def _rows(self, feats: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary draft rows for tree nodes (plain softmax when greedy: it only ranks children)."""
+        logits = self.runtime.logits(feats)
+        probs = torch.softmax(logits, dim=-1) if self.sampling.greedy else logits_to_probs(logits, self.sampling)
+        return self.runtime.full_rows(probs)
 
     @torch.inference_mode()
     def commit(self, committed: list[int], features: torch.Tensor | None) -> None:

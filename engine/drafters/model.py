@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 
 from engine.config import DrafterKind
-from engine.drafters.base import DraftCache, Proposal, common_prefix
+from engine.drafters.base import DraftCache, Proposal, TreeProposal, common_prefix
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
+from engine.tree import DraftTree, TreeSpec, attention_mask, grow
 from engine.verify import align_vocab
 
 
@@ -43,6 +44,7 @@ class ModelDrafter:
         self.generator = generator
         self.cache: PagedCache = runner.new_sequence()
         self.stand_in = stand_in_id(runner.loaded)
+        self._tree_base: int | None = None   # cache length before a tree round's nodes
 
     def prefill(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
         if len(prompt) > 1:
@@ -79,7 +81,39 @@ class ModelDrafter:
     def _draftable(self, tokens: list[int]) -> list[int]:
         return draftable(tokens, self.runner.vocab_size, self.stand_in)
 
+    def propose_tree(self, committed: list[int], spec: TreeSpec) -> TreeProposal:
+        """A draft tree: one forward up to the root, then one per wave of nodes (engine.tree.grow), each
+        node attending to the committed context and its ancestors."""
+        feed, root_position, forwards = self._draftable(committed[self.cache.table.length:]), len(committed) - 1, 0
+        fed: list[int] = []
+
+        def rows_at(tree: DraftTree, nodes: list[int]) -> dict[int, torch.Tensor]:
+            nonlocal forwards
+            forwards += 1
+            if nodes == [0]:
+                self._tree_base = len(committed)
+                return {0: self._rows(self.runner.forward(self.cache, feed, last_only=True))[0]}
+            fed.extend(nodes)
+            mask = attention_mask(tree, self._tree_base, nodes, fed)
+            logits, _ = self.runner.forward_features(
+                self.cache, self._draftable([tree.tokens[i] for i in nodes]), features=False,
+                positions=[root_position + tree.depths[i] for i in nodes], attn_mask=mask)
+            return dict(zip(nodes, self._rows(logits)))
+
+        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator)
+        return TreeProposal(tree, forwards, self.kind)
+
+    def _rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft rows for a tree: the distributions children are drawn from when sampling; when greedy,
+        the draft's plain softmax, which only ranks the children (a greedy walk never reads q)."""
+        aligned = align_vocab(logits, self.target_vocab, fill=float("-inf"), device=self.target_device,
+                              dtype=torch.float32)
+        return torch.softmax(aligned, dim=-1) if self.sampling.greedy else logits_to_probs(aligned, self.sampling)
+
     def commit(self, committed: list[int], features: torch.Tensor | None = None) -> None:
+        if self._tree_base is not None:   # a tree round: its nodes leave the cache, the accepted path is refed
+            self.cache.rollback(self.cache.table.length - self._tree_base)
+            self._tree_base = None
         keep = min(common_prefix(self.cache.tokens, self._draftable(committed)), len(committed) - 1)
         self.cache.rollback(self.cache.table.length - keep)
 

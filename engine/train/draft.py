@@ -144,13 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", choices=(SMOLLM2, BUILTIN), default=SMOLLM2)
     ap.add_argument("--prompts", type=int, default=None, help="training prompts to use (default: all)")
     ap.add_argument("--batch", type=int, default=64, help="sequences generated at once (default: 64)")
-    ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: 192)")
-    ap.add_argument("--epochs", type=float, default=EaglePlan.epochs)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="answer length cap (default: 192 for chat targets; 96 for the built-in pair, trained on "
+                         "256-token windows)")
+    ap.add_argument("--epochs", type=float, default=EaglePlan().epochs, help="passes over the training data")
     ap.add_argument("--kept", type=int, default=None, help="pruned vocabulary (default: 8192, or the whole "
                                                              "vocabulary when smaller)")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--skip-data", action="store_true",
                     help="train on the shards generated so far instead of generating the missing ones first")
+    ap.add_argument("--data-only", action="store_true", help="stop after generating the data")
     ap.add_argument("--skip-eval", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
@@ -164,11 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_data:
         log(f"target {target.name}: generating training data under {work / 'data'}")
         prompts = training_prompts(target, a.target, a.prompts)
-        plan = DataPlan((SamplingPass(), SamplingPass(0.7, 0.95)), a.batch, a.max_new_tokens)
+        new = a.max_new_tokens or (96 if a.target == BUILTIN else 192)
+        plan = DataPlan((SamplingPass(), SamplingPass(0.7, 0.95)), a.batch, new)
         tokens = build(target.model, target.tokenizer, prompts, plan, work / "data", target.tokenizer.eos_token_id,
                        log=log, deadline=deadline)
         if deadline is not None and time.time() > deadline:
             log(f"data: {tokens:,} tokens so far; rerun to continue")
+            return 0
+        if a.data_only:
+            log(f"data: {tokens:,} tokens")
             return 0
     kept = a.kept or min(8192, target.vocab_size)
     result = train(target, work / "data", work / "train", eagle_folder(a.target),

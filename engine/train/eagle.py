@@ -34,13 +34,13 @@ from engine.train.draft_data import Sequence, iter_shards, load_shard
 @dataclass(frozen=True, slots=True)
 class EaglePlan:
     kept: int = 8192                 # pruned vocabulary: the most frequent answer tokens
-    depth: int = 4                   # training-time-test steps
+    depth: int = 3                   # training-time-test steps
     step_weights: tuple[float, ...] = (1.0, 0.8, 0.65, 0.5)
     feature_weight: float = 0.1      # smooth-L1 on step 1's feature, beside the soft cross-entropy
     noise: float = 0.05              # Gaussian noise on the real input features, relative to their std
-    lr: float = 5e-4
-    warmup: int = 100
-    epochs: float = 4.0
+    lr: float = 1e-3
+    warmup: int = 50
+    epochs: float = 3.0
     accumulate: int = 4              # sequences per optimiser step
     max_len: int = 320               # longer sequences are cut (prompt + answer)
     heldout_fraction: float = 0.03
@@ -150,7 +150,6 @@ class TrainState:
 def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: EaglePlan = EaglePlan(),
           log=print, deadline: float | None = None) -> dict:
     """Train (or resume) the head on every shard under `data`; export to `out`; return the training log."""
-    torch.manual_seed(plan.seed)
     sequences = [s for path in iter_shards(data) for s in load_shard(path)]
     if not sequences:
         raise ValueError(f"no training data under {data}: generate it first")
@@ -179,7 +178,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: EaglePla
     opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state = TrainState()
     if ckpt is None:
-        head.init_from_target(target.model)
+        head.init_for_training(torch.Generator().manual_seed(plan.seed))
     else:
         head.load_state_dict(ckpt["head"])
         opt.load_state_dict(ckpt["opt"])

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from engine import metrics
 from engine.compared import ComparedRun
-from engine.config import DrafterKind, Mode, SpecConfig
+from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeSpec
 from engine.drafters.model import draftable, stand_in_id
 from engine.models import LoadedModel, ModelPair
 from engine.records import Outcome, PositionRecord, RoundRecord
@@ -53,6 +53,7 @@ class StepId(str, Enum):
     BONUS = "bonus"
     KV = "kv"
     V1_V2 = "v1_v2"
+    TREE = "tree"
     PAYS = "pays"
 
 
@@ -66,6 +67,7 @@ class View(str, Enum):
     BONUS = "bonus"        # the bonus row K
     KV = "kv"              # v2's target KV grid
     KV_V1 = "kv_v1"        # v1's target KV grid, same round
+    TREE = "tree"          # a tree round drawn as a tree
     THEORY = "theory"      # E(alpha, K) and the predicted speed-up
 
 
@@ -100,7 +102,10 @@ STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
     StepId.BONUS: _spec(View.BONUS, QuestionKind.NUMBER, "round k k1", "row bonus bonus_p"),
     StepId.KV: _spec(View.KV, QuestionKind.NUMBER, "round k k1 accepted", "written rolled_back kept"),
     StepId.V1_V2: _spec(View.KV_V1, QuestionKind.NUMBER, "round k v2_forwards", "v1_forwards v1_rolled_back"),
-    StepId.PAYS: _spec(View.THEORY, QuestionKind.YES_NO, "alpha k k2 e_k tokens rounds tokens_per_round", "e_2k"),
+    StepId.TREE: _spec(View.TREE, QuestionKind.NUMBER, "round nodes shape depth chain_round chain_tokens",
+                       "tree_tokens path"),
+    StepId.PAYS: _spec(View.THEORY, QuestionKind.YES_NO,
+                       "alpha draft_rate k k2 e_k tokens rounds tokens_per_round c r speedup", "e_2k"),
 })
 
 UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started "
@@ -353,6 +358,7 @@ class LessonDriver:
         self.target, self.draft, self.text, self.plan = target, draft, text, plan
         self.run = ComparedRun(ModelPair(target, draft), plan.settings.prompt, plan.config)
         self.v1: SpeculativeEngine | None = None
+        self.tree: SpeculativeEngine | None = None
         self.index = 0
         self._answers: dict[int, str] = {}
         self._revealed: set[int] = set()
@@ -404,8 +410,9 @@ class LessonDriver:
 
     def close(self) -> None:
         self.run.close()
-        if self.v1 is not None:
-            self.v1.close()
+        for engine in (self.v1, self.tree):
+            if engine is not None:
+                engine.close()
 
     # -- the engine, advanced on demand --------------------------------------------------------------
     def record(self, index: int) -> RoundRecord:
@@ -424,6 +431,16 @@ class LessonDriver:
         while len(self.v1.rounds) <= index and not self.v1.finished:
             self.v1.step()
         return self.v1.rounds[index]
+
+    def tree_record(self, index: int) -> RoundRecord:
+        """Round `index` of a run with the same seed that drafts a tree of 2K nodes, K deep, instead."""
+        if self.tree is None:
+            prompt_ids = encode_prompt(self.target.tokenizer, self.plan.settings.prompt)
+            spec = TreeSpec(budget=min(2 * self.k, TREE_BOUND), depth=self.k)
+            self.tree = SpeculativeEngine(ModelPair(self.target, self.draft), prompt_ids, replace(self.plan.config, tree=spec))
+        while len(self.tree.rounds) <= index and not self.tree.finished:
+            self.tree.step()
+        return self.tree.rounds[index]
 
     def run_to_end(self) -> list[RoundRecord]:
         return self.run.run_to_end()
@@ -464,13 +481,18 @@ class LessonDriver:
     # One method per step: the facts its text uses, what it shows, and the question's real answer.
     def _memory_bound(self) -> _Content:
         r = self._reject()
-        # A target-only step's forward; round 0's forward is the prefill, timed as prefill_ms.
-        step_ms = _median([b.timings.verify_ms for b in self.run.baseline.rounds if b.index > 0]) if self.run.baseline else float("nan")
-        verify_ms = _median([x.timings.verify_ms for x in self.run.spec.rounds[: r.index + 1] if x.k])
+        step_ms, verify_ms = self._costs(r.index)
         return _Content(dict(target_mib=_num(self.target.weight_bytes / 2**20, 1),
                              draft_mib=_num(self.draft.weight_bytes / 2**20, 1), step_ms=_num(step_ms, 2),
                              verify_ms=_num(verify_ms, 2), verify_ratio=_num(verify_ms / step_ms, 1),
                              k=str(self.k), k1=str(self.k + 1)), r.index)
+
+    def _costs(self, upto: int) -> tuple[float, float]:
+        """(median target-only step, median verify forward of K + 1 tokens) in ms, from the engine's own
+        forward times, up to round `upto` (round 0's forward is the prefill: left out)."""
+        step = metrics.target_step_ms(self.run.baseline.rounds) if self.run.baseline else None
+        verify = [x.timings.target_forward_ms for x in metrics.decode_rounds(self.run.spec.rounds[: upto + 1]) if x.k]
+        return (step if step is not None else float("nan")), _median(verify)
 
     def _draft(self) -> _Content:
         r = self._reject()
@@ -530,14 +552,29 @@ class LessonDriver:
                      v1_forwards=str(v1.target_forwards), v1_rolled_back=str(len(kv.rolled_back)))
         return _Content(facts, r.index, None, str(v1.target_forwards), ("1", "2", "3"))
 
+    def _tree(self) -> _Content:
+        """The first drafted round, as a chain of K and as a tree of 2K nodes with the same seed."""
+        chain = self.record(1)
+        tree = self.tree_record(1)
+        facts = dict(round="2", nodes=str(tree.k), shape=tree.tree.shape, depth=str(tree.depth),
+                     chain_round="2", chain_tokens=str(len(chain.emitted)), tree_tokens=str(len(tree.emitted)),
+                     path=" · ".join(code(n.text) for n in tree.tree.nodes if n.index in tree.tree.path) or "none")
+        top = max(tree.depth + 1, len(chain.emitted)) + 1
+        return _Content(facts, 1, None, str(len(tree.emitted)), tuple(str(n) for n in range(1, top + 1)))
+
     def _pays(self) -> _Content:
         rounds = self.run_to_end()
-        drafted = [r for r in rounds if r.k]
+        drafted = metrics.drafted_rounds(rounds)
         alpha = metrics.alpha(drafted)  # accepted / verified positions: what E(alpha, K) is defined on
         e_k, e_2k = metrics.expected_tokens_per_round(alpha, self.k), metrics.expected_tokens_per_round(alpha, 2 * self.k)
+        step_ms, verify_ms = self._costs(len(rounds) - 1)
+        c = metrics.cost_ratio(rounds, self.run.baseline.rounds) or 0.0
+        r = verify_ms / step_ms
         tokens = rounds[-1].tokens_total
-        facts = dict(alpha=_num(alpha), k=str(self.k), k2=str(2 * self.k), e_k=_num(e_k, 2), e_2k=_num(e_2k, 2),
-                     tokens=str(tokens), rounds=str(len(rounds)), tokens_per_round=_num(tokens / len(rounds), 2))
+        facts = dict(alpha=_num(alpha), draft_rate=_num(metrics.draft_acceptance(drafted)), k=str(self.k),
+                     k2=str(2 * self.k), e_k=_num(e_k, 2), e_2k=_num(e_2k, 2), tokens=str(tokens),
+                     rounds=str(len(rounds)), tokens_per_round=_num(tokens / len(rounds), 2), c=_num(c), r=_num(r, 2),
+                     speedup=_num(e_k / (c * self.k + r), 2))
         return _Content(facts, rounds[-1].index, None, YES if e_2k >= 2 * e_k else NO)
 
 
@@ -546,7 +583,7 @@ _CONTENT: Mapping[StepId, Callable[[LessonDriver], _Content]] = MappingProxyType
     StepId.VERIFY: LessonDriver._verify, StepId.ACCEPT: LessonDriver._accept,
     StepId.REJECT: LessonDriver._reject_step, StepId.RESIDUAL: LessonDriver._residual,
     StepId.BONUS: LessonDriver._bonus_step, StepId.KV: LessonDriver._kv, StepId.V1_V2: LessonDriver._v1_v2,
-    StepId.PAYS: LessonDriver._pays,
+    StepId.TREE: LessonDriver._tree, StepId.PAYS: LessonDriver._pays,
 })
 
 

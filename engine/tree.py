@@ -1,0 +1,280 @@
+"""Tree speculation: the shape of a draft tree, its construction from a drafter's distributions, the
+attention mask that verifies it in one target forward, and its lossless verification.
+
+A tree round drafts N nodes below the root (the last committed token). Node i sits at depth d_i and
+sees the committed context plus its own ancestors; one target forward over [root, nodes...] gives a
+p row at every node. The walk starts at the root; at each accepted node it tests that node's
+children, and stops with a correction (no child accepted) or a bonus (a leaf was accepted).
+
+Construction (`grow`) is best-first over "draw the next child of node v" options, EAGLE-2 style (Li et
+al. 2024): an option's priority is the cumulative draft probability of v times the draft mass still
+available to its next child. Children of v are drawn in order: greedily the most likely first; when
+sampling, without replacement from q_v (Gumbel top-k). Whether v gets its j-th child is decided
+before that child is drawn (it depends on earlier draws only), which is what keeps sampling lossless.
+
+Verification at T > 0 is recursive rejection sampling without replacement (Jeon et al. 2024, after
+SpecInfer's multi-step speculative sampling, Miao et al. 2024). At node v with target row p and draft
+row q, children c_1, c_2, ... (drawn without replacement from q):
+    accept c_i with probability min(1, p(c_i) / q_i(c_i)), where q_i is q renormalised without c_1..c_{i-1};
+    on rejection p <- normalise(max(0, p - q_i)), and try c_{i+1};
+    if every child is rejected, emit a correction drawn from the last p.
+Why it is lossless: each test is one step of ordinary speculative sampling with draft q_i and target
+p_i, whose output (the accepted c_i, or a draw from the residual) is distributed as p_i; a rejected
+c_i has p_i(c_i) < q_i(c_i), so the residual gives it no mass, and drawing the next child from q
+without c_1..c_i is exactly drawing from q_{i+1}. By induction from the last child, the token emitted
+at v is distributed as p_v, and so is the whole accepted path. `TreeRule.NO_RESIDUAL_UPDATE` skips
+the residual update between siblings: the classic mistake, kept so that the losslessness test and the
+lab can show it fail.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.config import TREE_BOUND, TreeRule, TreeSpec  # noqa: F401  (TREE_BOUND: the bound, for callers)
+from engine.records import Outcome
+from engine.sampling import draw_uniform, sample_from
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """A drafted tree. Node 0 is the root (the last committed token, not drafted); nodes 1..N are drafts.
+
+    parents[i] < i for i >= 1; q_rows[v] is the distribution v's children were drawn from (every node
+    that has children has one), over the target's vocabulary.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    children: list[list[int]]
+    q_rows: dict[int, Tensor] = field(default_factory=dict)
+    scores: list[float] = field(default_factory=list)   # cumulative draft probability of each node
+
+    @staticmethod
+    def root(token: int) -> "DraftTree":
+        return DraftTree([token], [-1], [0], [[]], {}, [1.0])
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.children.append([])
+        self.scores.append(score)
+        self.children[parent].append(len(self.tokens) - 1)
+        return len(self.tokens) - 1
+
+    @property
+    def size(self) -> int:
+        """Drafted nodes (the root excluded)."""
+        return len(self.tokens) - 1
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's first child down to `node`."""
+        out = []
+        while node > 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def ancestor_mask(self, nodes: list[int] | None = None) -> Tensor:
+        """[len(nodes), size + 1] bool: row i marks the tree nodes node i attends to (itself and its ancestors)."""
+        nodes = list(range(len(self.tokens))) if nodes is None else nodes
+        mask = torch.zeros(len(nodes), len(self.tokens), dtype=torch.bool)
+        for row, node in enumerate(nodes):
+            while node >= 0:
+                mask[row, node] = True
+                node = self.parents[node]
+        return mask
+
+
+def attention_mask(tree: DraftTree, past: int, nodes: list[int] | None = None,
+                   fed: list[int] | None = None) -> Tensor:
+    """[len(nodes), past + len(fed)] bool for feeding `nodes` after a cache that holds `past` committed
+    tokens and then the tree nodes `fed` (in cache order, ending with `nodes`): every committed token
+    is visible; a tree node only to its descendants."""
+    nodes = list(range(len(tree.tokens))) if nodes is None else nodes
+    fed = nodes if fed is None else fed
+    ancestry = tree.ancestor_mask(nodes)[:, fed]
+    return torch.cat([torch.ones(len(nodes), past, dtype=torch.bool), ancestry], dim=1)
+
+
+# -- construction -----------------------------------------------------------------------------------
+RowsAt = Callable[["DraftTree", list[int]], dict[int, Tensor]]   # (tree, nodes) -> their draft rows, one forward
+
+
+@dataclass(order=True, slots=True)
+class _Option:
+    priority: float                       # negated for the min-heap
+    node: int = field(compare=False)
+    order: list[int] = field(compare=False, default_factory=list)  # v's children in draw order (ids)
+    taken: int = field(compare=False, default=0)
+
+
+def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int) -> list[int]:
+    """The first `limit` children of a node in draw order: by probability when greedy, else a sample
+    without replacement from q (Gumbel top-k: the order of log q + Gumbel noise)."""
+    support = int((q > 0).sum())
+    limit = min(limit, support)
+    if greedy:
+        return torch.topk(q, limit).indices.tolist()
+    u = draw_uniform(q.shape[0], generator, q.device).clamp(min=1e-300)
+    keys = torch.where(q > 0, q.double().log() - (-u.log()).log(), torch.tensor(-math.inf, dtype=torch.float64))
+    return torch.topk(keys, limit).indices.tolist()
+
+
+def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generator: torch.Generator) -> DraftTree:
+    """Build a tree best-first. rows_at(tree, nodes) runs the drafter on those nodes (one forward, a tree
+    mask; node 0 alone: the drafter's forward up to the root) and returns their draft rows; it is called
+    once per wave of nodes whose rows are needed. Greedy rows rank children; sampled rows are the
+    distributions children are drawn from."""
+    tree = DraftTree.root(root_token)
+    caps = list(spec.widths) if spec.widths else None
+    heap: list[_Option] = [_Option(-1.0, 0)]
+    pending: list[_Option] = []           # options of nodes whose rows are not computed yet
+    filled = [0] * (spec.max_depth + 1)
+    while tree.size < spec.nodes and (heap or pending):
+        if pending and (not heap or -heap[0].priority < -min(pending).priority):
+            for node, row in rows_at(tree, [o.node for o in pending]).items():
+                tree.q_rows[node] = row
+            for o in pending:
+                o.order = _draw_order(tree.q_rows[o.node], greedy, generator, spec.nodes)
+                o.priority = -_next_priority(tree, o, greedy)
+                if o.order:
+                    heapq.heappush(heap, o)
+            pending = []
+            continue
+        if not heap:
+            break
+        option = heapq.heappop(heap)
+        if option.node == 0 and not option.order and 0 not in tree.q_rows:
+            pending.append(option)       # the root's row comes from the drafter's first forward
+            continue
+        depth = tree.depths[option.node] + 1
+        if depth > spec.max_depth or (caps is not None and filled[depth] >= caps[depth - 1]):
+            continue                      # that depth is full: the option (and its later siblings) is dropped
+        token = option.order[option.taken]
+        q = tree.q_rows[option.node]
+        child = tree.add(option.node, token, tree.scores[option.node] * float(q[token]))
+        filled[depth] += 1
+        option.taken += 1
+        if option.taken < len(option.order):
+            option.priority = -_next_priority(tree, option, greedy)
+            heapq.heappush(heap, option)
+        if depth < spec.max_depth:
+            pending.append(_Option(-tree.scores[child], child))   # an upper bound until its row is known
+    return tree
+
+
+def _next_priority(tree: DraftTree, option: _Option, greedy: bool) -> float:
+    """Cumulative probability of v times the mass available to its next child: that child's own q when
+    greedy (the order is known), the mass not yet drawn when sampling (known before the draw)."""
+    q = tree.q_rows[option.node]
+    if option.taken >= len(option.order):
+        return 0.0
+    if greedy:
+        return tree.scores[option.node] * float(q[option.order[option.taken]])
+    drawn = sum(float(q[t]) for t in option.order[: option.taken])
+    return tree.scores[option.node] * max(0.0, 1.0 - drawn)
+
+
+# -- verification ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NodeVerdict:
+    """The accept test of one child: accepted iff u < alpha = min(1, p(c) / q_i(c))."""
+
+    node: int
+    p_target: float
+    q_draft: float
+    alpha: float
+    u: float
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class TreeVerdict:
+    """A tree round's outcome: the accepted path, each test, and the final token."""
+
+    path: list[int]                 # accepted node indices, root's child first
+    tokens: list[int]               # their tokens, then the final token
+    tested: list[NodeVerdict]       # in the order the tests ran
+    final_token: int
+    final_outcome: Outcome          # CORRECTED (no child accepted) or BONUS (a leaf was accepted)
+    final_node: int                 # the node whose p row the final token came from
+    final_u: float
+    residual: Tensor | None         # the normalised distribution the correction came from
+
+    @property
+    def accepted_count(self) -> int:
+        return len(self.path)
+
+    def depths_verified(self) -> int:
+        """Depths at which children were tested: the path length, plus one if it ended in a correction."""
+        return len(self.path) + (1 if self.final_outcome is Outcome.CORRECTED else 0)
+
+
+def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | None, greedy: bool,
+                rule: TreeRule = TreeRule.RECURSIVE) -> TreeVerdict:
+    """Walk the tree: p_rows [size + 1, V] are the target's processed rows at every node (row 0 the
+    root). Greedy: descend to the child equal to the target's argmax. Otherwise recursive rejection
+    sampling without replacement (the module docstring). Every tested child draws one uniform, and
+    the final token one more."""
+    if p_rows.dim() != 2 or p_rows.shape[0] != len(tree.tokens):
+        raise ValueError(f"need one p row per tree node ({len(tree.tokens)}), got shape {tuple(p_rows.shape)}")
+    node, path, tested = 0, [], []
+    while True:
+        kids = tree.children[node]
+        p = p_rows[node].double()
+        if not kids:
+            u = draw_uniform(1, generator, p.device)
+            token = int(p.argmax()) if greedy else int(sample_from(p[None], u)[0])
+            return TreeVerdict(path, [tree.tokens[n] for n in path] + [token], tested, token, Outcome.BONUS, node,
+                               float(u[0]), None)
+        if greedy:
+            best = int(p.argmax())
+            u = draw_uniform(len(kids), generator, p.device).tolist()
+            hit = next((c for c in kids if tree.tokens[c] == best), None)
+            for c, uc in zip(kids, u):
+                tested.append(NodeVerdict(c, float(c == hit), 1.0, float(c == hit), uc,
+                                          Outcome.ACCEPTED if c == hit else Outcome.REJECTED))
+                if c == hit:
+                    break
+            if hit is None:
+                final_u = draw_uniform(1, generator, p.device)
+                residual = torch.zeros_like(p, dtype=torch.float32).index_fill_(0, torch.tensor([best]), 1.0)
+                return TreeVerdict(path, [tree.tokens[n] for n in path] + [best], tested, best, Outcome.CORRECTED,
+                                   node, float(final_u[0]), residual)
+            node = hit
+            path.append(node)
+            continue
+        q = tree.q_rows[node].double().clone()
+        accepted = None
+        for c in kids:
+            token = tree.tokens[c]
+            q_i = q / q.sum()
+            alpha = min(1.0, float(p[token]) / float(q_i[token])) if q_i[token] > 0 else float(p[token] > 0)
+            u = float(draw_uniform(1, generator, p.device)[0])
+            ok = u < alpha
+            tested.append(NodeVerdict(c, float(p[token]), float(q_i[token]), alpha, u,
+                                      Outcome.ACCEPTED if ok else Outcome.REJECTED))
+            if ok:
+                accepted = c
+                break
+            if rule is TreeRule.RECURSIVE:
+                residual = (p - q_i).clamp(min=0.0)
+                if float(residual.sum()) <= 0:
+                    raise ValueError("a rejection left a residual with zero mass: the child was not drawn from q")
+                p = residual / residual.sum()
+            q[token] = 0.0   # without replacement: the next child was drawn from q without this one
+        if accepted is None:
+            u = draw_uniform(1, generator, p.device)
+            token = int(sample_from(p[None], u)[0])
+            return TreeVerdict(path, [tree.tokens[n] for n in path] + [token], tested, token, Outcome.CORRECTED,
+                               node, float(u[0]), p.float().cpu())
+        node = accepted
+        path.append(node)

@@ -1,0 +1,142 @@
+"""A tree round as a tree: token chips laid out by depth, coloured by outcome, the accepted path bold,
+edges from each node to its parent; and the p/q bars of one node's verification.
+
+Pure functions of a RoundRecord whose `tree` is set. Chips carry data-round and data-pos (the node's
+index; 0 is the final token) so a click selects them as stream chips are selected.
+"""
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+
+from engine.records import Outcome, RoundRecord, TreeNode
+from playground.render.charts import empty_figure
+from playground.render.palette import OUTCOME_STYLES, chip_class
+from playground.render.tokens import visible
+
+COLUMN_PX, ROW_PX, CHIP_W = 150, 34, 120
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def node_title(node: TreeNode) -> str:
+    """The hover text: p, q, alpha and u of the node's test, or why it has none."""
+    head = f"node {node.index} (depth {node.depth}, under {'the root' if node.parent == 0 else f'node {node.parent}'})"
+    if node.outcome is Outcome.UNCHECKED:
+        return f"{head}: q={_num(node.q_draft)} · never reached (its parent was not accepted, or a sibling was)"
+    verdict = "accepted" if node.outcome is Outcome.ACCEPTED else "rejected"
+    return (f"{head}: p={_num(node.p_target)} q={_num(node.q_draft)} α=min(1,p/q)={_num(node.alpha)} "
+            f"u={_num(node.u)} · {verdict}")
+
+
+def _layout(record: RoundRecord) -> dict[int, tuple[int, int]]:
+    """(column, row) of every node: columns by depth, rows in depth-first order so subtrees stay together."""
+    nodes = record.tree.nodes
+    children: dict[int, list[int]] = {}
+    for n in nodes:
+        children.setdefault(n.parent, []).append(n.index)
+    place, row = {0: (0, 0)}, 0
+
+    def visit(index: int, depth: int) -> None:
+        nonlocal row
+        kids = children.get(index, [])
+        if not kids:
+            place[index] = (depth, row)
+            row += 1
+            return
+        for kid in kids:
+            visit(kid, depth + 1)
+        if index:
+            place[index] = (depth, place[kids[0]][1])
+    visit(0, 0)
+    place[0] = (0, place[children[0][0]][1] if children.get(0) else 0)
+    return place
+
+
+def tree_html(record: RoundRecord, selected: int | None = None) -> str:
+    """The round's tree: the root, every node as a chip, and the final token after the path's end."""
+    if record.tree is None:
+        return "<p><em>This round drafted a chain, not a tree.</em></p>"
+    place = _layout(record)
+    path = set(record.tree.path)
+    final_col = max(place[n][0] for n in [0, *record.tree.path]) + 1
+    final_row = place[record.tree.path[-1]][1] if record.tree.path else place[0][1]
+    rows = max(r for _, r in place.values()) + 1
+    width, height = (max(c for c, _ in place.values()) + 2) * COLUMN_PX, rows * ROW_PX + 8
+    xy = {i: (c * COLUMN_PX + CHIP_W // 2, r * ROW_PX + ROW_PX // 2) for i, (c, r) in place.items()}
+    lines = []
+    for n in record.tree.nodes:
+        (x1, y1), (x2, y2) = xy[n.parent], xy[n.index]
+        on_path = n.index in path
+        lines.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{"#000" if on_path else "#bbb"}" '
+                     f'stroke-width="{3 if on_path else 1}"/>')
+    fx, fy = final_col * COLUMN_PX + CHIP_W // 2, final_row * ROW_PX + ROW_PX // 2
+    end = xy[record.tree.path[-1]] if record.tree.path else xy[0]
+    lines.append(f'<line x1="{end[0]}" y1="{end[1]}" x2="{fx}" y2="{fy}" stroke="#000" stroke-width="3"/>')
+    chips = ['<span class="chip tree-root" style="left:0px;top:{}px" title="the root: the last committed token">'
+             'root</span>'.format(place[0][1] * ROW_PX + 4)]
+    for n in record.tree.nodes:
+        c, r = place[n.index]
+        bold = " on-path" if n.index in path else ""
+        sel = " selected" if selected == n.index else ""
+        text = html.escape(visible(n.text)) + (f"‹{html.escape(n.pending)}›" if n.pending else "")
+        chips.append(f'<span class="chip {chip_class(n.outcome)}{bold}{sel}" data-round="{record.index}" '
+                     f'data-pos="{n.index}" data-outcome="{n.outcome.value}" style="left:{c * COLUMN_PX}px;'
+                     f'top:{r * ROW_PX + 4}px" title="{html.escape(node_title(n), quote=True)}">{text}</span>')
+    f = record.final
+    sel = " selected" if selected == 0 else ""
+    chips.append(f'<span class="chip {chip_class(f.outcome)} on-path{sel}" data-round="{record.index}" data-pos="0" '
+                 f'data-outcome="{f.outcome.value}" style="left:{final_col * COLUMN_PX}px;top:{final_row * ROW_PX + 4}px"'
+                 f' title="{html.escape(_final_title(record), quote=True)}">{html.escape(visible(f.text))}</span>')
+    svg = f'<svg width="{width}" height="{height}" style="position:absolute;left:0;top:0">{"".join(lines)}</svg>'
+    legend = (f'<p class="tree-caption">Tree {html.escape(record.tree.shape)}: {record.k} drafted nodes, accepted path '
+              f'of {len(record.tree.path)} (bold), then the {f.outcome.value} token. Click a node for its p and q.</p>')
+    return (f'{legend}<div class="tree-view" style="position:relative;width:{width}px;height:{height}px">'
+            f'{svg}{"".join(chips)}</div>')
+
+
+def _final_title(record: RoundRecord) -> str:
+    f = record.final
+    how = "drawn from the residual where no child was accepted" if f.outcome is Outcome.CORRECTED else \
+        "the bonus from the accepted leaf's row"
+    return f"final token ({f.outcome.value}): {how}; p={_num(f.p_target)} u={_num(f.u)}"
+
+
+def node_figure(record: RoundRecord, node: int) -> go.Figure:
+    """p and q at a node's parent (the rows its test read), the node's token outlined; node 0 is the final."""
+    if record.tree is None:
+        return empty_figure("This round drafted a chain, not a tree.")
+    if node == 0:
+        f = record.final
+        cands, title, token = f.candidates, _final_title(record), f.token
+    else:
+        n = record.tree.nodes[node - 1]
+        if n.outcome is Outcome.UNCHECKED:
+            return empty_figure(f"node {node} was never reached: its parent was not accepted, or a sibling was.")
+        cands, title, token = n.candidates, node_title(n), n.token
+    if not cands:
+        return empty_figure("No candidates recorded for this node (the run did not record for a UI).")
+    labels = [f"{visible(c.text)} #{c.token}" for c in cands]
+    width = [4 if c.token == token else 0 for c in cands]
+    fig = go.Figure([go.Bar(name="p_target", x=labels, y=[c.p_target for c in cands],
+                            marker=dict(color=OUTCOME_STYLES[Outcome.ACCEPTED].colour, line=dict(width=width, color="#000"))),
+                     go.Bar(name="q_draft", x=labels, y=[c.q_draft for c in cands],
+                            marker=dict(color=OUTCOME_STYLES[Outcome.PENDING].colour, line=dict(width=width, color="#000")))])
+    if any(c.residual is not None for c in cands):
+        fig.add_trace(go.Bar(name="residual max(0, p − q), normalised", x=labels,
+                             y=[c.residual or 0.0 for c in cands], marker_color=OUTCOME_STYLES[Outcome.CORRECTED].colour))
+    fig.update_layout(title=dict(text=title, font=dict(size=13)), barmode="group", height=320, autosize=True,
+                      template="plotly_white", margin=dict(l=50, r=20, t=60, b=80), xaxis=dict(type="category"),
+                      legend=dict(orientation="h", y=-0.35))
+    return fig
+
+
+TREE_CSS = """
+.tree-view .chip { position: absolute; width: 110px; overflow: hidden; text-overflow: ellipsis; }
+.tree-view .chip.on-path { font-weight: 700; box-shadow: 0 0 0 2px #000; }
+.tree-view .tree-root { background: #eee; border: 2px solid #999; cursor: default; }
+.tree-caption { font-size: 13px; margin: 2px 0 6px; }
+"""

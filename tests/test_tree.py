@@ -1,0 +1,183 @@
+"""Tree speculation: the tree's shape and its validation, tree attention equal to a plain forward along
+each node's path, greedy parity with target-only and generate for static and dynamic trees, the KV
+cache after every tree round equal to a fresh prefill, and records that describe the tree."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeRule, TreeSpec
+from engine.models import ModelPair
+from engine.records import Outcome
+from engine.runner import ModelRunner
+from engine.speculative import SpeculativeEngine, encode_prompt
+from engine.tree import DraftTree, attention_mask, grow, verify_tree
+from tests.test_speculative import CODE, assert_cache_holds, hf_greedy
+
+NEW = 32
+
+
+def test_specs_validate_and_parse():
+    assert TreeSpec(widths=(4, 2, 2, 1)).nodes == 9 and TreeSpec(widths=(4, 2, 2, 1)).max_depth == 4
+    assert TreeSpec.parse("4-2-2-1") == TreeSpec(widths=(4, 2, 2, 1))
+    assert TreeSpec.parse("N16d6") == TreeSpec(budget=16, depth=6) and TreeSpec.parse("n8").depth == 4
+    for bad, message in [(dict(widths=(8, 8, 8, 8, 4)), "36 nodes; the bound is 32"),
+                         (dict(widths=(2, 0)), "positive integer"), (dict(budget=0), "node budget"),
+                         (dict(budget=TREE_BOUND + 1), "node budget"), (dict(widths=(2,), budget=4), "not both"),
+                         (dict(budget=4, rule="magic"), "tree rule")]:
+        with pytest.raises(ValueError, match=message):
+            TreeSpec(**bad)
+    with pytest.raises(ValueError, match="widths per depth"):
+        TreeSpec.parse("four")
+    with pytest.raises(ValueError, match="ngram drafter"):
+        SpecConfig(drafter=DrafterKind.NGRAM, tree=TreeSpec(budget=4))
+
+
+def fixed_tree() -> DraftTree:
+    """root -> a, b;  a -> c, d;  d -> e   (tokens 11, 12, 13, 14, 15)."""
+    tree = DraftTree.root(7)
+    a, b = tree.add(0, 11, 0.6), tree.add(0, 12, 0.3)
+    c, d = tree.add(a, 13, 0.3), tree.add(a, 14, 0.2)
+    tree.add(d, 15, 0.1)
+    assert (a, b, c, d) == (1, 2, 3, 4)
+    return tree
+
+
+def test_ancestry_mask():
+    tree = fixed_tree()
+    mask = attention_mask(tree, past=3)
+    assert mask.shape == (6, 3 + 6) and mask[:, :3].all()
+    assert mask[5, 3:].tolist() == [True, True, False, False, True, True]   # e sees root, a, d and itself
+    assert mask[2, 3:].tolist() == [True, False, True, False, False, False]  # b sees root and itself
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
+def test_tree_attention_equals_a_plain_forward_along_each_path(builtin_pair, fused):
+    _, target = builtin_pair
+    prompt = encode_prompt(target.tokenizer, CODE)
+    tree = fixed_tree()
+    runner = ModelRunner(target, len(prompt) + 16, fused=fused)
+    cache = runner.new_sequence()
+    runner.forward(cache, prompt[:-1])
+    tree.tokens[0] = prompt[-1]
+    past = len(prompt) - 1
+    logits, _ = runner.forward_features(cache, tree.tokens, features=False,
+                                        positions=[past + d for d in tree.depths], attn_mask=attention_mask(tree, past))
+    for node in range(len(tree.tokens)):
+        path = [prompt[-1]] + [tree.tokens[n] for n in tree.path_to(node)]
+        plain = ModelRunner(target, len(prompt) + 16, fused=fused)
+        pc = plain.new_sequence()
+        plain.forward(pc, prompt[:-1])
+        ref = plain.forward(pc, path)[-1]
+        assert (logits[node] - ref).abs().max() < 1e-5, node
+
+
+@pytest.fixture(scope="module")
+def prompt(builtin_pair) -> list[int]:
+    return encode_prompt(builtin_pair[1].tokenizer, CODE)
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_pair, prompt) -> list[int]:
+    return hf_greedy(builtin_pair[1], prompt, NEW)
+
+
+@pytest.mark.parametrize("spec", [TreeSpec(widths=(4, 2, 2, 1)), TreeSpec(widths=(2, 2, 2, 2, 2)),
+                                  TreeSpec(budget=4, depth=3), TreeSpec(budget=16, depth=6),
+                                  TreeSpec(budget=32, depth=8)], ids=lambda s: s.label())
+@pytest.mark.parametrize("mode", [Mode.V2, Mode.V1])
+def test_greedy_trees_match_generate_and_keep_the_cache_exact(builtin_pair, prompt, reference, spec, mode):
+    draft, target = builtin_pair
+    engine = SpeculativeEngine(ModelPair(target, draft), prompt, SpecConfig(tree=spec, mode=mode, max_new_tokens=NEW,
+                                                                            block_size=4))
+    pools = [engine.target_runner.pool] + [c.cache.pool for c in engine.drafter.caches()]
+    while not engine.finished:
+        r = engine.step()
+        assert engine.target_cache.tokens == engine.tokens[:-1]
+        assert_cache_holds(target, engine.target_cache, engine.tokens[:-1])
+        if r.tree is not None:
+            assert r.k == len(r.tree.nodes) <= spec.nodes and r.accepted == len(r.tree.path)
+            assert max(n.depth for n in r.tree.nodes) <= spec.max_depth
+            on_path = [n.index for n in r.tree.nodes if n.outcome is Outcome.ACCEPTED]
+            assert on_path == r.tree.path
+            target_kv = next(kv for kv in r.kv if kv.model == "target")
+            if mode is Mode.V2:
+                assert len(target_kv.written) == r.k + 1   # root and every node written, then compacted
+    engine.close()
+    assert engine.generated == reference
+    for pool in pools:
+        assert pool.manager.free_blocks == pool.num_blocks
+        pool.manager.check()
+
+
+def test_a_tree_accepts_more_per_round_than_a_chain_of_its_width(builtin_pair, prompt):
+    draft, target = builtin_pair
+    def tokens_per_round(config: SpecConfig) -> float:
+        engine = SpeculativeEngine(ModelPair(target, draft), prompt, config)
+        rounds = [r for r in engine.run() if r.k]
+        engine.close()
+        return sum(len(r.emitted) for r in rounds) / len(rounds)
+    chain = tokens_per_round(SpecConfig(k=16, max_new_tokens=64, stop_at_eos=False, record=False))
+    tree = tokens_per_round(SpecConfig(tree=TreeSpec(budget=16, depth=6), max_new_tokens=64, stop_at_eos=False,
+                                       record=False))
+    assert tree > chain
+
+
+def test_moved_slots_show_in_the_kv_record(builtin_pair, prompt):
+    draft, target = builtin_pair
+    engine = SpeculativeEngine(ModelPair(target, draft), prompt, SpecConfig(tree=TreeSpec(budget=8, depth=4),
+                                                                            max_new_tokens=NEW, block_size=4))
+    moved = []
+    for r in engine.run():
+        kv = next(k for k in r.kv if k.model == "target")
+        moved += kv.moved
+        if r.tree is not None and r.tree.path and r.tree.path != list(range(1, len(r.tree.path) + 1)):
+            assert kv.moved, "a path that is not the first nodes must be moved next to the root"
+    engine.close()
+    assert moved
+
+
+def test_verify_tree_greedy_walk_and_errors():
+    tree = fixed_tree()
+    v = 20
+    rows = torch.zeros(len(tree.tokens), v)
+    for node, best in {0: 11, 1: 14, 4: 15, 5: 3, 2: 1, 3: 1}.items():
+        rows[node, best] = 1.0
+    verdict = verify_tree(tree, rows, torch.Generator().manual_seed(0), greedy=True)
+    assert verdict.path == [1, 4, 5] and verdict.tokens == [11, 14, 15, 3]
+    assert verdict.final_outcome is Outcome.BONUS and verdict.final_node == 5
+    rows[4] = 0.0
+    rows[4, 9] = 1.0   # the target wants 9 after d: no child matches
+    verdict = verify_tree(tree, rows, torch.Generator().manual_seed(0), greedy=True)
+    assert verdict.path == [1, 4] and verdict.final_token == 9 and verdict.final_outcome is Outcome.CORRECTED
+    assert verdict.depths_verified() == 3
+    with pytest.raises(ValueError, match="one p row per tree node"):
+        verify_tree(tree, rows[:3], None, greedy=True)
+
+
+def test_grow_respects_widths_budgets_and_depths():
+    v = 50
+    g = torch.Generator().manual_seed(3)
+    rows = torch.softmax(torch.randn(200, v, generator=g), dim=-1)
+    def rows_at(tree, nodes):
+        return {n: rows[n] for n in nodes}
+    for spec in (TreeSpec(widths=(4, 2, 2, 1)), TreeSpec(budget=12, depth=3), TreeSpec(budget=32, depth=8)):
+        for greedy in (True, False):
+            tree = grow(spec, 5, rows_at, greedy, torch.Generator().manual_seed(1))
+            depths = [tree.depths[i] for i in range(1, len(tree.tokens))]
+            assert tree.size == spec.nodes and max(depths) <= spec.max_depth
+            if spec.widths:
+                assert [depths.count(d + 1) for d in range(len(spec.widths))] == list(spec.widths)
+            for node, kids in enumerate(tree.children):
+                assert len({tree.tokens[k] for k in kids}) == len(kids)       # siblings are distinct
+                if kids:
+                    assert node in tree.q_rows
+            if greedy:   # children in order of draft probability
+                for node, kids in enumerate(tree.children):
+                    probs = [float(tree.q_rows[node][tree.tokens[k]]) for k in kids]
+                    assert probs == sorted(probs, reverse=True)
+
+
+def test_a_wrong_rule_is_only_selectable_by_name():
+    assert TreeSpec(budget=4).rule is TreeRule.RECURSIVE
+    assert TreeSpec(budget=4, rule="no-residual-update").rule is TreeRule.NO_RESIDUAL_UPDATE
