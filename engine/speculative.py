@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.clock import Now, PhaseClock
-from engine.config import K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
+from engine.config import DRAFT_SEED_OFFSET, K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from engine.metrics import summarize
 from engine.models import ModelPair
@@ -35,10 +35,28 @@ class PromptError(ValueError):
     """The prompt cannot be decoded with these settings (empty, or too long for the context)."""
 
 
+def check_text(name: str, text: str) -> str:
+    """`text` when every character can be encoded as UTF-8, else ValueError naming the field and the first
+    bad character. A lone surrogate such as '\\ud800' (from a broken paste, a JSON escape or a command line
+    that is not UTF-8) is a str that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} contains {text[exc.start]!r} at character {exc.start + 1}, which is not valid "
+                         "Unicode text (a lone surrogate); only valid Unicode text is allowed, so remove it or "
+                         "paste the text again.") from None
+    return text
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """The prompt's ids as the tokenizer gives them (special tokens included); PromptError if empty."""
-    if not text or not text.strip():
+    """The prompt's ids as the tokenizer gives them (special tokens included); PromptError if empty or not
+    valid Unicode text."""
+    if not isinstance(text, str) or not text.strip():
         raise PromptError("The prompt is empty: type some text (for the built-in pair, some Python code).")
+    try:
+        check_text("The prompt", text)
+    except ValueError as exc:
+        raise PromptError(str(exc)) from None
     return list(tokenizer(text)["input_ids"])
 
 
@@ -85,7 +103,7 @@ class SpeculativeEngine:
                                          fused=config.fused_forward, now=now)
         self.target_cache = self.target_runner.new_sequence()
         self.gen_verify = torch.Generator().manual_seed(config.seed)
-        self.gen_draft = torch.Generator().manual_seed(config.seed + 7919)
+        self.gen_draft = torch.Generator().manual_seed(config.seed + DRAFT_SEED_OFFSET)
         self.drafter = self._make_drafter(capacity, kv_blocks)
         self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config))
         self.k = config.k

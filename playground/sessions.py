@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.compared import ComparedRun
@@ -31,6 +31,7 @@ class Session:
     run: ComparedRun | None = None
     info: RunInfo | None = None
     replay: RunView | None = None
+    previous: RunView | None = None   # what was shown when a Reset failed, frozen (see keep_as_previous)
     cursor: Cursor = field(default_factory=Cursor)
     trace_path: Path | None = None
     kv_bytes: int = 0
@@ -38,6 +39,8 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one event at a time per session
 
     def view(self) -> RunView | None:
+        if self.previous is not None:
+            return self.previous
         if self.replay is not None:
             return self.replay
         if self.run is None or self.info is None:
@@ -52,15 +55,28 @@ class Session:
         """Close the run (freeing its KV blocks); its trace file stays for download until the next run."""
         if self.run is not None:
             self.run.close()
-        self.run, self.info, self.replay, self.kv_bytes = None, None, None, 0
+        self.run, self.info, self.replay, self.previous, self.kv_bytes = None, None, None, None, 0
         self.cursor = Cursor()
 
+    def keep_as_previous(self, shown: RunView | None, cursor: Cursor, reason: str) -> None:
+        """The one state a failed Reset leaves: what was shown before it (`shown`, at `cursor`) stays visible,
+        frozen and marked as the previous run, and no engine is left that could continue it (its KV is
+        freed). With nothing shown before, the session simply has no run."""
+        self.drop_run()
+        if shown is not None:
+            self.previous = replace(shown, previous=reason)
+            self.cursor = cursor
+
     def new_trace_path(self) -> Path:
-        """A fresh trace file in the session's folder; the previous run's trace is deleted (disk stays bounded)."""
-        if self.trace_path is not None and self.trace_path.parent == self.workdir:
+        """A fresh, unused trace file name in the session's folder (see `use_trace`)."""
+        return self.workdir / f"trace-{uuid.uuid4().hex[:8]}.jsonl"
+
+    def use_trace(self, path: Path | None) -> None:
+        """Make `path` the session's trace; the one before is deleted if it is the session's own (disk stays
+        bounded: one trace per session)."""
+        if self.trace_path is not None and self.trace_path != path and self.trace_path.parent == self.workdir:
             self.trace_path.unlink(missing_ok=True)
-        self.trace_path = self.workdir / f"trace-{uuid.uuid4().hex[:8]}.jsonl"
-        return self.trace_path
+        self.trace_path = path
 
 
 class SessionPool:

@@ -15,7 +15,7 @@ import gradio as gr
 from playground import controller
 from playground.controller import USER_ERRORS, Context, DecodeRequest
 from playground.controls import Controls, build_controls
-from playground.inputs import as_int, as_seed
+from playground.inputs import as_int, as_number, as_seed
 from playground.pages import charts as page_charts
 from playground.pages import compare as page_compare
 from playground.pages import detail as page_detail
@@ -159,7 +159,7 @@ class Handlers:
             view = s.view()
             selection = s.cursor.selection(view) if view is not None else None
             if selection is not None and position is not None:
-                controller.select(s, selection[0], int(position))
+                controller.select(s, selection[0], as_int("Position", position, 0))
         return self.guarded(state, request, pick)
 
     def on_chip(self, request: gr.Request, evt: gr.EventData, state: Session | None) -> tuple:
@@ -194,16 +194,33 @@ class Handlers:
         out = self.guarded(state, request,
                            lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))))
         session = out[0]
-        done = session is None or session.view() is None or bool(notes and notes[0]) or (
+        done = session is None or session.view() is None or session.previous is not None or bool(notes and notes[0]) or (
             session.cursor.shown >= len(session.view().rounds) and session.view().complete)
         return (*out, *play_controls(not done))
 
     @staticmethod
-    def on_play(playing: bool, speed: float) -> tuple:
-        return play_controls(not playing, speed)
+    def on_play(playing: bool, speed: object) -> tuple:
+        return play_controls(not playing, play_speed(speed))
+
+    @staticmethod
+    def on_speed(speed: object, playing: bool) -> gr.Timer:
+        return gr.Timer(value=play_speed(speed), active=bool(playing))
 
     def on_unload(self, request: gr.Request) -> None:
         self.ctx.pool.close_key(request.session_hash)
+
+
+def play_speed(value: object) -> float:
+    """Seconds per Play step; a value the slider cannot have sent falls back to 1 s, with a warning."""
+    allowed = "a number of seconds from 0.2 to 3"
+    try:
+        speed = as_number("Play speed", value, allowed)
+        if not 0.2 <= speed <= 3:
+            raise ValueError(f"Play speed must be {allowed}, got {speed}.")
+        return speed
+    except ValueError as exc:
+        gr.Warning(f"{exc} Playing at 1 s per step.")
+        return 1.0
 
 
 def play_controls(playing: bool, speed: float | None = None) -> tuple:
@@ -233,8 +250,7 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) ->
     playing = gr.State(False)
     timer = gr.Timer(1.0, active=False)
     c.play.click(handlers.on_play, [playing, c.speed], [timer, c.play, playing], api_name=False)
-    c.speed.change(lambda speed, on: gr.Timer(value=float(speed), active=on), [c.speed, playing], [timer],
-                   api_name=False)
+    c.speed.change(handlers.on_speed, [c.speed, playing], [timer], api_name=False)
     timer.tick(handlers.on_tick, [state, playing, *decode], [*out, timer, c.play, playing], api_name=False, **busy)
     demo.load(handlers.on_load, [state], pages.frame_outputs(), api_name=False)
     demo.unload(handlers.on_unload)

@@ -1,12 +1,12 @@
 """End to end: launch the app on a free port and drive it through gradio_client like a visitor would."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
-from gradio_client.exceptions import AppError
 
 from tests.conftest import launched_app
 
@@ -54,22 +54,114 @@ def by_label(client: Client, endpoint: str, **values_by_label) -> dict:
     return {names[label]: value for label, value in values_by_label.items()}
 
 
-def test_bad_input_leaves_the_session_working(server, tmp_path):
+def call(client: Client, endpoint: str, *args, **values_by_label) -> tuple[tuple, list[str]]:
+    """(outputs, the warnings and notes the visitor was shown) of one call."""
+    kwargs = by_label(client, endpoint, **values_by_label) if values_by_label else {}
+    job = client.submit(*args, **kwargs, api_name=endpoint)
+    out = job.result()
+    shown, updates = [], job.communicator.updates
+    while not updates.empty():
+        update = updates.get_nowait()
+        if getattr(update, "log", None):
+            shown.append(update.log[0])
+    return out, shown
+
+
+def test_bad_input_leaves_the_previous_run_visible_and_the_session_working(server, tmp_path):
     url, _ = server
     client = Client(url, verbose=False)
     step(client, 2)
     impossible = ({"Prompt": "   "}, {"K min (heuristic)": 6, "K max (heuristic)": 3},
-                  {"K schedule": "heuristic", "K (drafts per round)": 12, "K max (heuristic)": 8})
+                  {"K schedule": "heuristic", "K (drafts per round)": 12, "K max (heuristic)": 8},
+                  {"K (drafts per round)": 0})
     for bad in impossible:
-        out = client.predict(**by_label(client, "/reset", **bad), api_name="/reset")
-        assert "Round 2 of 2" in out[STATUS], bad       # the run from before the bad input is intact
-    with pytest.raises(AppError, match="less than minimum value 1"):  # Gradio's own bound check, as a message
-        client.predict(**by_label(client, "/reset", **{"K (drafts per round)": 0}), api_name="/reset")
-    assert "Round 3 of 3" in step(client)[STATUS]
+        out, shown = call(client, "/reset", **bad)
+        assert "Previous run" in out[STATUS] and "Round 2 of 2" in out[STATUS], bad   # kept, and marked
+        assert shown, bad
+    out, shown = call(client, "/step")
+    assert "Round 2 of 2" in out[STATUS] and any("This is the previous run" in m for m in shown)
+    out, _ = call(client, "/reset")
+    assert "Round 0 of 0" in out[STATUS] and "Previous run" not in out[STATUS]
+    assert "Round 2 of 2" in step(client, 2)[STATUS]
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"type": "header", "stream": null, "data": {"version": 1}}\n{oops\n')
     out = client.predict(handle_file(str(broken)), api_name="/replay_upload")
-    assert "Round 3 of 3" in out[STATUS] and "live" in out[STATUS]
+    assert "Round 2 of 2" in out[STATUS] and "live" in out[STATUS]
+    client.close()
+
+
+SEED_RULE = "Seed must be a whole number from 0 to 9223372036854775807, got "
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"Seed": "abc"}, SEED_RULE + "'abc'."),
+    ({"Seed": 2**70}, SEED_RULE + "1180591620717411303424."),
+    ({"K (drafts per round)": "four"}, "K must be a whole number from 1 to 16, got 'four'."),
+], ids=["seed-text", "seed-2^70", "k-text"])
+def test_bad_api_values_get_a_sentence_not_a_generic_error(server, values, message):
+    url, _ = server
+    client = Client(url, verbose=False)
+    out, shown = call(client, "/reset", **values)         # no AppError: the handler itself answered
+    assert any(message in m for m in shown), shown
+    assert "No run yet" in out[STATUS]
+    assert "Round 1 of 1" in step(client)[STATUS]         # the session still works
+    client.close()
+
+
+def raw_reset(url: str, client: Client, **literals: str) -> tuple[list, list[str]]:
+    """POST /gradio_api/call/reset as a bare HTTP caller would, with some values written as raw JSON text
+    (NaN, Infinity or a "\\ud800" escape, which gradio_client refuses to send). Returns (outputs, the
+    warnings shown), read from the session's message stream."""
+    import uuid
+
+    import httpx
+
+    params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]
+    values = [literals.get(p["label"], json.dumps(p["parameter_default"])) for p in params]
+    session = uuid.uuid4().hex
+    body = f'{{"session_hash": "{session}", "data": [{", ".join(values)}]}}'
+    shown: list[str] = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        http.post("/gradio_api/call/reset", content=body, headers={"content-type": "application/json"}
+                  ).raise_for_status()
+        with http.stream("GET", "/gradio_api/queue/data", params={"session_hash": session}) as stream:
+            for line in stream.iter_lines():
+                message = json.loads(line[len("data: "):]) if line.startswith("data: ") else {}
+                if message.get("msg") == "log":
+                    shown.append(message["log"])
+                if message.get("msg") == "process_completed":
+                    assert message["success"], message
+                    return message["output"]["data"][1:], shown   # [0] is the session's gr.State
+    raise AssertionError("the reply ended without a result")
+
+
+@pytest.mark.parametrize("label, literal, message", [
+    ("Seed", "NaN", SEED_RULE + "nan."),
+    ("Seed", "Infinity", SEED_RULE + "inf."),
+    ("Top-k (0 = off)", "Infinity", "Top-k must be a whole number of at least 0, got inf."),
+    ("Temperature (0 = greedy)", "NaN", "Temperature must be a finite number of at least 0 (0 = greedy), got nan."),
+    ("K (drafts per round)", "-Infinity", "K must be a whole number from 1 to 16, got -inf."),
+    ("Prompt", '"def f():\\ud800"', "The prompt contains '\\ud800' at character 9, which is not valid Unicode"),
+], ids=["seed-nan", "seed-inf", "top-k-inf", "temperature-nan", "k-minus-inf", "surrogate"])
+def test_values_only_a_bare_api_caller_can_send_get_a_sentence_too(server, label, literal, message):
+    url, _ = server
+    client = Client(url, verbose=False)
+    out, shown = raw_reset(url, client, **{label: literal})
+    assert "No run yet" in out[STATUS] and any(message in m for m in shown), shown
+    client.close()
+
+
+def test_a_deeply_nested_trace_is_refused_in_traces_and_compare(server, tmp_path):
+    url, _ = server
+    client = Client(url, verbose=False)
+    step(client)
+    header = EXAMPLES[0].read_bytes().split(b"\n")[0] if EXAMPLES else b"{}"
+    nested = tmp_path / "nested.jsonl"
+    nested.write_bytes(header + b"\n" + b"[" * 10_000 + b"]" * 10_000 + b"\n")
+    out, shown = call(client, "/replay_upload", handle_file(str(nested)))
+    assert "Round 1 of 1" in out[STATUS] and any("nested more than" in m for m in shown), shown
+    out, shown = call(client, "/compare", handle_file(str(nested)), None, None, str(EXAMPLES[-1]) if EXAMPLES else None)
+    assert any("nested more than" in m for m in shown), shown
     client.close()
 
 
