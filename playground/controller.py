@@ -90,25 +90,27 @@ PREVIOUS_RUN = ("This is the previous run, kept so you can look back at it: the 
                 "Reset.")
 
 
-def reset(ctx: Context, session: Session, req: DecodeRequest) -> None:
-    """Start a fresh run with the current settings (loading the pair if needed), recording its trace.
+def reset(ctx: Context, session: Session, req: DecodeRequest, load: bool = True) -> None:
+    """Start a fresh run with the current settings (loading the pair if needed, or with load=False only
+    if it is the server's default pair: see ModelRegistry.pair), recording its trace.
 
     A Reset that fails, whatever the reason, leaves one state: what was shown before stays visible as the
     previous run (Session.keep_as_previous), and the error is raised for the visitor to read.
     """
     shown, cursor = session.view(), session.cursor
     try:
-        _start_run(ctx, session, req)
+        _start_run(ctx, session, req, load)
     except Exception as exc:
         session.keep_as_previous(shown, cursor, _first_sentence(exc))
         raise
 
 
-def _start_run(ctx: Context, session: Session, req: DecodeRequest) -> None:
+def _start_run(ctx: Context, session: Session, req: DecodeRequest, load: bool) -> None:
     config = req.config(ctx.settings.max_new_tokens)
     prompt = req.prompt_text(ctx.settings.max_prompt_chars)
-    pair = ctx.registry.pair(req.preset, *(as_text(name, value, MAX_MODEL_ID_CHARS) for name, value in
-                                           (("Custom draft", req.custom_draft), ("Custom target", req.custom_target))))
+    ids = (as_text(name, value, MAX_MODEL_ID_CHARS) for name, value in
+           (("Custom draft", req.custom_draft), ("Custom target", req.custom_target)))
+    pair = ctx.registry.pair(req.preset, *ids, load=load)
     prompt_ids = encode_prompt(pair.target.tokenizer, prompt)
     session.drop_run()
     ctx.pool.reserve_kv(session, kv_bytes_needed(pair, len(prompt_ids), config))
@@ -146,7 +148,7 @@ def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = Fals
     """
     _refuse_previous(session)
     if session.view() is None:
-        reset(ctx, session, req)
+        reset(ctx, session, req, load=False)
     c, view = session.cursor, session.view()
     if not c.revealed:
         session.cursor = replace(c, revealed=True)
@@ -165,7 +167,7 @@ def run_to_end(ctx: Context, session: Session, req: DecodeRequest,
     """Decode (or replay) every remaining round; progress(tokens, max_new_tokens) after each."""
     _refuse_previous(session)
     if session.view() is None:
-        reset(ctx, session, req)
+        reset(ctx, session, req, load=False)
     if session.live:
         run, total = session.run, session.run.config.max_new_tokens
         while not run.finished:

@@ -233,10 +233,14 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) ->
     c = pages.controls
     out = [state, *pages.frame_outputs()]
     decode = c.decode_inputs()
-    # Everything that runs model forwards shares one queue group, so `concurrency` bounds the CPU/GPU work.
-    # Reset only loads models and allocates KV, so a slow Hub download does not hold up others' steps.
-    busy = dict(concurrency_id="decode", concurrency_limit=handlers.ctx.settings.concurrency)
-    c.reset.click(handlers.on_reset, [state, *decode], out, api_name="reset")
+    # Everything that runs model forwards shares one queue group, so `concurrency` bounds the CPU/GPU work;
+    # the rest of a classroom waits in Gradio's queue, and show_progress="full" shows each visitor their
+    # place in it on the outputs ("queue: 3/12") instead of a button that seems frozen.
+    busy = dict(concurrency_id="decode", concurrency_limit=handlers.ctx.settings.concurrency, show_progress="full")
+    # Reset loads models and allocates KV but runs no forward: it has its own, wider group, so a slow load
+    # for one visitor (the registry holds no lock while loading) never queues another visitor's Reset.
+    loads = dict(concurrency_id="reset", concurrency_limit=handlers.ctx.settings.max_sessions, show_progress="full")
+    c.reset.click(handlers.on_reset, [state, *decode], out, api_name="reset", **loads)
     c.step.click(handlers.on_step, [state, c.reveal, *decode], out, api_name="step", **busy)
     c.run_to_end.click(handlers.on_run_to_end, [state, *decode], out, api_name="run_to_end", **busy)
     c.back.click(handlers.on_back, [state], out, api_name="back")

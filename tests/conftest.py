@@ -47,8 +47,10 @@ def tiny_pair(builtin_tokenizer) -> tuple[LoadedModel, LoadedModel]:
 
 
 @contextmanager
-def launched_app(pair: tuple[LoadedModel, LoadedModel], root, *, max_sessions: int, max_new_tokens: int):
-    """The playground served on a free loopback port with the given (draft, target); yields (url, pool)."""
+def launched_app(pair: tuple[LoadedModel, LoadedModel], root, *, max_sessions: int, max_new_tokens: int,
+                 registry=None):
+    """The playground served on a free loopback port with the given (draft, target), or with `registry`;
+    yields (url, pool)."""
     import socket
 
     from playground.controller import Context
@@ -58,7 +60,7 @@ def launched_app(pair: tuple[LoadedModel, LoadedModel], root, *, max_sessions: i
     from playground.ui import build_app, launch_kwargs
 
     draft, target = pair
-    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
+    registry = registry or ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
     pool = SessionPool(max_sessions, 256 * 2**20, 600.0, root=root)
     demo = build_app(Context(registry, pool, AppSettings(max_sessions=max_sessions, max_new_tokens=max_new_tokens)))
     with socket.socket() as s:

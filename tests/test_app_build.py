@@ -42,6 +42,17 @@ def test_the_whole_app_builds_without_loading_a_model():
     ctx.pool.shutdown()
 
 
+def test_decoding_events_queue_and_show_each_visitor_their_place():
+    ctx = make_context(app.parse_args(["--max-sessions", "30"], {}))
+    fns = {f.api_name: f for f in build_app(ctx).fns.values()}
+    ctx.pool.shutdown()
+    for name in ("step", "run_to_end", "reset"):
+        assert fns[name].queue is not False and fns[name].show_progress == "full", name
+    assert fns["step"].concurrency_id == fns["run_to_end"].concurrency_id == "decode"
+    assert fns["step"].concurrency_limit == 1
+    assert fns["reset"].concurrency_id != "decode" and fns["reset"].concurrency_limit == 30
+
+
 def test_flags_and_environment_reach_the_settings():
     s = app.parse_args([], {})
     assert (s.host, s.port, s.share, s.draft, s.target) == ("127.0.0.1", 7860, False, "builtin", "builtin")

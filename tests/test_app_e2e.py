@@ -180,6 +180,29 @@ def test_run_to_end_then_replay_an_example_and_compare(server):
     client.close()
 
 
+def test_a_slow_model_load_does_not_hold_up_another_visitors_reset(builtin_pair, tmp_path):
+    from playground.registry import ModelRegistry
+    from tests.test_playground_registry import WAIT, SlowLoader
+
+    slow = SlowLoader(builtin_pair)
+    registry = ModelRegistry(allow_custom=True, loader=slow, inspect=lambda source, role, device: 1)
+    registry.pair("default")
+    try:
+        with launched_app(builtin_pair, tmp_path, max_sessions=4, max_new_tokens=16, registry=registry) as (url, _):
+            a, b = Client(url, verbose=False), Client(url, verbose=False)
+            loading = a.submit(**by_label(a, "/reset", **{"Model pair": "custom", "Custom draft id or path": "slow",
+                                                           "Custom target id or path": "slow"}), api_name="/reset")
+            assert slow.started.wait(WAIT)
+            out = b.submit(api_name="/reset").result(timeout=WAIT)      # not queued behind a's load
+            assert "Round 0 of 0" in out[STATUS] and not slow.gate.is_set() and not loading.done()
+            slow.gate.set()
+            assert "Round 0 of 0" in loading.result(timeout=WAIT)[STATUS]
+            a.close()
+            b.close()
+    finally:
+        slow.gate.set()
+
+
 def test_closing_the_client_ends_its_session(server):
     url, pool = server
     client = Client(url, verbose=False)
