@@ -1,18 +1,22 @@
 """Composes the pages into one gr.Blocks and wires every event to the controller.
 
-Each handler finds the visitor's session (gr.State, keyed by Gradio's session hash), runs one
-controller action under the session's lock, and renders a Frame. Anything a visitor can get
-wrong becomes a gr.Warning; the session and the server keep working.
+Each handler finds the visitor's session (the SessionPool's, keyed by Gradio's session hash and
+bounded per client address), runs one controller action under the session's lock, and renders a
+Frame. Anything a visitor can get wrong becomes a gr.Warning; the session and the server keep
+working. Serving it (heartbeats, sweeping, shutdown) is playground.serve's job.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
 
+from engine.trace import MAX_TRACE_BYTES
 from playground import controller
+from playground.connections import client_address, heartbeat_middleware
 from playground.controller import USER_ERRORS, Context, DecodeRequest
 from playground.controls import Controls, build_controls
 from playground.inputs import as_int, as_number, as_seed
@@ -70,10 +74,11 @@ class Handlers:
                 f.tokens_time, f.speedup, gr.Slider(minimum=0, maximum=max(1, f.rounds_total), value=f.shown, step=1))
 
     def _session(self, state: Session | None, request: gr.Request) -> Session:
-        """The visitor's session; reopened if it expired or the server evicted it."""
-        if state is not None and self.ctx.pool.open(state.key) is state:
-            return state
-        return self.ctx.pool.open(request.session_hash if request is not None else "anonymous")
+        """The visitor's session, renewed; a fresh one if it was reclaimed. `state` (the gr.State copy) is
+        only ever the pool's own session or a reclaimed one, so the pool, keyed by Gradio's session hash,
+        decides."""
+        key = request.session_hash if request is not None and request.session_hash else "anonymous"
+        return self.ctx.pool.open(key, client_address(request, self.ctx.settings.proxy_hops))
 
     def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None]) -> tuple:
         """(state, *frame) after running `action`; errors become warnings and leave the session usable."""
@@ -264,8 +269,13 @@ def make_context(settings: AppSettings) -> Context:
     """The server's shared objects: the model registry (models load lazily) and the session pool."""
     registry = ModelRegistry(settings.draft, settings.target, draft_device=settings.draft_device,
                              target_device=settings.target_device, allow_custom=settings.allow_custom_models)
-    pool = SessionPool(settings.max_sessions, settings.kv_budget_mib * 2**20, settings.session_ttl_s)
-    return Context(registry, pool, settings)
+    return Context(registry, make_pool(settings), settings)
+
+
+def make_pool(settings: AppSettings, root: Path | None = None) -> SessionPool:
+    """The session pool with the settings' bounds (its folder under `root`, else the system's temp folder)."""
+    return SessionPool(settings.max_sessions, settings.kv_budget_mib * 2**20, settings.session_ttl_s, root,
+                       lease_s=settings.session_lease_s, per_client=settings.max_sessions_per_client)
 
 
 def build_app(ctx: Context) -> gr.Blocks:
@@ -309,6 +319,10 @@ def build_app(ctx: Context) -> gr.Blocks:
     return demo
 
 
-def launch_kwargs() -> dict:
-    """Gradio 6 takes CSS at launch, not in gr.Blocks; the example traces may be served for download."""
-    return {"css": stylesheet(), "allowed_paths": [str(page_traces.EXAMPLES_DIR)]}
+def launch_kwargs(ctx: Context) -> dict:
+    """What `demo.launch` needs beside the address: Gradio 6 takes CSS at launch, not in gr.Blocks; the
+    example traces may be served for download; the heartbeat watch keeps sessions tied to connections;
+    and uploads far over the trace limit are refused before they reach the disk (those just over it get
+    the trace reader's own message)."""
+    return {"css": stylesheet(), "allowed_paths": [str(page_traces.EXAMPLES_DIR)],
+            "app_kwargs": {"middleware": [heartbeat_middleware(ctx.pool)]}, "max_file_size": 4 * MAX_TRACE_BYTES}

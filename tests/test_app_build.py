@@ -66,3 +66,13 @@ def test_flags_and_environment_reach_the_settings():
         ("0.0.0.0", 8000, "a", "b", "cpu", "cuda:1", True, 3)
     with pytest.raises(ValueError, match="max_sessions"):
         app.parse_args(["--max-sessions", "0"], {})
+    s = app.parse_args(["--idle-timeout", "300", "--session-lease", "30", "--max-sessions-per-client", "40",
+                        "--proxy-hops", "2"], {})
+    assert (s.session_ttl_s, s.session_lease_s, s.max_sessions_per_client, s.proxy_hops) == (300.0, 30.0, 40, 2)
+    assert (app.parse_args([], {}).proxy_hops, app.parse_args([], {"SPACE_ID": "u/space"}).proxy_hops) == (0, 1)
+    pool = make_context(s).pool
+    assert (pool.idle_ttl_s, pool.lease_s, pool.per_client) == (300.0, 30.0, 40)
+    pool.shutdown()
+    with pytest.raises(ValueError, match="session_lease_s must be > 0 seconds"):
+        app.parse_args(["--session-lease", "0"], {})
+

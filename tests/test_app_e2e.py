@@ -203,6 +203,33 @@ def test_a_slow_model_load_does_not_hold_up_another_visitors_reset(builtin_pair,
         slow.gate.set()
 
 
+def test_api_callers_that_never_come_back_cannot_lock_visitors_out(builtin_pair, tmp_path):
+    """Raw /gradio_api/call requests have no heartbeat: their sessions go a lease after their last use,
+    while a connected visitor's session, held by its heartbeat, stays."""
+    import httpx
+
+    with launched_app(builtin_pair, tmp_path, max_sessions=8, max_new_tokens=16, session_lease_s=2.0) as (url, pool):
+        visitor = Client(url, verbose=False)
+        assert "Round 1 of 1" in step(visitor)[STATUS]
+        params = visitor.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for _ in range(8):      # the probe's attack: eight bare Resets, then gone
+                event = http.post("/gradio_api/call/reset", json={"data": [p["parameter_default"] for p in params]})
+                reply = http.get(f"/gradio_api/call/reset/{event.json()['event_id']}").text
+                assert reply.startswith("event: complete")
+        assert len(pool) > 1                  # they did open sessions
+        deadline = time.monotonic() + 60
+        while len(pool) > 1 and time.monotonic() < deadline:    # the sweeper runs every lease / 4
+            time.sleep(0.1)
+        [kept] = pool.sessions()
+        assert pool.held(kept.key) and kept.run is not None
+        assert "Round 2 of 2" in step(visitor)[STATUS]           # the visitor never noticed
+        late = Client(url, verbose=False)
+        assert "Round 1 of 1" in step(late)[STATUS]
+        visitor.close()
+        late.close()
+
+
 def test_closing_the_client_ends_its_session(server):
     url, pool = server
     client = Client(url, verbose=False)

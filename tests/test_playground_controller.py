@@ -198,7 +198,7 @@ def test_a_failed_reset_with_no_run_before_leaves_none(ctx):
 def test_the_session_bound_gives_a_clear_message(ctx):
     a = ctx.pool.open("a")
     ctx.pool.open("b")
-    with pytest.raises(SessionLimitReached, match="full: 2 sessions"):
+    with pytest.raises(SessionLimitReached, match="full: all 2 sessions are in use"):
         ctx.pool.open("c")
     ctx.pool.close(a)
     ctx.pool.close(a)  # unload, then state expiry: closing twice is harmless
