@@ -329,3 +329,37 @@ def test_custom_models_default_off_on_a_space(env, allowed):
 def test_a_bad_custom_models_setting_is_an_error():
     with pytest.raises(ValueError, match="SPECPLAY_ALLOW_CUSTOM_MODELS"):
         allow_custom_default({"SPECPLAY_ALLOW_CUSTOM_MODELS": "maybe"})
+
+
+def test_reset_lets_go_of_a_replayed_trace(ctx):
+    """Nothing keeps a replayed trace's records once Reset replaces it (traced Python memory returns)."""
+    import gc
+    import tracemalloc
+
+    example = min((Path(__file__).resolve().parent.parent / "assets" / "traces").glob("*.jsonl"))
+    s = ctx.pool.open("a")
+
+    def replay_to_the_end() -> None:
+        controller.load_replay(s, example, "example")
+        controller.run_to_end(ctx, s, request())
+        render_frame(s.view(), s.cursor)
+
+    replay_to_the_end()                    # once first: plotly's templates and other one-off caches load
+    controller.reset(ctx, s, request())
+    gc.collect()
+    not_plotly = [tracemalloc.Filter(False, "*plotly*")]   # plotly memoises property names as figures are built
+
+    def traced() -> int:
+        return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(not_plotly).statistics("filename"))
+
+    tracemalloc.start()
+    try:
+        base = traced()
+        replay_to_the_end()
+        held = traced() - base
+        controller.reset(ctx, s, request())
+        gc.collect()
+        left = traced() - base
+    finally:
+        tracemalloc.stop()
+    assert held > 0 and left < 0.1 * held
