@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
 
 from tests.conftest import launched_app
 
@@ -246,9 +247,75 @@ def test_closing_the_client_ends_its_session(server):
 def test_the_session_limit_gives_a_message_not_a_crash(server):
     url, pool = server
     clients = [Client(url, verbose=False) for _ in range(3)]
-    statuses = [step(c)[STATUS] for c in clients]
+    replies = [call(c, "/step") for c in clients]
+    statuses = [out[STATUS] for out, _ in replies]
     assert len(pool) == 2
     assert sum("Round 1 of 1" in s for s in statuses) == 2
     assert sum("No run yet" in s for s in statuses) == 1
+    assert any("The playground is full: all 2 sessions are in use" in m and "at the latest in about" in m
+               for _, shown in replies for m in shown)
     for c in clients:
         c.close()
+
+
+def test_concurrent_visitors_are_isolated(builtin_pair, tmp_path):
+    """Four visitors step at once, two seeds between them: the same seed gives byte-identical streams."""
+    import threading
+
+    with launched_app(builtin_pair, tmp_path, max_sessions=4, max_new_tokens=32) as (url, _):
+        clients = [Client(url, verbose=False) for _ in range(4)]
+        streams: list[list[str]] = [[] for _ in clients]
+
+        def visit(i: int) -> None:
+            clients[i].predict(**by_label(clients[i], "/reset", Seed=i % 2), api_name="/reset")
+            for _ in range(4):
+                streams[i].append(clients[i].predict(api_name="/step")[STREAM])
+
+        threads = [threading.Thread(target=visit, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert streams[0] == streams[2] and streams[1] == streams[3] and streams[0] != streams[1]
+        assert all(len(s) == 4 for s in streams)
+        for c in clients:
+            c.close()
+
+
+def test_script_in_a_trace_is_shown_as_text(server, tmp_path):
+    if not EXAMPLES:
+        pytest.skip("needs the example traces in assets/traces")
+    url, _ = server
+    lines = [json.loads(line) for line in EXAMPLES[0].read_text().splitlines()]
+    attack = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    for obj in lines:
+        if obj["type"] == "round":
+            obj["data"]["emitted_text"] = attack
+            obj["data"]["final"]["text"] = attack
+            for p in obj["data"]["positions"]:
+                p["text"] = attack
+    hostile = tmp_path / "<b>hostile<b>.jsonl"
+    hostile.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    client = Client(url, verbose=False)
+    client.predict(handle_file(str(hostile)), api_name="/replay_upload")
+    out = client.predict(api_name="/run_to_end")
+    assert "&lt;script&gt;" in out[STREAM] and "<script" not in out[STREAM] and "<img" not in out[STREAM]
+    assert "<b>hostile" not in out[STATUS]
+    table, *_ = client.predict(handle_file(str(hostile)), None, None, str(EXAMPLES[-1]), api_name="/compare")
+    assert "<b>hostile" not in table and "<script" not in table
+    client.close()
+
+
+def test_files_outside_the_examples_cannot_be_read(server):
+    import httpx
+
+    url, _ = server
+    for path in ("/etc/passwd", "../../../../etc/passwd", str(Path(__file__).resolve())):
+        reply = httpx.get(f"{url}gradio_api/file={path}", timeout=30)
+        assert reply.status_code in (403, 404) and "root:" not in reply.text, path
+    client = Client(url, verbose=False)
+    step(client)
+    with pytest.raises(AppError, match="not in the list of choices"):    # Gradio's own check, as a message
+        client.predict("/etc/passwd", api_name="/replay_example")
+    assert "Round 2 of 2" in step(client)[STATUS]            # the session carries on
+    client.close()

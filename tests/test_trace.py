@@ -384,3 +384,34 @@ def test_loading_keeps_only_the_records_in_memory() -> None:
     finally:
         tracemalloc.stop()
     assert loaded.rounds and peak - before < 1.5 * (kept - before)
+
+
+def test_a_trace_is_readable_after_its_writer_is_killed(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "killed.jsonl"
+    script = textwrap.dedent("""
+        import sys, time
+        from engine.compared import ComparedRun
+        from engine.config import SpecConfig
+        from engine.models import ModelPair, load_model
+        pair = ModelPair(load_model("builtin", "target"), load_model("builtin", "draft"))
+        run = ComparedRun(pair, "def f(x):\\n", SpecConfig(k=3, max_new_tokens=200), trace_path=sys.argv[1])
+        for _ in range(3):
+            run.step()
+        print("ready", flush=True)
+        while not run.finished:
+            run.step()
+            time.sleep(0.05)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    t = load_trace(path)
+    assert not t.complete and len(t.rounds) >= 3 and t.summary is None
