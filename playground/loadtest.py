@@ -315,7 +315,8 @@ def drive(a: argparse.Namespace, url: str, server: subprocess.Popen, tmp: Path, 
     rss_after, rss_peak = rss_mb(server.pid), peak.stop()
     left_open = len(session_folders(tmp))
     server.send_signal(signal.SIGTERM)
-    clean = server.wait(timeout=max(5.0, deadline - time.monotonic())) == 0 and not list(tmp.glob("specplay-sessions-*"))
+    exited = server.wait(timeout=max(5.0, deadline - time.monotonic()))
+    clean = exited == 0 and not list(tmp.glob("specplay-sessions-*"))
     failures = isolation(visitors, callers)
     report(a, visitors, callers, wall, failures, (rss_before, rss_peak, rss_after), (left_open, reclaimed_after),
            clean, timed_out)

@@ -199,8 +199,9 @@ class Handlers:
         out = self.guarded(state, request,
                            lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))))
         session = out[0]
-        done = session is None or session.view() is None or session.previous is not None or bool(notes and notes[0]) or (
-            session.cursor.shown >= len(session.view().rounds) and session.view().complete)
+        view = session.view() if session is not None else None
+        done = view is None or session.previous is not None or bool(notes and notes[0]) or (
+            session.cursor.shown >= len(view.rounds) and view.complete)
         return (*out, *play_controls(not done))
 
     @staticmethod
@@ -279,7 +280,7 @@ def make_pool(settings: AppSettings, root: Path | None = None) -> SessionPool:
 
 
 def build_app(ctx: Context) -> gr.Blocks:
-    """The whole playground, built but not launched. Launch with `launch_kwargs()` for its CSS."""
+    """The whole playground, built but not launched: `playground.serve.start` launches it (with `launch_kwargs`)."""
     examples = page_traces.example_traces()
     handlers = Handlers(ctx)
     with gr.Blocks(title=TITLE) as demo:
