@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from playground.settings import ALLOW_CUSTOM_ENV, AppSettings, allow_custom_default
+from playground.settings import ALLOW_CUSTOM_ENV, AppSettings, allow_custom_default, proxy_hops_default
 
 
 def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
@@ -21,22 +21,33 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
     ap.add_argument("--allow-custom-models", action=argparse.BooleanOptionalAction, default=None,
                     help=f"let visitors load any model id or path (default: ${ALLOW_CUSTOM_ENV}, else on "
                          "locally and off on a Hugging Face Space)")
-    ap.add_argument("--max-sessions", type=int, default=d.max_sessions, help="concurrent browser sessions")
+    ap.add_argument("--max-sessions", type=int, default=d.max_sessions,
+                    help="sessions (browser tabs, API clients) holding a run at once")
+    ap.add_argument("--max-sessions-per-client", type=int, default=d.max_sessions_per_client,
+                    help="sessions one client address may hold (raise it for a classroom behind one NAT address)")
+    ap.add_argument("--idle-timeout", type=float, default=d.session_ttl_s, metavar="SECONDS",
+                    help="drop a session its tab keeps open but does not use for this long")
+    ap.add_argument("--session-lease", type=float, default=d.session_lease_s, metavar="SECONDS",
+                    help="drop a session no heartbeat keeps open (an API caller gone) this long after its last use")
+    ap.add_argument("--proxy-hops", type=int, default=None,
+                    help="trusted proxies in front that append to X-Forwarded-For, to find each visitor's address "
+                         "(default: 1 on a Hugging Face Space, else 0)")
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="the most a visitor may ask for")
     ap.add_argument("--kv-budget-mib", type=int, default=d.kv_budget_mib, help="KV memory all sessions may reserve")
     a = ap.parse_args(argv)
     allow = a.allow_custom_models if a.allow_custom_models is not None else allow_custom_default(env)
+    hops = a.proxy_hops if a.proxy_hops is not None else proxy_hops_default(env)
     return AppSettings(host=a.host, port=a.port, draft=a.draft, target=a.target, draft_device=a.draft_device,
                        target_device=a.target_device, share=a.share, allow_custom_models=allow,
-                       max_sessions=a.max_sessions, max_new_tokens=a.max_new_tokens, kv_budget_mib=a.kv_budget_mib)
+                       max_sessions=a.max_sessions, max_sessions_per_client=a.max_sessions_per_client,
+                       session_ttl_s=a.idle_timeout, session_lease_s=a.session_lease, proxy_hops=hops,
+                       max_new_tokens=a.max_new_tokens, kv_budget_mib=a.kv_budget_mib)
 
 
 def main(argv: list[str]) -> None:
-    from playground.ui import build_app, launch_kwargs, make_context
+    from playground.serve import serve_forever
 
-    settings = parse_args(argv, dict(os.environ))
-    demo = build_app(make_context(settings))
-    demo.launch(server_name=settings.host, server_port=settings.port, share=settings.share, **launch_kwargs())
+    serve_forever(parse_args(argv, dict(os.environ)))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from engine.block_manager import KVPoolExhausted
-from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
+from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig, check_seed
 from engine.metrics import describe
 from engine.models import ModelLoadError, ModelPair, default_devices, load_model
 from engine.prompts import ChatPrompt, PromptError
@@ -36,6 +36,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(message)
+
+
+def seed_arg(text: str) -> int:
+    """--seed's value, refused with engine.config.check_seed's sentence (the playground shows the same)."""
+    try:
+        value: object = int(text)
+    except ValueError:
+        value = text
+    try:
+        return check_seed(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); otherwise sample")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="seed for drafting and verification draws (default: 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed for drafting and verification draws, a whole number "
+                                                            "from 0 to 2**63 - 1 (default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--trace", type=Path, default=None, metavar="OUT.jsonl",
                    help="write a JSON Lines trace of every round (open it in the playground)")

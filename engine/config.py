@@ -8,6 +8,18 @@ from engine.sampling import SamplingParams
 
 K_BOUND = 32  # the largest K (and tree, engine.tree.TREE_BOUND) the engine accepts
 K_SLACK = K_BOUND + 2  # KV room beyond max_new_tokens for a round's K+1 speculative slots
+# torch.Generator.manual_seed takes up to 2**64 - 1; the draft's generator is seeded with seed + 7919,
+# so any seed up to the signed 64-bit maximum leaves room for it.
+SEED_MAX = 2**63 - 1
+DRAFT_SEED_OFFSET = 7919
+
+
+def check_seed(seed: object) -> int:
+    """`seed` when it is a whole number in [0, SEED_MAX]; else ValueError with the one sentence every entry
+    point (the playground's controls, its API, the command line) shows for a bad seed."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"Seed must be a whole number from 0 to {SEED_MAX}, got {seed!r}.")
+    return seed
 
 
 TREE_BOUND = K_BOUND   # a tree's drafted nodes at most: its verify forward covers TREE_BOUND + 1 rows
@@ -142,6 +154,7 @@ class SpecConfig:
                     raise ValueError(f"{name} must be one of {[e.value for e in enum]}, not {value!r}") from None
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError("sampling must be a SamplingParams")
+        check_seed(self.seed)
         if not (1 <= self.k_min <= self.k_max <= K_BOUND):
             raise ValueError(f"need 1 <= k_min <= k_max <= {K_BOUND}, got k_min={self.k_min}, k_max={self.k_max}")
         if not isinstance(self.k, int) or not 1 <= self.k <= K_BOUND:

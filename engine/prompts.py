@@ -26,18 +26,42 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def check_text(name: str, text: str) -> str:
+    """`text` when every character can be encoded as UTF-8, else ValueError naming the field and the first
+    bad character. A lone surrogate such as '\\ud800' (from a broken paste, a JSON escape or a command line
+    that is not UTF-8) is a str that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} contains {text[exc.start]!r} at character {exc.start + 1}, which is not valid "
+                         "Unicode text (a lone surrogate); only valid Unicode text is allowed, so remove it or "
+                         "paste the text again.") from None
+    return text
+
+
+def _checked(name: str, text: str) -> str:
+    try:
+        return check_text(name, text)
+    except ValueError as exc:
+        raise PromptError(str(exc)) from None
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """The prompt's ids as the tokenizer gives them (special tokens included); PromptError if empty."""
-    if not text or not text.strip():
+    """The prompt's ids as the tokenizer gives them (special tokens included); PromptError if empty or not
+    valid Unicode text."""
+    if not isinstance(text, str) or not text.strip():
         raise PromptError("The prompt is empty: type some text (for the built-in pair, some Python code).")
-    return list(tokenizer(text)["input_ids"])
+    return list(tokenizer(_checked("The prompt", text))["input_ids"])
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: ChatPrompt) -> list[int]:
     """The ids of the chat template applied to the turn, ending with the assistant's header
     (`add_generation_prompt=True`), exactly as `apply_chat_template` gives them."""
-    if not prompt.user or not prompt.user.strip():
+    if not isinstance(prompt.user, str) or not prompt.user.strip():
         raise PromptError("The message is empty: type a question or an instruction.")
+    _checked("The message", prompt.user)
+    if prompt.system:
+        _checked("The system prompt", prompt.system)
     if not has_chat_template(tokenizer):
         raise PromptError("This target has no chat template: switch the prompt to raw text.")
     out = tokenizer.apply_chat_template(prompt.messages(), add_generation_prompt=True, tokenize=True,

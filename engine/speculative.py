@@ -18,13 +18,13 @@ import time
 import torch
 
 from engine.clock import Now, PhaseClock
-from engine.config import K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
+from engine.config import DRAFT_SEED_OFFSET, K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from engine.drafters.base import TreeProposal
 from engine.drafters.eagle import EagleDrafter
 from engine.metrics import summarize
 from engine.models import ModelPair
-from engine.prompts import PromptError, encode_prompt  # noqa: F401  (encode_prompt: the engine's text entry)
+from engine.prompts import PromptError
 from engine.recorder import RoundRecorder, RoundResult, RunState, drafter_of, kv_state
 from engine.records import Outcome, RoundRecord, RoundTimings, RunSummary
 from engine.runner import ModelRunner, pool_blocks, pool_bytes
@@ -80,7 +80,7 @@ class SpeculativeEngine:
                                          fused=config.fused_forward, now=now)
         self.target_cache = self.target_runner.new_sequence()
         self.gen_verify = torch.Generator().manual_seed(config.seed)
-        self.gen_draft = torch.Generator().manual_seed(config.seed + 7919)
+        self.gen_draft = torch.Generator().manual_seed(config.seed + DRAFT_SEED_OFFSET)
         self.drafter = self._make_drafter(capacity, kv_blocks)
         self._needs_features = self.drafter is not None and self.drafter.needs_features
         self._features: torch.Tensor | None = None   # the last target forward's features, for the drafter

@@ -4,25 +4,30 @@ A trace is written while the run happens, one flushed line per event, so an inte
 leaves a readable file: `load_trace` tolerates a truncated last line and reports complete=False.
 
 Line format: {"type": "header" | "round" | "summary", "stream": "spec" | "baseline" | null,
-"data": {...}}. The first line is the header. Loading never evaluates anything: every line is
-parsed with `json.loads` and checked against the record dataclasses' own type hints (required
-and unknown keys, types, Outcome values, finite numbers, bounded lists) before a record is built.
+"data": {...}}. The first line is the header. Loading never evaluates anything: the file is read
+one line at a time, each line's nesting is bounded before `json.loads` parses it, and the result is
+checked against the record dataclasses' own type hints (engine.typed_json: required and unknown keys,
+types, Outcome values, finite numbers, bounded lists, ids that are not negative) before a record is
+built. Files, rounds and nesting are bounded (MAX_TRACE_BYTES, MAX_ROUNDS, MAX_DEPTH), each with its
+own message.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import platform
+import re
 import types
-import typing
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from datetime import datetime, timezone
 from enum import Enum
-from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any
 
+from engine import typed_json
 from engine.calibration import RCurve
 from engine.config import K_BOUND, SpecConfig
 from engine.models import LoadedModel
@@ -32,8 +37,11 @@ from engine.sampling import SamplingParams
 
 TRACE_VERSION = 2
 READABLE_VERSIONS = (1, 2)   # version 1 traces are upgraded as they are read (see `_upgrade_v1_round`)
-MAX_TRACE_BYTES = 64 * 2**20
-MAX_LIST_LEN = 1 << 20          # no list in a sane trace comes near this; a bound keeps a hostile file cheap
+# A maximal trace must load and replay in a few seconds on a small CPU (see tests/test_trace.py):
+# about 16 MiB is some 2,500 rounds with candidates recorded, far more than a visitor's run.
+MAX_TRACE_BYTES = 16 * 2**20
+MAX_ROUNDS = 8192               # per stream: a 256-token run has at most 256 baseline rounds
+MAX_DEPTH = 16                  # a round line nests 6 levels (line, round, positions, position, candidates, candidate)
 STREAMS = ("spec", "baseline")
 LINE_TYPES = ("header", "round", "summary", "calibration")
 
@@ -166,116 +174,32 @@ def summary_from_dict(data: dict) -> RunSummary:
 
 def calibration_from_dict(data: Any) -> RCurve:
     """Validate a calibration line's data and rebuild the RCurve (its own checks apply). Raises TraceError."""
-    try:
-        return _decode(RCurve, data, "calibration")
-    except ValueError as exc:
-        if isinstance(exc, TraceError):
-            raise
-        raise TraceError(f"calibration: {exc}") from None
+    return _decode(RCurve, data, "calibration")
 
 
-def _decode_rates(value: Any, where: str) -> list[float]:
+def _decode_rates(value: Any) -> list[float]:
     """per_position_acceptance: rates in [0, 1], null standing for NaN (a position never checked)."""
-    rates = _decode(list[float | None], value, where)
+    rates = typed_json.decoder(list[float | None])(value)
     if any(r is not None and not 0.0 <= r <= 1.0 for r in rates):
-        raise TraceError(f"{where}: acceptance rates must lie in [0, 1]")
+        raise typed_json.Invalid("acceptance rates must lie in [0, 1]")
     return [math.nan if r is None else r for r in rates]
 
 
 # Fields whose JSON form needs more than their type hint says. Read-only mapping, not a registry.
-_FIELD_DECODERS: types.MappingProxyType[tuple[type, str], Callable[[Any, str], Any]] = types.MappingProxyType(
+_FIELD_DECODERS: types.MappingProxyType[tuple[type, str], Callable[[Any], Any]] = types.MappingProxyType(
     {(RunSummary, "per_position_acceptance"): _decode_rates})
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def _decode(tp: Any, value: Any, where: str) -> Any:
     """Check `value` (parsed JSON) against type hint `tp` and build it. `where` names the field in errors."""
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None and len(options) < len(typing.get_args(tp)):
-            return None
-        return _decode(options[0], value, where)
-    if origin is list:
-        return _decode_list(typing.get_args(tp)[0], value, where)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise TraceError(f"{where}: expected an object, got {_type_name(value)}")
-        return {k: _decode(typing.get_args(tp)[1], v, f"{where}.{k}") for k, v in value.items()}
-    if is_dataclass(tp):
-        return _decode_dataclass(tp, value, where)
-    if isinstance(tp, type) and issubclass(tp, Enum):
-        allowed = [e.value for e in tp]
-        if value not in allowed:
-            raise TraceError(f"{where}: {value!r} is not one of {', '.join(allowed)}")
-        return tp(value)
-    return _decode_scalar(tp, value, where)
-
-
-def _decode_list(item: Any, value: Any, where: str) -> list:
-    if not isinstance(value, list):
-        raise TraceError(f"{where}: expected a list, got {_type_name(value)}")
-    if len(value) > MAX_LIST_LEN:
-        raise TraceError(f"{where}: list of {len(value)} items exceeds the limit of {MAX_LIST_LEN}")
-    return [_decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    # Records use postponed annotations; resolving them once per class keeps big traces fast.
-    return typing.get_type_hints(cls)
-
-
-def _decode_dataclass(cls: type, value: Any, where: str) -> Any:
-    if not isinstance(value, dict):
-        raise TraceError(f"{where}: expected an object, got {_type_name(value)}")
-    hints = _hints(cls)
-    names = [f.name for f in fields(cls)]
-    missing = [n for n in names if n not in value]
-    if missing:
-        raise TraceError(f"{where}: missing key(s) {', '.join(missing)}")
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise TraceError(f"{where}: unknown key(s) {', '.join(unknown)}")
-    kwargs = {}
-    for name in names:
-        decode = _FIELD_DECODERS.get((cls, name))
-        sub = f"{where}.{name}"
-        kwargs[name] = decode(value[name], sub) if decode else _decode(hints[name], value[name], sub)
-    return cls(**kwargs)
-
-
-def _decode_scalar(tp: Any, value: Any, where: str) -> Any:
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise TraceError(f"{where}: expected true or false, got {_type_name(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TraceError(f"{where}: expected an integer, got {_type_name(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TraceError(f"{where}: expected a number, got {_type_name(value)}")
-        if not math.isfinite(value):
-            raise TraceError(f"{where}: {value} is not a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise TraceError(f"{where}: expected a string, got {_type_name(value)}")
-        return value
-    if tp is dict:  # an untyped dict field (the header's config): checked separately
-        if not isinstance(value, dict):
-            raise TraceError(f"{where}: expected an object, got {_type_name(value)}")
-        return value
-    raise TypeError(f"no decoder for {tp!r} at {where}")  # a new record field type: extend _decode
+    try:
+        return typed_json.decode(tp, value, where, _FIELD_DECODERS)
+    except typed_json.Invalid as exc:
+        raise TraceError(exc.at(where)) from None
 
 
 def _check_round(r: RoundRecord) -> None:
-    """Cross-field sanity: the counts a renderer relies on agree with each other."""
+    """Cross-field sanity: the counts a renderer relies on agree with each other, and ids are not negative."""
     if not 0 <= r.k <= K_BOUND:
         raise TraceError(f"round.k: {r.k} is outside [0, {K_BOUND}]")
     if r.tree is not None:
@@ -288,10 +212,28 @@ def _check_round(r: RoundRecord) -> None:
         raise TraceError(f"round.emitted: {len(r.emitted)} tokens for k={r.k} (expected 1..{r.depth + 1})")
     if r.final.outcome not in (Outcome.CORRECTED, Outcome.BONUS):
         raise TraceError(f"round.final.outcome: {r.final.outcome.value!r} (expected corrected or bonus)")
-    if min(r.emitted) < 0 or r.tokens_total < 0 or r.index < 0:
-        raise TraceError("round: token ids, index and tokens_total must be non-negative")
     if any(p.outcome in (Outcome.CORRECTED, Outcome.BONUS, Outcome.PENDING) for p in r.positions):
         raise TraceError("round.positions: a draft's outcome must be accepted, rejected or unchecked")
+    for where, value in _counts_and_ids(r):
+        if value < 0:
+            raise TraceError(f"round.{where}: {value} is negative; token ids, indices, counts and KV slots "
+                             "are integers >= 0")
+
+
+def _counts_and_ids(r: RoundRecord) -> Iterator[tuple[str, int]]:
+    """(field path, value) of every integer in a round that must not be negative."""
+    yield from (("index", r.index), ("tokens_total", r.tokens_total), ("target_forwards", r.target_forwards),
+                ("draft_forwards", r.draft_forwards), ("final.token", r.final.token), ("final.row", r.final.row))
+    yield from ((f"emitted[{i}]", t) for i, t in enumerate(r.emitted))
+    for i, p in enumerate(r.positions):
+        yield f"positions[{i}].token", p.token
+        yield from ((f"positions[{i}].candidates[{j}].token", c.token) for j, c in enumerate(p.candidates))
+    yield from ((f"final.candidates[{j}].token", c.token) for j, c in enumerate(r.final.candidates))
+    for i, kv in enumerate(r.kv):
+        for name in ("block_table", "written", "rolled_back", "blocks_allocated", "blocks_freed"):
+            yield from ((f"kv[{i}].{name}[{j}]", v) for j, v in enumerate(getattr(kv, name)))
+        yield from ((f"kv[{i}].{name}", getattr(kv, name)) for name in ("block_size", "num_blocks", "length",
+                                                                         "prompt_len", "pool_bytes"))
 
 
 def _upgrade_v1_round(data: Any) -> Any:
@@ -368,6 +310,10 @@ def header_from_dict(data: dict) -> TraceHeader:
         data = {"chat": None, "eagle": None, **data}   # version 1 had neither chat prompts nor EAGLE heads
     header = _decode(TraceHeader, data, "header")
     config_from_dict(header.config)
+    negative = next((i for i, t in enumerate(header.prompt_ids) if t < 0), None)
+    if negative is not None:
+        raise TraceError(f"header.prompt_ids[{negative}]: {header.prompt_ids[negative]} is negative; token ids are "
+                         "integers >= 0")
     return header
 
 
@@ -431,48 +377,88 @@ class TraceWriter:
 
 # ---------------------------------------------------------------------------- loading
 
-def _read_bytes(source: str | Path | bytes) -> bytes:
+def _open(source: str | Path | bytes) -> IO[bytes]:
+    """A binary reader over the trace, refused up front when it is already over MAX_TRACE_BYTES."""
     if isinstance(source, (bytes, bytearray)):
         if len(source) > MAX_TRACE_BYTES:
-            raise TraceError(f"trace is {len(source):,} bytes, over the {MAX_TRACE_BYTES:,}-byte limit")
-        return bytes(source)
+            raise TraceError(f"trace is {len(source):,} bytes, over the {MAX_TRACE_BYTES:,}-byte limit "
+                             f"({_limit_hint()})")
+        return io.BytesIO(source)
     path = Path(source)
     try:
         size = path.stat().st_size
         if size > MAX_TRACE_BYTES:
-            raise TraceError(f"{path} is {size:,} bytes, over the {MAX_TRACE_BYTES:,}-byte trace limit")
-        with path.open("rb") as f:
-            data = f.read(MAX_TRACE_BYTES + 1)  # the file may grow while we read it
+            raise TraceError(f"{path.name} is {size:,} bytes, over the {MAX_TRACE_BYTES:,}-byte trace limit "
+                             f"({_limit_hint()})")
+        return path.open("rb")
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_TRACE_BYTES:
-        raise TraceError(f"{path} is over the {MAX_TRACE_BYTES:,}-byte trace limit")
-    return data
 
 
-def _parse_lines(data: bytes) -> tuple[list[tuple[int, dict]], bool]:
-    """(line number, parsed object) for each non-blank line, and whether a truncated last line was dropped.
+def _limit_hint() -> str:
+    return f"about {MAX_ROUNDS:,} rounds; record fewer new tokens, or split the run"
 
-    Only the last line may be cut short, and only if it has no newline: that is what an
-    interrupted writer leaves. Any other unparsable line is an error.
+
+def _lines(f: IO[bytes]) -> Iterator[tuple[int, dict | None]]:
+    """(line number, parsed object) for each non-blank line, read one at a time; (number, None) for a
+    truncated last line, which ends the file.
+
+    Only the last line may be cut short, and only if it has no newline: that is what an interrupted
+    writer leaves. Any other unparsable line is an error. The file may grow while it is read (a live
+    run's trace), so the byte bound is checked as lines arrive too.
     """
-    raw = data.split(b"\n")
-    out, truncated = [], False
-    for number, line in enumerate(raw, start=1):
+    read = 0
+    for number, line in enumerate(f, start=1):
+        read += len(line)
+        if read > MAX_TRACE_BYTES:
+            raise TraceError(f"the trace is over the {MAX_TRACE_BYTES:,}-byte limit ({_limit_hint()})")
         if not line.strip():
             continue
-        last_unterminated = number == len(raw)  # after the final "\n" the split leaves b""
         try:
-            obj = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, TraceError) as exc:
-            if last_unterminated and not isinstance(exc, TraceError):
-                truncated = True
-                break
+            obj = _parse(line)
+        except TraceError as exc:
+            raise TraceError(f"line {number}: {exc}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if not line.endswith(b"\n"):
+                yield number, None
+                return
             raise TraceError(f"line {number}: not valid JSON ({exc})") from None
         if not isinstance(obj, dict):
-            raise TraceError(f"line {number}: expected a JSON object, got {_type_name(obj)}")
-        out.append((number, obj))
-    return out, truncated
+            raise TraceError(f"line {number}: expected a JSON object, got {typed_json.type_name(obj)}")
+        yield number, obj
+
+
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def json_depth(line: bytes, limit: int) -> int:
+    """How deeply arrays and objects nest in one JSON line, counted up to limit + 1 (C-speed byte operations:
+    about 7 ms per MB). Escapes and then strings are cut out, leaving only the brackets between them, and
+    each pass deletes every innermost [] or {} pair."""
+    unescaped = line.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[0::2]).translate(None, _NOT_BRACKETS)
+    depth = 0
+    while brackets and depth <= limit:
+        inner = _INNERMOST.sub(b"", brackets)   # one scan: a pair exposed by this pass waits for the next
+        if inner == brackets:   # unbalanced: json.loads will say where
+            break
+        brackets, depth = inner, depth + 1
+    return depth
+
+
+def _parse(line: bytes) -> Any:
+    """One line's JSON. Nesting is checked before parsing, so a hostile line cannot exhaust the stack."""
+    if json_depth(line, MAX_DEPTH) > MAX_DEPTH:
+        raise TraceError(_too_deep())
+    try:
+        return json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:   # unbalanced brackets escape the count above; the parser's own limit catches them
+        raise TraceError(_too_deep()) from None
+
+
+def _too_deep() -> str:
+    return f"JSON nested more than {MAX_DEPTH} levels deep; a trace line nests at most {MAX_DEPTH}"
 
 
 def _reject_constant(name: str) -> None:
@@ -491,18 +477,27 @@ def _line_fields(number: int, obj: dict) -> tuple[str, str | None, Any]:
 
 
 def load_trace(source: str | Path | bytes) -> Trace:
-    """Read and validate a trace from a path (str or Path) or the file's bytes.
+    """Read and validate a trace from a path (str or Path) or the file's bytes, one line at a time.
 
-    Raises TraceError (with the line number) for: files over MAX_TRACE_BYTES, lines that are not
-    JSON objects, unknown line types or streams, a missing or repeated header, an unsupported
-    version, and any record that fails validation. A truncated last line is dropped and the
-    trace loads with complete=False; complete is True only if the spec summary is present.
+    Only the records are kept: each line is parsed, checked and built before the next is read, so a
+    trace never sits in memory as text or parsed JSON beside its records. Raises TraceError (with the
+    line number) for: files over MAX_TRACE_BYTES, a stream of more than MAX_ROUNDS rounds, JSON nested
+    deeper than MAX_DEPTH, lines that are not JSON objects, unknown line types or streams, a missing or
+    repeated header, an unsupported version, and any record that fails validation. A truncated last
+    line is dropped and the trace loads with complete=False; complete is True only if the spec summary
+    is present.
     """
-    lines, truncated = _parse_lines(_read_bytes(source))
-    if not lines:
-        raise TraceError("line 1: no complete header line (the file ends mid-line)" if truncated
-                         else "the trace is empty: no header line")
-    number, first = lines[0]
+    with _open(source) as f:
+        return _read(_lines(f))
+
+
+def _read(lines: Iterator[tuple[int, dict | None]]) -> Trace:
+    start = next(lines, None)
+    if start is None:
+        raise TraceError("the trace is empty: no header line")
+    number, first = start
+    if first is None:
+        raise TraceError(f"line {number}: no complete header line (the file ends mid-line)")
     if first.get("type") != "header":
         raise TraceError(f"line {number}: the first line must be the header, got type {first.get('type')!r}")
     header = _at_line(number, header_from_dict, _line_fields(number, first)[2])
@@ -510,13 +505,18 @@ def load_trace(source: str | Path | bytes) -> Trace:
     rounds: dict[str, list[RoundRecord]] = {s: [] for s in STREAMS}
     summaries: dict[str, RunSummary] = {}
     calibration = None
-    for number, obj in lines[1:]:
+    for number, obj in lines:
+        if obj is None:
+            break
         kind, stream, data = _line_fields(number, obj)
         if kind == "header":
             raise TraceError(f"line {number}: a second header; a trace holds one run")
         if kind == "calibration":
             calibration = _at_line(number, calibration_from_dict, data)
         elif kind == "round":
+            if len(rounds[stream]) >= MAX_ROUNDS:
+                raise TraceError(f"line {number}: more than {MAX_ROUNDS:,} {stream} rounds; this build replays "
+                                 f"at most {MAX_ROUNDS:,} per stream")
             rounds[stream].append(_at_line(number, round_from_dict, _upgrade_v1_round(data) if v1 else data))
         elif stream in summaries:
             raise TraceError(f"line {number}: a second {stream} summary")

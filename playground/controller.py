@@ -7,21 +7,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 
 from engine.block_manager import KVPoolExhausted
 from engine.compared import ComparedRun, kv_bytes_needed
-from engine.config import DrafterKind, KSchedule, Mode, SpecConfig
+from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
 from engine.models import ModelLoadError
+from engine.prompts import encode_prompt
 from engine.sampling import SamplingParams
-from engine.speculative import PromptError, encode_prompt
 from engine.trace import TraceError, load_trace
-from playground.inputs import as_float, as_int, as_seed
+from playground.inputs import as_float, as_int, as_seed, as_text
 from playground.registry import ModelRegistry
 from playground.sessions import Session, SessionLimitReached, SessionPool
 from playground.settings import AppSettings
 from playground.teach.lesson import RoundRows, round_rows
 from playground.view import Cursor, RunView, info_for_run, view_from_trace
+
+E = TypeVar("E", bound=Enum)
+MAX_MODEL_ID_CHARS = 512   # a Hub id or a local path
 
 # Everything a visitor can cause by typing or uploading: shown as a message, never a traceback.
 USER_ERRORS = (ValueError, ModelLoadError, KVPoolExhausted, SessionLimitReached)  # PromptError, TraceError: ValueErrors
@@ -57,35 +62,77 @@ class DecodeRequest:
     max_new_tokens: float
 
     def config(self, max_new_tokens_cap: int) -> SpecConfig:
-        """The validated SpecConfig; raises ValueError with a message for the user."""
-        new = as_int("Max new tokens", self.max_new_tokens)
-        if new > max_new_tokens_cap:
-            raise ValueError(f"Max new tokens is {new}; this server allows at most {max_new_tokens_cap}.")
-        sampling = SamplingParams(temperature=as_float("Temperature", self.temperature),
-                                  top_k=as_int("Top-k", self.top_k), top_p=as_float("Top-p", self.top_p))
-        return SpecConfig(mode=Mode(self.mode), drafter=DrafterKind(self.drafter), k=as_int("K", self.k),
-                          k_schedule=KSchedule(self.k_schedule), k_min=as_int("K min", self.k_min),
-                          k_max=as_int("K max", self.k_max), sampling=sampling, seed=as_seed(self.seed),
-                          max_new_tokens=new)
+        """The validated SpecConfig; raises ValueError with a message for the user that names the field and
+        the values it allows. The same checks apply to the UI and the API (both send these values)."""
+        sampling = SamplingParams(
+            temperature=as_float("Temperature", self.temperature, "a finite number of at least 0 (0 = greedy)"),
+            top_k=as_int("Top-k", self.top_k, 0), top_p=as_float("Top-p", self.top_p, "a number in (0, 1]"))
+        return SpecConfig(mode=_choice("Mode", Mode, self.mode), drafter=_choice("Drafter", DrafterKind, self.drafter),
+                          k=as_int("K", self.k, 1, K_BOUND),
+                          k_schedule=_choice("K schedule", KSchedule, self.k_schedule),
+                          k_min=as_int("K min", self.k_min, 1, K_BOUND), k_max=as_int("K max", self.k_max, 1, K_BOUND),
+                          sampling=sampling, seed=as_seed(self.seed),
+                          max_new_tokens=as_int("Max new tokens", self.max_new_tokens, 1, max_new_tokens_cap))
+
+    def prompt_text(self, max_chars: int) -> str:
+        return as_text("The prompt", self.prompt, max_chars)
 
 
+def _choice(name: str, kind: type[E], value: object) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {', '.join(e.value for e in kind)}, got {value!r}.") from None
 
-def reset(ctx: Context, session: Session, req: DecodeRequest) -> None:
-    """Start a fresh run with the current settings (loading the pair if needed), recording its trace."""
+
+PREVIOUS_RUN = ("This is the previous run, kept so you can look back at it: the last Reset failed, so it was made "
+                "with settings other than the ones shown and Step will not continue it. Fix the settings and press "
+                "Reset.")
+
+
+def reset(ctx: Context, session: Session, req: DecodeRequest, load: bool = True) -> None:
+    """Start a fresh run with the current settings (loading the pair if needed, or with load=False only
+    if it is the server's default pair: see ModelRegistry.pair), recording its trace.
+
+    A Reset that fails, whatever the reason, leaves one state: what was shown before stays visible as the
+    previous run (Session.keep_as_previous), and the error is raised for the visitor to read.
+    """
+    shown, cursor = session.view(), session.cursor
+    try:
+        _start_run(ctx, session, req, load)
+    except Exception as exc:
+        session.keep_as_previous(shown, cursor, _first_sentence(exc))
+        raise
+
+
+def _start_run(ctx: Context, session: Session, req: DecodeRequest, load: bool) -> None:
     config = req.config(ctx.settings.max_new_tokens)
-    if len(req.prompt) > ctx.settings.max_prompt_chars:
-        raise PromptError(f"The prompt has {len(req.prompt)} characters; this server takes at most "
-                          f"{ctx.settings.max_prompt_chars}.")
-    pair = ctx.registry.pair(req.preset, req.custom_draft, req.custom_target)
-    prompt_ids = encode_prompt(pair.target.tokenizer, req.prompt)
+    prompt = req.prompt_text(ctx.settings.max_prompt_chars)
+    ids = (as_text(name, value, MAX_MODEL_ID_CHARS) for name, value in
+           (("Custom draft", req.custom_draft), ("Custom target", req.custom_target)))
+    pair = ctx.registry.pair(req.preset, *ids, load=load)
+    prompt_ids = encode_prompt(pair.target.tokenizer, prompt)
     session.drop_run()
     ctx.pool.reserve_kv(session, kv_bytes_needed(pair, len(prompt_ids), config))
+    trace = session.new_trace_path()
     try:
-        session.run = ComparedRun(pair, req.prompt, config, trace_path=session.new_trace_path())
+        session.run = ComparedRun(pair, prompt, config, trace_path=trace)
     except BaseException:
-        session.kv_bytes, session.trace_path = 0, None
+        session.kv_bytes = 0
+        trace.unlink(missing_ok=True)
         raise
+    session.use_trace(trace)
     session.info = info_for_run(session.run, pair.target, pair.draft)
+
+
+def _first_sentence(exc: Exception) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def _refuse_previous(session: Session) -> None:
+    if session.previous is not None:
+        raise ValueError(PREVIOUS_RUN)
 
 
 def _advance(session: Session, reveal: bool) -> None:
@@ -99,8 +146,9 @@ def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = Fals
     With `reveal`, a new round first shows its drafts as pending and the next Step reveals the
     verification. Returns a note for the user when there is nothing left to do.
     """
+    _refuse_previous(session)
     if session.view() is None:
-        reset(ctx, session, req)
+        reset(ctx, session, req, load=False)
     c, view = session.cursor, session.view()
     if not c.revealed:
         session.cursor = replace(c, revealed=True)
@@ -117,8 +165,9 @@ def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = Fals
 def run_to_end(ctx: Context, session: Session, req: DecodeRequest,
                progress: Callable[[int, int], None] = lambda done, total: None) -> None:
     """Decode (or replay) every remaining round; progress(tokens, max_new_tokens) after each."""
+    _refuse_previous(session)
     if session.view() is None:
-        reset(ctx, session, req)
+        reset(ctx, session, req, load=False)
     if session.live:
         run, total = session.run, session.run.config.max_new_tokens
         while not run.finished:
@@ -150,7 +199,7 @@ def load_replay(session: Session, source: str | Path | bytes, name: str) -> None
         raise TraceError(f"{name} holds no rounds to replay.")
     session.drop_run()
     session.replay = view
-    session.trace_path = Path(source) if isinstance(source, (str, Path)) else None
+    session.use_trace(Path(source) if isinstance(source, (str, Path)) else None)
 
 
 def export_rounds_csv(session: Session) -> Path:

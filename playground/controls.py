@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode
+from playground.components import RawNumber, RawSlider
 from playground.registry import ModelRegistry
 
 # The built-in pair was trained on the Python standard library: code prompts suit it.
@@ -35,23 +36,23 @@ class Controls:
     custom_target: gr.Textbox
     mode: gr.Radio
     drafter: gr.Radio
-    k: gr.Slider
+    k: RawSlider
     k_schedule: gr.Radio
-    k_min: gr.Slider
-    k_max: gr.Slider
-    temperature: gr.Slider
-    top_k: gr.Number
-    top_p: gr.Slider
-    seed: gr.Number
-    max_new_tokens: gr.Slider
+    k_min: RawSlider
+    k_max: RawSlider
+    temperature: RawSlider
+    top_k: RawNumber
+    top_p: RawSlider
+    seed: RawNumber
+    max_new_tokens: RawSlider
     reveal: gr.Checkbox
     reset: gr.Button
     step: gr.Button
     back: gr.Button
     play: gr.Button
-    speed: gr.Slider
+    speed: RawSlider
     run_to_end: gr.Button
-    scrubber: gr.Slider
+    scrubber: RawSlider
 
     def decode_inputs(self) -> list[gr.components.Component]:
         """In DecodeRequest's field order."""
@@ -68,10 +69,10 @@ def _transport() -> dict:
     with gr.Row():
         play = gr.Button("▷ Play", elem_id="play-btn", size="sm")
         run_to_end = gr.Button("⇥ Run to end", elem_id="run-end-btn", size="sm")
-    speed = gr.Slider(0.2, 3.0, value=1.0, step=0.1, label="Play speed (seconds per step)")
+    speed = RawSlider(0.2, 3.0, value=1.0, step=0.1, label="Play speed (seconds per step)")
     reveal = gr.Checkbox(False, label="Reveal sub-step: show drafts as pending before verifying",
                          elem_id="reveal-box")
-    scrubber = gr.Slider(0, 1, value=0, step=1, label="Rounds shown (scrub back over rounds already run)",
+    scrubber = RawSlider(0, 1, value=0, step=1, label="Rounds shown (scrub back over rounds already run)",
                          elem_id="scrubber")
     return dict(reset=reset, back=back, step=step, play=play, run_to_end=run_to_end, speed=speed, reveal=reveal,
                 scrubber=scrubber)
@@ -92,18 +93,18 @@ def _decoding(max_new_tokens: int) -> dict:
     mode = gr.Radio(list(MODES), value=Mode.V2.value, label="Mode")
     drafter = gr.Radio(list(DRAFTERS), value=DrafterKind.MODEL.value, label="Drafter")
     with gr.Row():
-        k = gr.Slider(1, K_BOUND, value=4, step=1, label="K (drafts per round)")
+        k = RawSlider(1, K_BOUND, value=4, step=1, label="K (drafts per round)")
         k_schedule = gr.Radio(list(SCHEDULES), value=KSchedule.CONSTANT.value, label="K schedule")
     with gr.Row():
-        k_min = gr.Slider(1, K_BOUND, value=1, step=1, label="K min (heuristic)")
-        k_max = gr.Slider(1, K_BOUND, value=8, step=1, label="K max (heuristic)")
+        k_min = RawSlider(1, K_BOUND, value=1, step=1, label="K min (heuristic)")
+        k_max = RawSlider(1, K_BOUND, value=8, step=1, label="K max (heuristic)")
     with gr.Row():
-        temperature = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="Temperature (0 = greedy)")
-        top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p (1 = off)")
+        temperature = RawSlider(0.0, 2.0, value=1.0, step=0.05, label="Temperature (0 = greedy)")
+        top_p = RawSlider(0.05, 1.0, value=1.0, step=0.05, label="Top-p (1 = off)")
     with gr.Row():
-        top_k = gr.Number(0, precision=0, label="Top-k (0 = off)", minimum=0)
-        seed = gr.Number(0, precision=0, label="Seed")
-    max_new = gr.Slider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens")
+        top_k = RawNumber(0, precision=0, label="Top-k (0 = off)", minimum=0)
+        seed = RawNumber(0, precision=0, label="Seed")
+    max_new = RawSlider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens")
     return dict(mode=mode, drafter=drafter, k=k, k_schedule=k_schedule, k_min=k_min, k_max=k_max,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new)
 

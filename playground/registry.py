@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +75,9 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(source: str, role: str, device: torch.device, free: Callable[[torch.device], int] = free_memory) -> int:
-    """Estimated weight bytes of `source` on `device`; raises ModelLoadError if it cannot fit there."""
+def weight_bytes(source: str, role: str, device: torch.device) -> int:
+    """Estimated weight bytes of `source` on `device`, from its config.json alone (a Hub read for a Hub id:
+    slow, and never done under a shared lock). Raises ModelLoadError when there is no config to read."""
     from transformers import AutoConfig
 
     try:
@@ -85,33 +87,60 @@ def check_fits(source: str, role: str, device: torch.device, free: Callable[[tor
                              "Hub ids need internet access (or a copy in the local HF cache); "
                              "paths must hold a config.json.") from None
     try:
-        need = estimate_parameters(config) * torch.empty((), dtype=resolve_dtype("auto", device)).element_size()
+        return estimate_parameters(config) * torch.empty((), dtype=resolve_dtype("auto", device)).element_size()
     except ValueError as exc:
         raise ModelLoadError(f"Cannot estimate the size of {role} model {source!r} ({exc}); "
                              "refusing to load it.") from None
-    have = free(device)
+
+
+def check_room(source: str, role: str, device: torch.device, need: int, have: int) -> None:
+    """ModelLoadError unless `need` bytes of weights (plus headroom) fit in `have` free bytes."""
     if need * MEMORY_HEADROOM > have:
         raise ModelLoadError(f"The {role} model {source!r} needs about {need / 2**30:.1f} GiB on {device}, but only "
                              f"{have / 2**30:.1f} GiB is free there. Pick a smaller pair.")
+
+
+def check_fits(source: str, role: str, device: torch.device, free: Callable[[torch.device], int] = free_memory) -> int:
+    """Estimated weight bytes of `source` on `device`; raises ModelLoadError if it cannot fit there."""
+    need = weight_bytes(source, role, device)
+    check_room(source, role, device, need, free(device))
     return need
 
 
+ModelKey = tuple[str, str, str]   # (source, role for the built-in pair else "", device)
+
+
+def _key(source: str, role: str, device: torch.device) -> ModelKey:
+    """One entry per model: the built-in pair's two roles are two models; any other source is one model
+    whichever role asks for it."""
+    return source, role if source == BUILTIN else "", str(device)
+
+
 class ModelRegistry:
-    """Loads model pairs on demand and shares each loaded model, read-only, across sessions."""
+    """Loads model pairs on demand and shares each loaded model, read-only, across sessions.
+
+    No lock is held while a model is inspected or loaded: a slow Hub read or load for one model never
+    delays a Reset that needs models already loaded. The first request for a model starts its load and
+    the requests that arrive meanwhile wait for that same load (one copy, loaded once). A failed load is
+    forgotten, so the next request tries again. Memory is checked against what is free minus what loads
+    under way have claimed, so two big loads cannot both pass the check.
+    """
 
     def __init__(self, default_draft: str = BUILTIN, default_target: str = BUILTIN, *,
                  draft_device: str | None = None, target_device: str | None = None, allow_custom: bool = False,
                  loader: Callable[..., LoadedModel] = load_model,
-                 free: Callable[[torch.device], int] = free_memory) -> None:
+                 free: Callable[[torch.device], int] = free_memory,
+                 inspect: Callable[[str, str, torch.device], int] = weight_bytes) -> None:
         label = "Built-in pair (offline, runs on CPU)" if (default_draft, default_target) == (BUILTIN, BUILTIN) \
             else f"{default_draft} → {default_target} (server default)"
         self.presets: tuple[PairPreset, ...] = (
             PairPreset("default", label, default_draft, default_target, draft_device, target_device), *HUB_PRESETS)
         self.allow_custom = allow_custom
-        self._loader, self._free = loader, free
-        self._models: dict[tuple[str, str, str], LoadedModel] = {}
+        self._loader, self._free, self._inspect = loader, free, inspect
+        self._models: dict[ModelKey, Future[LoadedModel]] = {}
+        self._claimed: dict[ModelKey, tuple[str, int]] = {}   # loads under way: (device, estimated bytes)
         self._pairs: dict[tuple[int, int], ModelPair] = {}   # tokenizers checked once per pair
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # guards the three dicts above, and only for dict operations
 
     def choices(self) -> list[tuple[str, str]]:
         """(label, key) for the preset picker; "custom" only when custom ids are allowed."""
@@ -132,30 +161,73 @@ class ModelRegistry:
                 return preset
         raise ModelLoadError(f"Unknown model pair {key!r}.")
 
-    def pair(self, key: str, custom_draft: str = "", custom_target: str = "") -> ModelPair:
-        """The loaded (draft, target) for a preset; loads whatever is not loaded yet."""
+    def pair(self, key: str, custom_draft: str = "", custom_target: str = "", load: bool = True) -> ModelPair:
+        """The loaded (draft, target) for a preset; loads whatever is not loaded yet (see the class).
+
+        With load=False only the server's default pair may still be loaded: any other pair that is not
+        loaded yet raises ModelLoadError asking for a Reset (Step decodes in the shared decoding queue,
+        which a download must not hold up).
+        """
         preset = self.resolve(key, custom_draft, custom_target)
         if preset.gpus > torch.cuda.device_count():
             raise ModelLoadError(f"{preset.label} needs {preset.gpus} GPUs; this server has "
                                  f"{torch.cuda.device_count()}.")
         draft_dev, target_dev = default_devices(preset.draft_device, preset.target_device)
-        with self._lock:  # one load at a time: two sessions asking for the same model share one copy
-            draft = self._get(preset.draft, "draft", draft_dev)
-            target = self._get(preset.target, "target", target_dev)
-            key = (id(target), id(draft))
-            if key not in self._pairs:
-                self._pairs[key] = ModelPair(target, draft)
-            return self._pairs[key]
+        if not load and preset is not self.presets[0] and not (
+                self._has(preset.draft, "draft", draft_dev) and self._has(preset.target, "target", target_dev)):
+            raise ModelLoadError(f"{preset.label} is not loaded yet: press Reset to load it (Step only decodes, "
+                                 "so that a download never holds up other visitors' steps).")
+        draft = self._get(preset.draft, "draft", draft_dev)
+        target = self._get(preset.target, "target", target_dev)
+        key = (id(target), id(draft))
+        with self._lock:
+            pair = self._pairs.get(key)
+        if pair is None:
+            built = ModelPair(target, draft)   # compares the tokenizers: CPU work, outside the lock
+            with self._lock:
+                pair = self._pairs.setdefault(key, built)
+        return pair
 
     def loaded(self) -> list[str]:
-        return [f"{m.name} on {m.device}" for m in self._models.values()]
+        with self._lock:
+            done = [f.result() for f in self._models.values() if f.done() and f.exception() is None]
+        return [f"{m.name} on {m.device}" for m in done]
+
+    def _has(self, source: str, role: str, device: torch.device) -> bool:
+        with self._lock:
+            future = self._models.get(_key(source, role, device))
+        return future is not None and future.done() and future.exception() is None
 
     def _get(self, source: str, role: str, device: torch.device) -> LoadedModel:
-        key = (source, role if source == BUILTIN else "", str(device))
-        if key not in self._models:
-            if source != BUILTIN:
-                check_fits(source, role, device, self._free)
+        key = _key(source, role, device)
+        with self._lock:
+            future = self._models.get(key)
+            first = future is None
+            if first:
+                future = self._models[key] = Future()
+        if first:
+            try:
+                future.set_result(self._load(key, source, role, device))
+            except BaseException as exc:
+                with self._lock:
+                    del self._models[key]   # forget the failure: the next request tries again
+                future.set_exception(exc)
+        return future.result()   # those who came while it loaded wait here for the same model
+
+    def _load(self, key: ModelKey, source: str, role: str, device: torch.device) -> LoadedModel:
+        if source != BUILTIN:
+            self._claim(key, source, role, device, self._inspect(source, role, device))
+        try:
             model = self._loader(source, role, device=device)
-            model.model.requires_grad_(False)
-            self._models[key] = model
-        return self._models[key]
+        finally:
+            with self._lock:
+                self._claimed.pop(key, None)
+        model.model.requires_grad_(False)
+        return model
+
+    def _claim(self, key: ModelKey, source: str, role: str, device: torch.device, need: int) -> None:
+        """Check that `need` bytes fit beside the loads under way on `device`, and claim them until loaded."""
+        with self._lock:
+            claimed = sum(n for d, n in self._claimed.values() if d == str(device))
+            check_room(source, role, device, need, self._free(device) - claimed)
+            self._claimed[key] = (str(device), need)

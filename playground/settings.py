@@ -20,8 +20,11 @@ class AppSettings:
     target_device: str | None = None
     share: bool = False
     allow_custom_models: bool = True
-    max_sessions: int = 8                # concurrent browser sessions holding engine state
-    session_ttl_s: float = 1800.0        # idle sessions are dropped after this long
+    max_sessions: int = 8                # concurrent sessions holding engine state
+    session_ttl_s: float = 1800.0        # a session a connection holds but does not use is dropped after this
+    session_lease_s: float = 60.0        # a session no heartbeat holds is dropped this long after its last event
+    max_sessions_per_client: int = 4     # sessions one client address may hold at once
+    proxy_hops: int = 0                  # trusted proxies in front that append to X-Forwarded-For (a Space: 1)
     kv_budget_mib: int = 2048            # KV pool memory all sessions together may reserve
     max_new_tokens: int = 256            # the largest max_new_tokens a visitor may ask for
     max_prompt_chars: int = 8000
@@ -30,16 +33,25 @@ class AppSettings:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_sessions", "kv_budget_mib", "max_new_tokens", "max_prompt_chars", "concurrency"):
+        for name in ("max_sessions", "kv_budget_mib", "max_new_tokens", "max_prompt_chars", "concurrency",
+                     "max_sessions_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.session_ttl_s <= 0:
-            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        for name in ("session_ttl_s", "session_lease_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.proxy_hops < 0:
+            raise ValueError(f"proxy_hops must be >= 0, got {self.proxy_hops}")
 
 
 def running_on_space(env: Mapping[str, str]) -> bool:
     """Hugging Face Spaces set SPACE_ID in every Space's environment."""
     return bool(env.get("SPACE_ID"))
+
+
+def proxy_hops_default(env: Mapping[str, str]) -> int:
+    """A Space is reached through one proxy that appends the visitor's address to X-Forwarded-For."""
+    return 1 if running_on_space(env) else 0
 
 
 def allow_custom_default(env: Mapping[str, str]) -> bool:

@@ -1,21 +1,25 @@
 """Composes the pages into one gr.Blocks and wires every event to the controller.
 
-Each handler finds the visitor's session (gr.State, keyed by Gradio's session hash), runs one
-controller action under the session's lock, and renders a Frame. Anything a visitor can get
-wrong becomes a gr.Warning; the session and the server keep working.
+Each handler finds the visitor's session (the SessionPool's, keyed by Gradio's session hash and
+bounded per client address), runs one controller action under the session's lock, and renders a
+Frame. Anything a visitor can get wrong becomes a gr.Warning; the session and the server keep
+working. Serving it (heartbeats, sweeping, shutdown) is playground.serve's job.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
 
+from engine.trace import MAX_TRACE_BYTES
 from playground import controller
+from playground.connections import client_address, heartbeat_middleware
 from playground.controller import USER_ERRORS, Context, DecodeRequest
 from playground.controls import Controls, build_controls
-from playground.inputs import as_int, as_seed
+from playground.inputs import as_int, as_number, as_seed
 from playground.pages import charts as page_charts
 from playground.pages import compare as page_compare
 from playground.pages import detail as page_detail
@@ -70,10 +74,11 @@ class Handlers:
                 f.tokens_time, f.speedup, gr.Slider(minimum=0, maximum=max(1, f.rounds_total), value=f.shown, step=1))
 
     def _session(self, state: Session | None, request: gr.Request) -> Session:
-        """The visitor's session; reopened if it expired or the server evicted it."""
-        if state is not None and self.ctx.pool.open(state.key) is state:
-            return state
-        return self.ctx.pool.open(request.session_hash if request is not None else "anonymous")
+        """The visitor's session, renewed; a fresh one if it was reclaimed. `state` (the gr.State copy) is
+        only ever the pool's own session or a reclaimed one, so the pool, keyed by Gradio's session hash,
+        decides."""
+        key = request.session_hash if request is not None and request.session_hash else "anonymous"
+        return self.ctx.pool.open(key, client_address(request, self.ctx.settings.proxy_hops))
 
     def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None]) -> tuple:
         """(state, *frame) after running `action`; errors become warnings and leave the session usable."""
@@ -159,7 +164,7 @@ class Handlers:
             view = s.view()
             selection = s.cursor.selection(view) if view is not None else None
             if selection is not None and position is not None:
-                controller.select(s, selection[0], int(position))
+                controller.select(s, selection[0], as_int("Position", position, 0))
         return self.guarded(state, request, pick)
 
     def on_chip(self, request: gr.Request, evt: gr.EventData, state: Session | None) -> tuple:
@@ -194,16 +199,34 @@ class Handlers:
         out = self.guarded(state, request,
                            lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))))
         session = out[0]
-        done = session is None or session.view() is None or bool(notes and notes[0]) or (
-            session.cursor.shown >= len(session.view().rounds) and session.view().complete)
+        view = session.view() if session is not None else None
+        done = view is None or session.previous is not None or bool(notes and notes[0]) or (
+            session.cursor.shown >= len(view.rounds) and view.complete)
         return (*out, *play_controls(not done))
 
     @staticmethod
-    def on_play(playing: bool, speed: float) -> tuple:
-        return play_controls(not playing, speed)
+    def on_play(playing: bool, speed: object) -> tuple:
+        return play_controls(not playing, play_speed(speed))
+
+    @staticmethod
+    def on_speed(speed: object, playing: bool) -> gr.Timer:
+        return gr.Timer(value=play_speed(speed), active=bool(playing))
 
     def on_unload(self, request: gr.Request) -> None:
         self.ctx.pool.close_key(request.session_hash)
+
+
+def play_speed(value: object) -> float:
+    """Seconds per Play step; a value the slider cannot have sent falls back to 1 s, with a warning."""
+    allowed = "a number of seconds from 0.2 to 3"
+    try:
+        speed = as_number("Play speed", value, allowed)
+        if not 0.2 <= speed <= 3:
+            raise ValueError(f"Play speed must be {allowed}, got {speed}.")
+        return speed
+    except ValueError as exc:
+        gr.Warning(f"{exc} Playing at 1 s per step.")
+        return 1.0
 
 
 def play_controls(playing: bool, speed: float | None = None) -> tuple:
@@ -216,10 +239,14 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) ->
     c = pages.controls
     out = [state, *pages.frame_outputs()]
     decode = c.decode_inputs()
-    # Everything that runs model forwards shares one queue group, so `concurrency` bounds the CPU/GPU work.
-    # Reset only loads models and allocates KV, so a slow Hub download does not hold up others' steps.
-    busy = dict(concurrency_id="decode", concurrency_limit=handlers.ctx.settings.concurrency)
-    c.reset.click(handlers.on_reset, [state, *decode], out, api_name="reset")
+    # Everything that runs model forwards shares one queue group, so `concurrency` bounds the CPU/GPU work;
+    # the rest of a classroom waits in Gradio's queue, and show_progress="full" shows each visitor their
+    # place in it on the outputs ("queue: 3/12") instead of a button that seems frozen.
+    busy = dict(concurrency_id="decode", concurrency_limit=handlers.ctx.settings.concurrency, show_progress="full")
+    # Reset loads models and allocates KV but runs no forward: it has its own, wider group, so a slow load
+    # for one visitor (the registry holds no lock while loading) never queues another visitor's Reset.
+    loads = dict(concurrency_id="reset", concurrency_limit=handlers.ctx.settings.max_sessions, show_progress="full")
+    c.reset.click(handlers.on_reset, [state, *decode], out, api_name="reset", **loads)
     c.step.click(handlers.on_step, [state, c.reveal, *decode], out, api_name="step", **busy)
     c.run_to_end.click(handlers.on_run_to_end, [state, *decode], out, api_name="run_to_end", **busy)
     c.back.click(handlers.on_back, [state], out, api_name="back")
@@ -233,8 +260,7 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) ->
     playing = gr.State(False)
     timer = gr.Timer(1.0, active=False)
     c.play.click(handlers.on_play, [playing, c.speed], [timer, c.play, playing], api_name=False)
-    c.speed.change(lambda speed, on: gr.Timer(value=float(speed), active=on), [c.speed, playing], [timer],
-                   api_name=False)
+    c.speed.change(handlers.on_speed, [c.speed, playing], [timer], api_name=False)
     timer.tick(handlers.on_tick, [state, playing, *decode], [*out, timer, c.play, playing], api_name=False, **busy)
     demo.load(handlers.on_load, [state], pages.frame_outputs(), api_name=False)
     demo.unload(handlers.on_unload)
@@ -244,12 +270,17 @@ def make_context(settings: AppSettings) -> Context:
     """The server's shared objects: the model registry (models load lazily) and the session pool."""
     registry = ModelRegistry(settings.draft, settings.target, draft_device=settings.draft_device,
                              target_device=settings.target_device, allow_custom=settings.allow_custom_models)
-    pool = SessionPool(settings.max_sessions, settings.kv_budget_mib * 2**20, settings.session_ttl_s)
-    return Context(registry, pool, settings)
+    return Context(registry, make_pool(settings), settings)
+
+
+def make_pool(settings: AppSettings, root: Path | None = None) -> SessionPool:
+    """The session pool with the settings' bounds (its folder under `root`, else the system's temp folder)."""
+    return SessionPool(settings.max_sessions, settings.kv_budget_mib * 2**20, settings.session_ttl_s, root,
+                       lease_s=settings.session_lease_s, per_client=settings.max_sessions_per_client)
 
 
 def build_app(ctx: Context) -> gr.Blocks:
-    """The whole playground, built but not launched. Launch with `launch_kwargs()` for its CSS."""
+    """The whole playground, built but not launched: `playground.serve.start` launches it (with `launch_kwargs`)."""
     examples = page_traces.example_traces()
     handlers = Handlers(ctx)
     with gr.Blocks(title=TITLE) as demo:
@@ -289,6 +320,10 @@ def build_app(ctx: Context) -> gr.Blocks:
     return demo
 
 
-def launch_kwargs() -> dict:
-    """Gradio 6 takes CSS at launch, not in gr.Blocks; the example traces may be served for download."""
-    return {"css": stylesheet(), "allowed_paths": [str(page_traces.EXAMPLES_DIR)]}
+def launch_kwargs(ctx: Context) -> dict:
+    """What `demo.launch` needs beside the address: Gradio 6 takes CSS at launch, not in gr.Blocks; the
+    example traces may be served for download; the heartbeat watch keeps sessions tied to connections;
+    and uploads far over the trace limit are refused before they reach the disk (those just over it get
+    the trace reader's own message)."""
+    return {"css": stylesheet(), "allowed_paths": [str(page_traces.EXAMPLES_DIR)],
+            "app_kwargs": {"middleware": [heartbeat_middleware(ctx.pool)]}, "max_file_size": 4 * MAX_TRACE_BYTES}

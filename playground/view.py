@@ -51,6 +51,7 @@ class RunView:
     complete: bool
     source: str    # "live" or the trace's name
     calibration: RCurve | None = None   # the target's measured r(n), when known
+    previous: str | None = None   # why this is shown as the previous run (the Reset after it failed), else None
 
     def prediction(self) -> Prediction | NotMeasured:
         """Leviathan's model for the rounds shown, fed this run's measured alpha, c and r(n)."""

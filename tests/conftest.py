@@ -47,26 +47,27 @@ def tiny_pair(builtin_tokenizer) -> tuple[LoadedModel, LoadedModel]:
 
 
 @contextmanager
-def launched_app(pair: tuple[LoadedModel, LoadedModel], root, *, max_sessions: int, max_new_tokens: int):
-    """The playground served on a free loopback port with the given (draft, target); yields (url, pool)."""
+def launched_app(pair: tuple[LoadedModel, LoadedModel], root, *, max_sessions: int, max_new_tokens: int,
+                 registry=None, **settings):
+    """The playground served on a free loopback port with the given (draft, target), or with `registry`, as
+    `python app.py` serves it (playground.serve); `settings` override AppSettings fields. Yields (url, pool)."""
     import socket
 
     from playground.controller import Context
     from playground.registry import ModelRegistry
-    from playground.sessions import SessionPool
+    from playground.serve import start
     from playground.settings import AppSettings
-    from playground.ui import build_app, launch_kwargs
+    from playground.ui import make_pool
 
     draft, target = pair
-    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
-    pool = SessionPool(max_sessions, 256 * 2**20, 600.0, root=root)
-    demo = build_app(Context(registry, pool, AppSettings(max_sessions=max_sessions, max_new_tokens=max_new_tokens)))
+    registry = registry or ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+    app_settings = AppSettings(**{"port": port, "max_sessions": max_sessions, "max_new_tokens": max_new_tokens,
+                                  "max_sessions_per_client": max_sessions, "kv_budget_mib": 256, **settings})
+    served = start(Context(registry, make_pool(app_settings, root), app_settings), quiet=True, warm=False)
     try:
-        yield f"http://127.0.0.1:{port}/", pool
+        yield f"http://127.0.0.1:{port}/", served.ctx.pool
     finally:
-        demo.close()
-        pool.shutdown()
+        served.close()

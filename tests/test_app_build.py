@@ -45,6 +45,17 @@ def test_the_whole_app_builds_without_loading_a_model():
     ctx.pool.shutdown()
 
 
+def test_decoding_events_queue_and_show_each_visitor_their_place():
+    ctx = make_context(app.parse_args(["--max-sessions", "30"], {}))
+    fns = {f.api_name: f for f in build_app(ctx).fns.values()}
+    ctx.pool.shutdown()
+    for name in ("step", "run_to_end", "reset"):
+        assert fns[name].queue is not False and fns[name].show_progress == "full", name
+    assert fns["step"].concurrency_id == fns["run_to_end"].concurrency_id == "decode"
+    assert fns["step"].concurrency_limit == 1
+    assert fns["reset"].concurrency_id != "decode" and fns["reset"].concurrency_limit == 30
+
+
 def test_flags_and_environment_reach_the_settings():
     s = app.parse_args([], {})
     assert (s.host, s.port, s.share, s.draft, s.target) == ("127.0.0.1", 7860, False, "builtin", "builtin")
@@ -58,3 +69,13 @@ def test_flags_and_environment_reach_the_settings():
         ("0.0.0.0", 8000, "a", "b", "cpu", "cuda:1", True, 3)
     with pytest.raises(ValueError, match="max_sessions"):
         app.parse_args(["--max-sessions", "0"], {})
+    s = app.parse_args(["--idle-timeout", "300", "--session-lease", "30", "--max-sessions-per-client", "40",
+                        "--proxy-hops", "2"], {})
+    assert (s.session_ttl_s, s.session_lease_s, s.max_sessions_per_client, s.proxy_hops) == (300.0, 30.0, 40, 2)
+    assert (app.parse_args([], {}).proxy_hops, app.parse_args([], {"SPACE_ID": "u/space"}).proxy_hops) == (0, 1)
+    pool = make_context(s).pool
+    assert (pool.idle_ttl_s, pool.lease_s, pool.per_client) == (300.0, 30.0, 40)
+    pool.shutdown()
+    with pytest.raises(ValueError, match="session_lease_s must be > 0 seconds"):
+        app.parse_args(["--session-lease", "0"], {})
+

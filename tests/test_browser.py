@@ -95,17 +95,22 @@ def test_reveal_substep_and_chip_click(page):
                            f"'round {int(where[0]) + 1}, draft #{int(where[1]) + 1}')")
 
 
-def test_an_empty_prompt_shows_a_message_and_the_app_keeps_working(page):
-    before = page.locator("#status").inner_text()
+def test_an_empty_prompt_keeps_the_previous_run_visible_and_step_refuses_it(page):
+    page.click("#step-btn")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Round ')")
     page.fill("#prompt-box textarea", "   ")
     page.click("#reset-btn")
     page.wait_for_selector("text=The prompt is empty")
-    # The warning can show while Gradio still marks the status as processing the event.
-    page.wait_for_function("!document.querySelector('#status').innerText.includes('processing')")
-    assert page.locator("#status").inner_text() == before
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Previous run')")
+    rounds = page.locator("#token-stream .round-sep").count()
+    assert rounds > 0      # the old run is still on screen
+    page.click("#step-btn")
+    page.wait_for_selector("text=This is the previous run")
+    assert page.locator("#token-stream .round-sep").count() == rounds
     page.fill("#prompt-box textarea", "import os\n")
     page.click("#reset-btn")
     page.wait_for_function("document.querySelector('#status').innerText.includes('Round 0 of 0')")
+    assert "Previous run" not in page.locator("#status").inner_text()
     click_step(page, 1)
 
 

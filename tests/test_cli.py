@@ -93,6 +93,13 @@ def test_help_explains_every_flag(capsys) -> None:
     (["--prompt", "x", "--kv-blocks", "0"], "--kv-blocks must be >= 1"),
     (["--prompt", "x", "--trace", "/no/such/dir/t.jsonl"], "cannot write /no/such/dir/t.jsonl"),
     (["--prompt", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--prompt", "x", "--seed", str(2**70)],
+     "argument --seed: Seed must be a whole number from 0 to 9223372036854775807, got 1180591620717411303424."),
+    (["--prompt", "x", "--seed", "abc"],
+     "argument --seed: Seed must be a whole number from 0 to 9223372036854775807, got 'abc'."),
+    (["--prompt", "x", "--temperature", "nan"], "temperature must be finite and >= 0 (0 = greedy), got nan"),
+    (["--prompt", "x", "--top-p", "inf"], "top_p must be in (0, 1] (1 = off), got inf"),
+    (["--prompt", "def f():\ud800\n"], "The prompt contains '\\ud800' at character 9, which is not valid Unicode text"),
     ([], "the following arguments are required: --prompt"),
 ])
 def test_bad_input_exits_2_with_one_error_line(capsys, monkeypatch, argv: list[str], message: str) -> None:

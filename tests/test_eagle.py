@@ -9,9 +9,10 @@ import torch
 from engine.config import DrafterKind, Mode, SpecConfig
 from engine.drafters.eagle import EagleConfig, EagleHead, EagleLoadError, EagleRuntime, load_runtime, save_head
 from engine.models import LoadedModel, ModelPair
+from engine.prompts import encode_prompt
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.speculative import SpeculativeEngine, encode_prompt
+from engine.speculative import SpeculativeEngine
 from tests.conftest import tiny_model
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"

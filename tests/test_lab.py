@@ -9,8 +9,9 @@ import torch
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, SpecConfig
 from engine.models import ModelPair
+from engine.prompts import encode_prompt
 from engine.sampling import SamplingParams
-from engine.speculative import SpeculativeEngine, encode_prompt
+from engine.speculative import SpeculativeEngine
 from playground import controller
 from playground.pages import lab as page_lab
 from playground.render import lab as render_lab

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 
 from engine.models import ModelLoadError
+from engine.prompts import PromptError
 from engine.records import Outcome
 from engine.sources import BUILTIN
-from engine.speculative import PromptError
 from engine.trace import TraceError
 from playground import controller
 from playground.controller import Context, DecodeRequest
@@ -95,7 +95,7 @@ def test_every_mode_and_drafter_runs_and_renders(ctx, changes):
     (dict(temperature=None), ValueError, "Temperature is empty"),
     (dict(top_p=0.0), ValueError, "top_p"),
     (dict(k_min=6.0, k_max=3.0), ValueError, "k_min"),
-    (dict(max_new_tokens=65.0), ValueError, "at most 64"),
+    (dict(max_new_tokens=65.0), ValueError, "Max new tokens must be a whole number from 1 to 64, got 65"),
     (dict(preset="custom", custom_draft="x", custom_target="y"), ModelLoadError, "disabled"),
     (dict(preset="nope"), ModelLoadError, "Unknown model pair"),
 ])
@@ -109,10 +109,96 @@ def test_bad_input_raises_a_readable_user_error(ctx, changes, error, words):
     assert s.cursor.shown == 1
 
 
+SEED_RULE = "Seed must be a whole number from 0 to 9223372036854775807, got "
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(prompt="def f():\ud800\n"), "The prompt contains '\\ud800' at character 9, which is not valid Unicode text"),
+    (dict(prompt="x" * 8001), "The prompt has 8,001 characters; this server takes at most 8,000."),
+    (dict(seed=2**70), SEED_RULE + "1180591620717411303424."),
+    (dict(seed=float(2**70)), SEED_RULE + "1180591620717411303424."),
+    (dict(seed=-1), SEED_RULE + "-1."),
+    (dict(seed="abc"), SEED_RULE + "'abc'."),
+    (dict(seed=float("nan")), SEED_RULE + "nan."),
+    (dict(seed=float("inf")), SEED_RULE + "inf."),
+    (dict(seed=0.5), SEED_RULE + "0.5."),
+    (dict(top_k=float("inf")), "Top-k must be a whole number of at least 0, got inf."),
+    (dict(top_k="many"), "Top-k must be a whole number of at least 0, got 'many'."),
+    (dict(temperature=float("nan")), "Temperature must be a finite number of at least 0 (0 = greedy), got nan."),
+    (dict(top_p=float("-inf")), "Top-p must be a number in (0, 1], got -inf."),
+    (dict(k=2.5), "K must be a whole number from 1 to 16, got 2.5."),
+    (dict(k=None), "K is empty: enter a whole number from 1 to 16."),
+    (dict(mode="v3"), "Mode must be one of v2, v1, target, got 'v3'."),
+    (dict(preset="custom", custom_draft="\udcff", custom_target="x"), "Custom draft contains '\\udcff' at character 1"),
+], ids=["surrogate", "long-prompt", "seed-2^70", "seed-2^70-float", "seed-negative", "seed-text", "seed-nan",
+        "seed-inf", "seed-fraction", "top-k-inf", "top-k-text", "temperature-nan", "top-p-inf", "k-fraction",
+        "k-empty", "mode", "custom-id-surrogate"])
+def test_every_bad_value_gets_a_sentence_naming_the_field_and_what_it_allows(ctx, changes, message):
+    s = ctx.pool.open("a")
+    with pytest.raises(controller.USER_ERRORS) as info:
+        controller.reset(ctx, s, request(**changes))
+    assert message in str(info.value)
+
+
+def test_the_seed_sentence_is_the_engines_own():
+    from engine.config import SpecConfig
+
+    with pytest.raises(ValueError) as engine_side:
+        SpecConfig(seed=2**70)
+    with pytest.raises(ValueError) as ui_side:
+        request(seed=2**70).config(64)
+    assert str(engine_side.value) == str(ui_side.value) == SEED_RULE + "1180591620717411303424."
+
+
+def test_the_largest_seed_runs():
+    from engine.config import SEED_MAX
+
+    assert request(seed=SEED_MAX).config(64).seed == SEED_MAX
+
+
+@pytest.mark.parametrize("changes", [
+    dict(k=2.5), dict(prompt="x" * 8001), dict(seed=2**70), dict(preset="nope"),
+    dict(prompt="a = 1\n" * 400),         # too long for the target's context: found only once the run is built
+    dict(max_new_tokens=64.0, k=16.0),    # fine, but over the KV budget below
+], ids=["k-fraction", "long-prompt", "seed-overflow", "unknown-pair", "context-overflow", "kv-budget"])
+def test_a_failed_reset_always_keeps_the_old_run_as_the_previous_one(builtin_pair, tmp_path, changes):
+    draft, target = builtin_pair
+    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
+    small = Context(registry, SessionPool(2, 2 * 2**20, 60.0, root=tmp_path), AppSettings(max_new_tokens=64))
+    small.pool.reserve_kv(small.pool.open("neighbour"), int(0.6 * 2**20))
+    s = small.pool.open("a")
+    controller.step(small, s, request(max_new_tokens=8.0))
+    controller.step(small, s, request(max_new_tokens=8.0))
+    rounds, kv_pool, trace = s.view().rounds, s.run.spec.target_runner.pool.manager, s.trace_path
+    with pytest.raises(controller.USER_ERRORS):
+        controller.reset(small, s, request(**changes))
+    assert s.run is None and s.kv_bytes == 0 and kv_pool.free_blocks == kv_pool.num_blocks
+    assert s.view().rounds == rounds and s.cursor.shown == 2 and s.view().previous
+    assert trace.exists() and s.trace_path == trace          # its trace can still be downloaded
+    status = render_frame(s.view(), s.cursor).status
+    assert status.startswith("**Previous run**") and "Round 2 of 2" in status and "Step will not continue" in status
+    for action in (controller.step, controller.run_to_end):
+        with pytest.raises(ValueError, match="This is the previous run"):
+            action(small, s, request())
+    assert s.view().rounds == rounds and s.cursor.shown == 2
+    controller.back(s)
+    assert s.cursor.shown == 1 and s.view().previous                  # looking back still works
+    controller.reset(small, s, request(max_new_tokens=8.0))
+    assert s.live and s.view().previous is None and s.cursor.shown == 0 and not trace.exists()
+
+
+def test_a_failed_reset_with_no_run_before_leaves_none(ctx):
+    s = ctx.pool.open("a")
+    with pytest.raises(ValueError):
+        controller.reset(ctx, s, request(k=2.5))
+    assert s.view() is None and s.previous is None
+    assert controller.step(ctx, s, request()) is None and s.live
+
+
 def test_the_session_bound_gives_a_clear_message(ctx):
     a = ctx.pool.open("a")
     ctx.pool.open("b")
-    with pytest.raises(SessionLimitReached, match="full: 2 sessions"):
+    with pytest.raises(SessionLimitReached, match="full: all 2 sessions are in use"):
         ctx.pool.open("c")
     ctx.pool.close(a)
     ctx.pool.close(a)  # unload, then state expiry: closing twice is harmless
@@ -243,3 +329,37 @@ def test_custom_models_default_off_on_a_space(env, allowed):
 def test_a_bad_custom_models_setting_is_an_error():
     with pytest.raises(ValueError, match="SPECPLAY_ALLOW_CUSTOM_MODELS"):
         allow_custom_default({"SPECPLAY_ALLOW_CUSTOM_MODELS": "maybe"})
+
+
+def test_reset_lets_go_of_a_replayed_trace(ctx):
+    """Nothing keeps a replayed trace's records once Reset replaces it (traced Python memory returns)."""
+    import gc
+    import tracemalloc
+
+    example = min((Path(__file__).resolve().parent.parent / "assets" / "traces").glob("*.jsonl"))
+    s = ctx.pool.open("a")
+
+    def replay_to_the_end() -> None:
+        controller.load_replay(s, example, "example")
+        controller.run_to_end(ctx, s, request())
+        render_frame(s.view(), s.cursor)
+
+    replay_to_the_end()                    # once first: plotly's templates and other one-off caches load
+    controller.reset(ctx, s, request())
+    gc.collect()
+    not_plotly = [tracemalloc.Filter(False, "*plotly*")]   # plotly memoises property names as figures are built
+
+    def traced() -> int:
+        return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(not_plotly).statistics("filename"))
+
+    tracemalloc.start()
+    try:
+        base = traced()
+        replay_to_the_end()
+        held = traced() - base
+        controller.reset(ctx, s, request())
+        gc.collect()
+        left = traced() - base
+    finally:
+        tracemalloc.stop()
+    assert held > 0 and left < 0.1 * held

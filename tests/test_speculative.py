@@ -12,9 +12,10 @@ from engine.config import K_BOUND, SpecConfig
 from engine.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, ModelLoadError, ModelPair, check_same_tokenizer, load_model
+from engine.prompts import PromptError, encode_prompt
 from engine.records import Outcome
 from engine.sampling import SamplingParams
-from engine.speculative import PromptError, SpeculativeEngine, encode_prompt
+from engine.speculative import SpeculativeEngine
 from tests.conftest import tiny_model
 
 CODE = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"

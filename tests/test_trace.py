@@ -307,3 +307,111 @@ def test_version_1_traces_are_upgraded_as_they_are_read() -> None:
     assert trace.summary.alpha == pytest.approx(sum(r.accepted for r in trace.rounds) / verified)
     assert trace.summary.weight_bytes == raw[-2]["data"]["weight_bytes"] or \
         trace.summary.weight_bytes == raw[-1]["data"]["weight_bytes"]
+
+
+# ---------------------------------------------------------------------------- hostile files
+
+def negative_position_token(objs):
+    r = next(o for o in objs if o["type"] == "round" and o["data"]["positions"])["data"]
+    r["positions"][0]["token"] = -5
+
+
+def negative_final_token(objs):
+    first_round(objs)["data"]["final"]["token"] = -1
+
+
+def negative_candidate(objs):
+    first_round(objs)["data"]["final"]["candidates"][0]["token"] = -2
+
+
+def negative_prompt_id(objs):
+    objs[0]["data"]["prompt_ids"][0] = -3
+
+
+def negative_block(objs):
+    first_round(objs)["data"]["kv"][0]["block_table"][0] = -4
+
+
+@pytest.mark.parametrize("edit, message", [
+    (negative_position_token, r"line \d+: round.positions\[0\].token: -5 is negative; token ids"),
+    (negative_final_token, r"line 2: round.final.token: -1 is negative"),
+    (negative_candidate, r"line 2: round.final.candidates\[0\].token: -2 is negative"),
+    (negative_prompt_id, r"line 1: header.prompt_ids\[0\]: -3 is negative; token ids are integers >= 0"),
+    (negative_block, r"line 2: round.kv\[0\].block_table\[0\]: -4 is negative"),
+])
+def test_negative_ids_are_refused(traced, tmp_path, edit, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        load_trace(edited(traced, tmp_path, edit))
+
+
+@pytest.mark.parametrize("line", [
+    b"[" * 10_000 + b"]" * 10_000,                                  # balanced, far too deep
+    b"[" * 10_000,                                                  # unbalanced: the parser's own limit
+    b'{"type": "round", "stream": "spec", "data": ' + b"{\"a\": " * 5000 + b"1" + b"}" * 5000 + b"}",
+], ids=["balanced", "unbalanced", "inside-a-round"])
+def test_deeply_nested_json_gets_a_message_not_a_recursion_error(traced, line: bytes) -> None:
+    header = traced[0].read_bytes().split(b"\n")[0]
+    with pytest.raises(TraceError, match=rf"line 2: JSON nested more than {trace_mod.MAX_DEPTH} levels deep"):
+        load_trace(header + b"\n" + line + b"\n")
+
+
+def test_the_depth_count_skips_brackets_inside_strings() -> None:
+    text = json.dumps({"emitted_text": "[[[[{{{{" * 10 + '\\"]]', "x": [[1], {"y": [2]}]}).encode()
+    assert trace_mod.json_depth(text, 99) == 4 == trace_mod.json_depth(b'[[1], {"a": [["]"]]}]', 99)
+    assert trace_mod.json_depth(b"[]" * 3, 99) == 1 and trace_mod.json_depth(b"1", 99) == 0
+
+
+def test_a_trace_over_the_round_bound_is_refused(traced, monkeypatch) -> None:
+    monkeypatch.setattr(trace_mod, "MAX_ROUNDS", 2)
+    with pytest.raises(TraceError, match=r"line \d+: more than 2 (spec|baseline) rounds; this build replays at most 2 per stream"):
+        load_trace(traced[0])
+
+
+def test_loading_keeps_only_the_records_in_memory() -> None:
+    """Lines are parsed and built one at a time: the peak while loading stays close to what the records
+    themselves hold (reading the whole file, then every parsed line, then the records, needed several
+    times that)."""
+    import gc
+    import tracemalloc
+
+    path = min((Path(__file__).parent.parent / "assets" / "traces").glob("*.jsonl"))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        loaded = load_trace(path)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert loaded.rounds and peak - before < 1.5 * (kept - before)
+
+
+def test_a_trace_is_readable_after_its_writer_is_killed(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "killed.jsonl"
+    script = textwrap.dedent("""
+        import sys, time
+        from engine.compared import ComparedRun
+        from engine.config import SpecConfig
+        from engine.models import ModelPair, load_model
+        pair = ModelPair(load_model("builtin", "target"), load_model("builtin", "draft"))
+        run = ComparedRun(pair, "def f(x):\\n", SpecConfig(k=3, max_new_tokens=200), trace_path=sys.argv[1])
+        for _ in range(3):
+            run.step()
+        print("ready", flush=True)
+        while not run.finished:
+            run.step()
+            time.sleep(0.05)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    t = load_trace(path)
+    assert not t.complete and len(t.rounds) >= 3 and t.summary is None

@@ -8,9 +8,10 @@ import torch
 
 from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeRule, TreeSpec
 from engine.models import ModelPair
+from engine.prompts import encode_prompt
 from engine.records import Outcome
 from engine.runner import ModelRunner
-from engine.speculative import SpeculativeEngine, encode_prompt
+from engine.speculative import SpeculativeEngine
 from engine.tree import DraftTree, attention_mask, grow, verify_tree
 from tests.test_speculative import CODE, assert_cache_holds, hf_greedy
 

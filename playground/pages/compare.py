@@ -1,12 +1,16 @@
 """The Compare tab: two traces side by side. Works from the files alone, with no session or model."""
 from __future__ import annotations
 
+import logging
+
 import gradio as gr
 
 from engine.trace import TraceError, load_trace
 from playground.render.compare import compare_per_position, compare_table_html, compare_tokens_time
 from playground.render.tokens import stream_html
 from playground.view import Cursor, RunView, view_from_trace
+
+log = logging.getLogger("specplay")
 
 
 def _load(upload: str | None, example: str | None, name: str) -> RunView:
@@ -22,6 +26,10 @@ def compare(upload_a: str | None, example_a: str | None, upload_b: str | None, e
         a, b = _load(upload_a, example_a, "A"), _load(upload_b, example_b, "B")
     except TraceError as exc:
         gr.Warning(str(exc))
+        return (gr.skip(),) * 5
+    except Exception as exc:  # a bug, not a bad file: log it, tell the visitor briefly, keep the tab working
+        log.exception("unexpected error while comparing traces")
+        gr.Warning(f"Unexpected error ({type(exc).__name__}) while reading the traces.")
         return (gr.skip(),) * 5
     return (compare_table_html(a, b), compare_tokens_time(a, b), compare_per_position(a, b),
             stream_html(a, Cursor(shown=len(a.rounds))), stream_html(b, Cursor(shown=len(b.rounds))))

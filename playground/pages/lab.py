@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from playground.components import RawNumber
 from playground.render.charts import empty_figure
 from playground.render.lab import describe_html, fits_table_html, lab_figure, verdict_html
 from playground.teach.lab import DEFAULT_TRIALS, MAX_TRIALS, LabResult
@@ -23,11 +24,11 @@ RULE_CHOICES = [("correct: accept min(1, p/q), correct from max(0, p − q), bon
 @dataclass(frozen=True)
 class LabPage:
     rule: gr.Radio
-    trials: gr.Number
-    seed: gr.Number
+    trials: RawNumber
+    seed: RawNumber
     auto_window: gr.Checkbox
-    start: gr.Number
-    length: gr.Number
+    start: RawNumber
+    length: RawNumber
     run: gr.Button
     index: gr.Dropdown
     verdict: gr.HTML
@@ -73,12 +74,12 @@ def build() -> LabPage:
     with gr.Row():
         rule = gr.Radio(RULE_CHOICES, value=Rule.CORRECT.value, label="Verification rule", elem_id="lab-rule")
         with gr.Column():
-            trials = gr.Number(DEFAULT_TRIALS, precision=0, minimum=1, maximum=MAX_TRIALS, label="N (rounds)")
-            seed = gr.Number(0, precision=0, label="Seed")
+            trials = RawNumber(DEFAULT_TRIALS, precision=0, minimum=1, maximum=MAX_TRIALS, label="N (rounds)")
+            seed = RawNumber(0, precision=0, label="Seed")
     with gr.Row():
         auto = gr.Checkbox(True, label="Choose the drafts where wrong rules show most")
-        start = gr.Number(1, precision=0, minimum=1, label="First draft (#)")
-        length = gr.Number(1, precision=0, minimum=1, label="Drafts to verify")
+        start = RawNumber(1, precision=0, minimum=1, label="First draft (#)")
+        length = RawNumber(1, precision=0, minimum=1, label="Drafts to verify")
     run = gr.Button("Run the lab", variant="primary", elem_id="lab-run")
     verdict = gr.HTML(elem_id="lab-verdict")
     describe = gr.HTML()

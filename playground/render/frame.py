@@ -40,8 +40,12 @@ def _status(view: RunView | None, cursor: Cursor) -> str:
     where = "live" if view.source == "live" else f"replaying {view.source}"
     state = "finished" if view.complete and cursor.shown >= total else "running" if view.source == "live" else "replay"
     pending = " — drafts pending: **Step** reveals the verification" if not cursor.revealed else ""
-    return (f"**Round {cursor.shown} of {total}** ({state}, {where}) · {view.info.label()} · "
-            f"target `{view.info.target}`" + (f" · draft `{view.info.draft}`" if view.info.draft else "") + pending)
+    models = f"target `{view.info.target}`" + (f" · draft `{view.info.draft}`" if view.info.draft else "")
+    if view.previous is not None:
+        return (f"**Previous run** — the last Reset failed ({view.previous}), so this is the run from before it, "
+                f"with its own settings, and Step will not continue it: fix the settings and press **Reset**. "
+                f"· **Round {cursor.shown} of {total}** ({where}) · {view.info.label()} · {models}")
+    return f"**Round {cursor.shown} of {total}** ({state}, {where}) · {view.info.label()} · " + models + pending
 
 
 def _detail(view: RunView | None, cursor: Cursor) -> tuple[list[tuple[str, int]], int | None, go.Figure]:

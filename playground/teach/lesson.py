@@ -24,11 +24,12 @@ from engine.compared import ComparedRun
 from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeSpec
 from engine.drafters.model import draftable, stand_in_id
 from engine.models import LoadedModel, ModelPair
+from engine.prompts import encode_prompt
 from engine.records import Outcome, PositionRecord, RoundRecord
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.sources import ASSETS
-from engine.speculative import SpeculativeEngine, encode_prompt
+from engine.speculative import SpeculativeEngine
 from engine.verify import align_vocab
 from playground.teach.losslessness import Rule
 

@@ -1,0 +1,359 @@
+"""`python -m playground.loadtest`: start the app on loopback, drive it with many visitors at once, and report.
+
+The app runs as a child process (`python app.py` on 127.0.0.1, a free port, its own temp folder,
+Hub access off). N gradio_client visitors reset and step their own runs concurrently; M bare API
+callers do the same over plain HTTP (`/gradio_api/call/...` with their own session hash). It
+prints Step latency (p50/p95, as a visitor waits for it, queueing included), the highest queue
+place a visitor was shown, errors, isolation checks and the server's RSS before, at its peak and
+after, and checks that SIGTERM leaves no session folder behind. Everything is bounded: at most
+MAX_CLIENTS visitors, MAX_STEPS steps, and a wall-clock limit after which the run stops and fails.
+
+Isolation: visitors get one of SEED_GROUPS seeds in turn, at temperature 1. Visitors with the same
+seed must see byte-identical token streams after every step, whoever else is stepping meanwhile,
+and different seeds must differ (else the check would prove nothing). The bare callers use the
+default settings, and must see exactly what a visitor with those settings sees.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_CLIENTS, MAX_API_CALLERS, MAX_STEPS, MAX_SECONDS = 64, 16, 200, 1800
+SEED_GROUPS = 4
+STATUS, STREAM = 0, 1     # gradio_client outputs (the session's gr.State is not among them)
+
+
+@dataclass
+class Visitor:
+    """What one visitor (or bare caller) saw: a stream per step, the time each step took, and its errors."""
+
+    name: str
+    seed: int
+    streams: list[str] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    max_queue_place: int = 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m playground.loadtest", description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=8, help=f"gradio_client visitors, 1..{MAX_CLIENTS} (default 8)")
+    ap.add_argument("--api-callers", type=int, default=2,
+                    help=f"bare HTTP API callers beside them, 0..{MAX_API_CALLERS} (default 2)")
+    ap.add_argument("--steps", type=int, default=20, help=f"Steps per visitor, 1..{MAX_STEPS} (default 20)")
+    ap.add_argument("--time-limit", type=float, default=600, help=f"seconds for the whole run, at most {MAX_SECONDS}")
+    ap.add_argument("--host", default="127.0.0.1", help="a loopback address (nothing else is allowed)")
+    ap.add_argument("--session-lease", type=float, default=60.0,
+                    help="the app's --session-lease: how long a bare caller's session outlives its last call")
+    a = ap.parse_args(argv)
+    checks = [(1 <= a.clients <= MAX_CLIENTS, f"--clients must be from 1 to {MAX_CLIENTS}"),
+              (0 <= a.api_callers <= MAX_API_CALLERS, f"--api-callers must be from 0 to {MAX_API_CALLERS}"),
+              (1 <= a.steps <= MAX_STEPS, f"--steps must be from 1 to {MAX_STEPS}"),
+              (0 < a.time_limit <= MAX_SECONDS, f"--time-limit must be from 1 to {MAX_SECONDS} seconds"),
+              (0 < a.session_lease <= MAX_SECONDS, f"--session-lease must be from 1 to {MAX_SECONDS} seconds"),
+              (is_loopback(a.host), f"--host must be a loopback address such as 127.0.0.1, got {a.host!r}")]
+    for ok, message in checks:
+        if not ok:
+            ap.error(message)
+    return a
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# -- the server ------------------------------------------------------------------------------------------------
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(host: str, port: int, sessions: int, lease_s: float, tmp: Path) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "GRADIO_ANALYTICS_ENABLED": "False"}
+    argv = [sys.executable, "app.py", "--host", host, "--port", str(port), "--max-sessions", str(sessions),
+            "--max-sessions-per-client", str(sessions), "--session-lease", str(lease_s), "--no-allow-custom-models"]
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until_up(url: str, server: subprocess.Popen, deadline: float) -> None:
+    import httpx
+
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the app exited at start-up:\n{server.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError("the app did not start within the time limit")
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class PeakRss:
+    """Samples a process's RSS on a thread until stopped; `peak` is the largest seen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self.peak = max(self.peak, rss_mb(self.pid))
+            except OSError:
+                return
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def session_folders(tmp: Path) -> list[Path]:
+    return [p for root in tmp.glob("specplay-sessions-*") for p in root.glob("s-*")]
+
+
+# -- the visitors -----------------------------------------------------------------------------------------------
+def reset_values(client, seed: int, new_tokens: int) -> dict:
+    """Keyword arguments for /reset: the defaults, with this visitor's seed and length."""
+    params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]
+    values = {p["parameter_name"]: p["parameter_default"] for p in params}
+    names = {p["label"]: p["parameter_name"] for p in params}
+    values[names["Seed"]] = seed
+    values[names["Max new tokens"]] = new_tokens
+    return values
+
+
+def run_visitor(url: str, visitor: Visitor, steps: int, new_tokens: int, deadline: float,
+                start: threading.Barrier) -> None:
+    from gradio_client import Client
+
+    try:
+        client = Client(url, verbose=False)
+        try:
+            client.predict(**reset_values(client, visitor.seed, new_tokens), api_name="/reset")
+            start.wait(timeout=max(1.0, deadline - time.monotonic()))
+            for _ in range(steps):
+                if time.monotonic() > deadline:
+                    visitor.errors.append("stopped at the time limit")
+                    return
+                visitor.streams.append(timed_step(client, visitor))
+        finally:
+            client.close()
+    except Exception as exc:  # reported, not raised: one visitor's failure is a finding
+        visitor.errors.append(f"{type(exc).__name__}: {exc}")
+
+
+def timed_step(client, visitor: Visitor) -> str:
+    """One Step as a visitor waits for it, noting the queue place Gradio showed meanwhile."""
+    t0 = time.perf_counter()
+    job = client.submit(api_name="/step")
+    while not job.done():
+        status = job.status()
+        if status.rank is not None:
+            visitor.max_queue_place = max(visitor.max_queue_place, status.rank + 1)
+        time.sleep(0.02)
+    out = job.result()
+    visitor.step_ms.append((time.perf_counter() - t0) * 1000)
+    for update in drain(job):
+        log = getattr(update, "log", None)   # status updates carry the warnings shown; outputs do not
+        if log and log[1] == "warning":
+            visitor.errors.append(f"warning: {update.log[0]}")
+    if "Round" not in out[STATUS]:
+        visitor.errors.append(f"unexpected status: {out[STATUS][:120]}")
+    return out[STREAM]
+
+
+def drain(job) -> list:
+    updates, queue = [], job.communicator.updates
+    while not queue.empty():
+        updates.append(queue.get_nowait())
+    return updates
+
+
+def run_api_caller(url: str, visitor: Visitor, steps: int, new_tokens: int, deadline: float,
+                   defaults: list, start: threading.Barrier) -> None:
+    """A bare HTTP caller with its own session hash: POST /gradio_api/call/<name>, then read the result."""
+    import httpx
+
+    session = f"loadtest-{uuid.uuid4().hex}"
+    try:
+        with httpx.Client(base_url=url, timeout=max(5.0, deadline - time.monotonic())) as http:
+            call(http, "reset", [*defaults[:-1], new_tokens], session)
+            start.wait(timeout=max(1.0, deadline - time.monotonic()))
+            for _ in range(steps):
+                if time.monotonic() > deadline:
+                    visitor.errors.append("stopped at the time limit")
+                    return
+                t0 = time.perf_counter()
+                out = call(http, "step", [False, *defaults[:-1], new_tokens], session)
+                visitor.step_ms.append((time.perf_counter() - t0) * 1000)
+                visitor.streams.append(out[1 + STREAM])   # [0] is the session's gr.State
+    except Exception as exc:
+        visitor.errors.append(f"{type(exc).__name__}: {exc}")
+
+
+def call(http, name: str, data: list, session: str) -> list:
+    event = http.post(f"/gradio_api/call/{name}", json={"data": data, "session_hash": session})
+    event.raise_for_status()
+    reply = http.get(f"/gradio_api/call/{name}/{event.json()['event_id']}").text
+    kind, _, payload = reply.partition("\ndata: ")
+    if kind.strip() != "event: complete":
+        raise RuntimeError(f"{name}: {reply[:200]}")
+    return json.loads(payload.strip())
+
+
+# -- the checks -------------------------------------------------------------------------------------------------
+def isolation(visitors: list[Visitor], callers: list[Visitor]) -> list[str]:
+    """The failed isolation checks (empty when all hold); see the module."""
+    failures = []
+    groups: dict[int, list[Visitor]] = {}
+    for v in visitors:
+        groups.setdefault(v.seed, []).append(v)
+    for seed, members in groups.items():
+        first = members[0]
+        for other in members[1:]:
+            if other.streams != first.streams:
+                failures.append(f"seed {seed}: {other.name} saw a different stream from {first.name}")
+    finals = {seed: m[0].streams[-1] for seed, m in groups.items() if m[0].streams}
+    if len(finals) > 1 and len(set(finals.values())) < len(finals):
+        failures.append("different seeds produced identical streams: the check above proves nothing")
+    reference = groups.get(0, [None])[0]
+    for caller in callers:
+        n = min(len(caller.streams), len(reference.streams)) if reference is not None else 0
+        if n and caller.streams[:n] != reference.streams[:n]:
+            failures.append(f"{caller.name} saw a different stream from {reference.name} (same settings)")
+    return failures
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    deadline = time.monotonic() + a.time_limit
+    new_tokens = min(256, 5 * a.steps + 1)      # a round emits at most K + 1 = 5 tokens: the run outlasts the steps
+    port = free_port(a.host)
+    url = f"http://{a.host}:{port}/"
+    with tempfile.TemporaryDirectory(prefix="specplay-loadtest-") as tmp_name:
+        tmp = Path(tmp_name)
+        server = start_server(a.host, port, a.clients + a.api_callers + 2, a.session_lease, tmp)
+        try:
+            return drive(a, url, server, tmp, new_tokens, deadline)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+
+
+def drive(a: argparse.Namespace, url: str, server: subprocess.Popen, tmp: Path, new_tokens: int,
+          deadline: float) -> int:
+    from gradio_client import Client
+
+    wait_until_up(url, server, deadline)
+    warm = Client(url, verbose=False)      # loads the pair and warms the caches before "before" is measured
+    warm.predict(api_name="/step")
+    defaults = [p["parameter_default"] for p in
+                warm.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]]
+    warm.close()
+    rss_before = rss_mb(server.pid)
+    peak = PeakRss(server.pid)
+    visitors = [Visitor(f"visitor {i}", i % SEED_GROUPS) for i in range(a.clients)]
+    callers = [Visitor(f"api caller {i}", int(defaults[13])) for i in range(a.api_callers)]
+    start = threading.Barrier(len(visitors) + len(callers))
+    threads = [threading.Thread(target=run_visitor, args=(url, v, a.steps, new_tokens, deadline, start), daemon=True)
+               for v in visitors]
+    threads += [threading.Thread(target=run_api_caller, args=(url, c, a.steps, new_tokens, deadline, defaults, start),
+                                 daemon=True) for c in callers]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    wall = time.monotonic() - t0
+    timed_out = any(t.is_alive() for t in threads)
+    left = time.monotonic()
+    while session_folders(tmp) and time.monotonic() < deadline:   # visitors' end on unload, callers' on their lease
+        time.sleep(0.25)
+    reclaimed_after = time.monotonic() - left
+    rss_after, rss_peak = rss_mb(server.pid), peak.stop()
+    left_open = len(session_folders(tmp))
+    server.send_signal(signal.SIGTERM)
+    exited = server.wait(timeout=max(5.0, deadline - time.monotonic()))
+    clean = exited == 0 and not list(tmp.glob("specplay-sessions-*"))
+    failures = isolation(visitors, callers)
+    report(a, visitors, callers, wall, failures, (rss_before, rss_peak, rss_after), (left_open, reclaimed_after),
+           clean, timed_out)
+    errors = sum(len(v.errors) for v in visitors + callers)
+    return 0 if not (errors or failures or timed_out or not clean) else 1
+
+
+def report(a, visitors, callers, wall, failures, rss, sessions, clean, timed_out) -> None:
+    steps = [ms for v in visitors for ms in v.step_ms]
+    api = [ms for c in callers for ms in c.step_ms]
+    errors = [f"{v.name}: {e}" for v in visitors + callers for e in v.errors]
+    print(f"specplay load test: {a.clients} gradio_client visitors + {a.api_callers} bare API callers, "
+          f"{a.steps} Steps each, built-in pair on {os.cpu_count()} CPU(s), decoding concurrency 1")
+    print(f"  Step latency (visitors, queueing included): p50 {percentile(steps, 50):.0f} ms, "
+          f"p95 {percentile(steps, 95):.0f} ms over {len(steps)} Steps")
+    if api:
+        print(f"  Step latency (bare API callers):            p50 {percentile(api, 50):.0f} ms, "
+              f"p95 {percentile(api, 95):.0f} ms over {len(api)} Steps")
+    print(f"  highest queue place shown to a visitor: {max((v.max_queue_place for v in visitors), default=0)}")
+    print(f"  wall time {wall:.1f} s; errors: {len(errors)}" + ("; stopped at the time limit" if timed_out else ""))
+    for line in errors[:10]:
+        print(f"    {line}")
+    groups = len({v.seed for v in visitors})
+    print(f"  isolation: {groups} seed group(s) over {len(visitors)} visitors, byte-identical within a group, "
+          f"distinct across; API callers match the visitors with their settings: "
+          + ("OK" if not failures else "FAILED"))
+    for line in failures:
+        print(f"    {line}")
+    before, peak, after = rss
+    left_open, reclaimed_after = sessions
+    print(f"  sessions: all reclaimed {reclaimed_after:.0f} s after the last client left (a visitor's when its "
+          f"heartbeat ends, a bare caller's a lease after its last call)" if not left_open else
+          f"  sessions: {left_open} still open at the time limit")
+    print(f"  server RSS: {before:.0f} MB before, {peak:.0f} MB at peak, {after:.0f} MB after "
+          f"({after - before:+.0f} MB)")
+    print(f"  SIGTERM: exit 0 and no session folder left: {'OK' if clean else 'FAILED'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Running the playground as a server: start-up, the session sweeper, and a shutdown that leaves nothing behind.
+
+At start-up the session folders of servers that were killed (kill -9, a crash) are swept, the
+default pair starts loading in the background, the app is launched with the heartbeat watch, and
+a sweeper reclaims sessions that no connection renews. A clean stop (SIGTERM, Ctrl-C, or
+`Served.close`) closes the app, every session and their folders.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+import gradio as gr
+
+from playground.controller import Context
+from playground.sessions import Sweeper
+from playground.settings import AppSettings
+from playground.ui import build_app, launch_kwargs, make_context
+
+log = logging.getLogger("specplay")
+
+
+@dataclass
+class Served:
+    """A running playground: its app, its shared objects and its sweeper. `close()` is safe to call twice."""
+
+    demo: gr.Blocks
+    ctx: Context
+    sweeper: Sweeper
+    url: str
+
+    def close(self) -> None:
+        self.demo.close()
+        self.sweeper.stop()
+        self.ctx.pool.shutdown()
+
+
+def start(ctx: Context, *, quiet: bool = False, warm: bool = True) -> Served:
+    """Launch the playground for `ctx` on its settings' host and port without blocking; see the module.
+    With `warm`, the default pair starts loading at once, so the first visitor's Step does not wait."""
+    swept = ctx.pool.sweep_abandoned()
+    if swept:
+        log.warning("removed %d session folder(s) left by a server that did not shut down: %s", len(swept),
+                    ", ".join(str(p) for p in swept))
+    if warm:
+        threading.Thread(target=_warm, args=(ctx,), name="specplay-warm-up", daemon=True).start()
+    s = ctx.settings
+    demo = build_app(ctx)
+    demo.launch(server_name=s.host, server_port=s.port, share=s.share, prevent_thread_lock=True, quiet=quiet,
+                **launch_kwargs(ctx))
+    sweeper = Sweeper(ctx.pool, interval=min(10.0, s.session_lease_s / 4)).start()
+    return Served(demo, ctx, sweeper, demo.local_url or f"http://{s.host}:{s.port}/")
+
+
+def _warm(ctx: Context) -> None:
+    try:
+        ctx.registry.pair("default")
+    except Exception as exc:  # the first Reset will say the same to the visitor
+        log.warning("could not load the default pair at start-up: %s", exc)
+
+
+def serve_forever(settings: AppSettings) -> None:
+    """`python app.py`: serve until SIGTERM or SIGINT, then shut down cleanly."""
+    served = start(make_context(settings))
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(1.0):   # a timed wait lets the signal handler run promptly
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("shutting down: closing %d session(s)", len(served.ctx.pool))
+        served.close()

@@ -1,0 +1,43 @@
+"""playground.loadtest: its bounds, its isolation check, and one small real run against the app on loopback."""
+from __future__ import annotations
+
+import pytest
+
+from playground import loadtest
+from playground.loadtest import Visitor, isolation
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--host", "0.0.0.0"], "--host must be a loopback address"),
+    (["--host", "example.org"], "--host must be a loopback address"),
+    (["--clients", "65"], "--clients must be from 1 to 64"),
+    (["--steps", "0"], "--steps must be from 1 to 200"),
+    (["--time-limit", "99999"], "--time-limit must be from 1 to 1800 seconds"),
+])
+def test_it_only_reaches_loopback_and_is_bounded(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        loadtest.parse_args(argv)
+    assert message in capsys.readouterr().err
+    assert loadtest.parse_args(["--host", "::1"]).host == "::1"
+
+
+def test_the_isolation_check_catches_crosstalk_and_vacuous_runs():
+    def v(name, seed, *streams):
+        return Visitor(name, seed, streams=list(streams))
+
+    good = [v("a", 0, "x1", "x2"), v("b", 0, "x1", "x2"), v("c", 1, "y1", "y2")]
+    assert isolation(good, [v("api", 0, "x1")]) == []
+    crossed = [v("a", 0, "x1", "x2"), v("b", 0, "x1", "y2"), v("c", 1, "y1", "y2")]
+    assert isolation(crossed, []) == ["seed 0: b saw a different stream from a"]
+    same = [v("a", 0, "x1"), v("c", 1, "x1")]
+    assert "proves nothing" in isolation(same, [])[0]
+    assert "api saw a different stream" in isolation(good, [v("api", 0, "z1")])[0]
+
+
+def test_a_small_run_passes_every_check(capsys):
+    rc = loadtest.main(["--clients", "2", "--api-callers", "1", "--steps", "2", "--session-lease", "2",
+                        "--time-limit", "300"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "errors: 0" in out and "isolation:" in out and ": OK" in out and "no session folder left: OK" in out
+    assert "p50" in out and "server RSS" in out

@@ -1,0 +1,136 @@
+"""playground.registry under concurrency: no shared lock around slow loads, one load per model, honest memory.
+
+A slow model is stood in for by a local loader that waits on an event: the tests assert on what has
+and has not happened while it waits, never on durations. (`WAIT` only turns a deadlock into a failure.)
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.models import ModelLoadError
+from playground.registry import CUSTOM, ModelRegistry
+
+WAIT = 60.0
+
+
+class SlowLoader:
+    """Loads "slow" only once `gate` is set (saying so through `started`); anything else at once."""
+
+    def __init__(self, pair) -> None:
+        self.draft, self.target = pair
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.calls: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, source, role, device):
+        with self.lock:
+            self.calls.append((source, role))
+        if source == "slow":
+            self.started.set()
+            assert self.gate.wait(WAIT), "the test never opened the gate"
+        return self.draft if role == "draft" else self.target
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the test
+            box["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+@pytest.fixture
+def slow(builtin_pair):
+    loader = SlowLoader(builtin_pair)
+    yield loader
+    loader.gate.set()
+
+
+def test_a_slow_load_does_not_block_a_reset_of_a_loaded_pair(slow):
+    registry = ModelRegistry(allow_custom=True, loader=slow, inspect=lambda source, role, device: 1)
+    registry.pair("default")
+    thread, box = in_thread(lambda: registry.pair(CUSTOM, "slow", "slow"))
+    assert slow.started.wait(WAIT)
+    other, other_box = in_thread(lambda: registry.pair("default"))
+    other.join(WAIT)
+    assert not other.is_alive() and other_box["value"].target is slow.target   # done while "slow" still loads
+    assert not slow.gate.is_set() and thread.is_alive()
+    slow.gate.set()
+    thread.join(WAIT)
+    assert box["value"].target is box["value"].draft is slow.draft   # "slow" is one model, whichever role
+
+
+def test_a_slow_inspection_does_not_block_either(slow, builtin_pair):
+    """Reading a custom model's config (a Hub request for a Hub id) is as slow as the network: no lock."""
+    inspecting, release = threading.Event(), threading.Event()
+
+    def inspect(source, role, device):
+        inspecting.set()
+        assert release.wait(WAIT)
+        return 1
+
+    registry = ModelRegistry(allow_custom=True, loader=slow, inspect=inspect)
+    registry.pair("default")
+    thread, _ = in_thread(lambda: registry.pair(CUSTOM, "hub/model", "hub/model"))
+    assert inspecting.wait(WAIT)
+    other, other_box = in_thread(lambda: registry.pair("default"))
+    other.join(WAIT)
+    assert not other.is_alive() and "value" in other_box and not release.is_set()
+    release.set()
+    thread.join(WAIT)
+
+
+def test_two_requests_for_the_same_model_share_one_load(slow):
+    registry = ModelRegistry(allow_custom=True, loader=slow, inspect=lambda source, role, device: 1)
+    first, first_box = in_thread(lambda: registry.pair(CUSTOM, "slow", "slow"))
+    assert slow.started.wait(WAIT)
+    second, second_box = in_thread(lambda: registry.pair(CUSTOM, "slow", "slow"))
+    slow.gate.set()
+    first.join(WAIT)
+    second.join(WAIT)
+    assert first_box["value"] is second_box["value"]
+    assert slow.calls == [("slow", "draft")]   # one model, loaded once, for both roles and both requests
+
+
+def test_a_failed_load_is_not_remembered(builtin_pair):
+    draft, target = builtin_pair
+    attempts: list[str] = []
+
+    def flaky(source, role, device):
+        attempts.append(role)
+        if len(attempts) == 1:
+            raise ModelLoadError("the disk hiccuped")
+        return draft if role == "draft" else target
+
+    registry = ModelRegistry(loader=flaky)
+    with pytest.raises(ModelLoadError, match="hiccuped"):
+        registry.pair("default")
+    assert registry.loaded() == []
+    assert registry.pair("default").target is target and attempts == ["draft", "draft", "target"]
+
+
+def test_loads_under_way_count_against_free_memory(slow):
+    gib = 2**30
+    registry = ModelRegistry(allow_custom=True, loader=slow, free=lambda device: 3 * gib,
+                             inspect=lambda source, role, device: 2 * gib if source == "slow" else gib)
+    thread, _ = in_thread(lambda: registry.pair(CUSTOM, "slow", "slow"))
+    assert slow.started.wait(WAIT)
+    with pytest.raises(ModelLoadError, match=r"needs about 1\.0 GiB on cpu, but only 1\.0 GiB is free"):
+        registry.pair(CUSTOM, "other", "other")      # 2 GiB is claimed by the load under way
+    slow.gate.set()
+    thread.join(WAIT)
+
+
+def test_step_never_starts_a_download(slow):
+    registry = ModelRegistry(allow_custom=True, loader=slow, inspect=lambda source, role, device: 1)
+    with pytest.raises(ModelLoadError, match="is not loaded yet: press Reset to load it"):
+        registry.pair(CUSTOM, "slow", "slow", load=False)
+    assert slow.calls == []
+    assert registry.pair("default", load=False).target is slow.target   # the server's own pair may load
