@@ -13,8 +13,13 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
     ap = argparse.ArgumentParser(description="Serve the speculative-decoding playground.")
     ap.add_argument("--host", default=d.host)
     ap.add_argument("--port", type=int, default=d.port)
-    ap.add_argument("--draft", default=d.draft, help="draft model id or path of the default pair ('builtin')")
-    ap.add_argument("--target", default=d.target, help="target model id or path of the default pair ('builtin')")
+    ap.add_argument("--draft", default=d.draft,
+                    help="draft model of the default pair: 'builtin', a Hub id or a path, or 'none' (default: auto, the "
+                         "built-in draft for the built-in target, none for SmolLM2, which drafts by prompt lookup or "
+                         "its EAGLE head)")
+    ap.add_argument("--target", default=d.target,
+                    help="target of the default pair: 'smollm2', 'builtin', a Hub id or a path (default: auto, SmolLM2 "
+                         "when its offline wheel is installed, else the built-in pair)")
     ap.add_argument("--draft-device", default=None, help="e.g. cpu, cuda:0 (default: auto)")
     ap.add_argument("--target-device", default=None, help="e.g. cpu, cuda:1 (default: auto)")
     ap.add_argument("--share", action="store_true", help="open a public Gradio share link (off by default)")

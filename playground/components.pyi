@@ -20,8 +20,7 @@ class RawNumber(gr.Number):
 
     def preprocess(self, payload: Any) -> Any:
         return payload
-    from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
-
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
     from gradio.blocks import Block
     if TYPE_CHECKING:
         from gradio.components import Timer
@@ -35,8 +34,7 @@ class RawSlider(gr.Slider):
 
     def preprocess(self, payload: Any) -> Any:
         return payload
-    from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
-
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
     from gradio.blocks import Block
     if TYPE_CHECKING:
         from gradio.components import Timer

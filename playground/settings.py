@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from engine.sources import BUILTIN
 
+AUTO, NONE = "auto", "none"
+
 ALLOW_CUSTOM_ENV = "SPECPLAY_ALLOW_CUSTOM_MODELS"
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -14,8 +16,8 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 class AppSettings:
     host: str = "127.0.0.1"
     port: int = 7860
-    draft: str = BUILTIN
-    target: str = BUILTIN
+    draft: str = AUTO    # AUTO: the built-in draft for the built-in target, none for SmolLM2; "none": no draft
+    target: str = AUTO   # AUTO: SmolLM2 when its wheel is installed, else the built-in pair
     draft_device: str | None = None      # None: engine.models.default_devices decides
     target_device: str | None = None
     share: bool = False
@@ -64,3 +66,13 @@ def allow_custom_default(env: Mapping[str, str]) -> bool:
     if word not in TRUE_WORDS + FALSE_WORDS:
         raise ValueError(f"{ALLOW_CUSTOM_ENV} must be one of {', '.join(TRUE_WORDS + FALSE_WORDS[:-1])}, got {value!r}")
     return word in TRUE_WORDS
+
+
+def default_pair(draft: str, target: str) -> tuple[str | None, str]:
+    """(draft or None, target) of the server's default pair, resolving AUTO and NONE."""
+    from playground.registry import default_target
+
+    target = default_target() if target == AUTO else target
+    if draft == AUTO:
+        return (BUILTIN if target == BUILTIN else None), target
+    return (None if draft == NONE else draft), target

@@ -33,7 +33,7 @@ from playground.registry import ModelRegistry
 from playground.render.frame import render_frame
 from playground.render.palette import stylesheet
 from playground.sessions import Session, SessionPool
-from playground.settings import AppSettings
+from playground.settings import AppSettings, default_pair
 from playground.spaces_shim import gpu
 from playground.teach.lab import MAX_TRIALS, run_lab, token_texts
 from playground.view import Cursor
@@ -268,7 +268,8 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) ->
 
 def make_context(settings: AppSettings) -> Context:
     """The server's shared objects: the model registry (models load lazily) and the session pool."""
-    registry = ModelRegistry(settings.draft, settings.target, draft_device=settings.draft_device,
+    draft, target = default_pair(settings.draft, settings.target)
+    registry = ModelRegistry(draft, target, draft_device=settings.draft_device,
                              target_device=settings.target_device, allow_custom=settings.allow_custom_models)
     return Context(registry, make_pool(settings), settings)
 

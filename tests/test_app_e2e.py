@@ -97,7 +97,7 @@ SEED_RULE = "Seed must be a whole number from 0 to 9223372036854775807, got "
 @pytest.mark.parametrize("values, message", [
     ({"Seed": "abc"}, SEED_RULE + "'abc'."),
     ({"Seed": 2**70}, SEED_RULE + "1180591620717411303424."),
-    ({"K (drafts per round)": "four"}, "K must be a whole number from 1 to 16, got 'four'."),
+    ({"K (drafts per round)": "four"}, "K must be a whole number from 1 to 32, got 'four'."),
 ], ids=["seed-text", "seed-2^70", "k-text"])
 def test_bad_api_values_get_a_sentence_not_a_generic_error(server, values, message):
     url, _ = server
@@ -141,7 +141,7 @@ def raw_reset(url: str, client: Client, **literals: str) -> tuple[list, list[str
     ("Seed", "Infinity", SEED_RULE + "inf."),
     ("Top-k (0 = off)", "Infinity", "Top-k must be a whole number of at least 0, got inf."),
     ("Temperature (0 = greedy)", "NaN", "Temperature must be a finite number of at least 0 (0 = greedy), got nan."),
-    ("K (drafts per round)", "-Infinity", "K must be a whole number from 1 to 16, got -inf."),
+    ("K (drafts per round)", "-Infinity", "K must be a whole number from 1 to 32, got -inf."),
     ("Prompt", '"def f():\\ud800"', "The prompt contains '\\ud800' at character 9, which is not valid Unicode"),
 ], ids=["seed-nan", "seed-inf", "top-k-inf", "temperature-nan", "k-minus-inf", "surrogate"])
 def test_values_only_a_bare_api_caller_can_send_get_a_sentence_too(server, label, literal, message):

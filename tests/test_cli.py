@@ -77,8 +77,8 @@ def test_help_explains_every_flag(capsys) -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "   "], "prompt is empty"),
-    (["--prompt", "x", "--k", "0"], "K must be an integer between 1 and 16"),
-    (["--prompt", "x", "--k", "17"], "K must be an integer between 1 and 16"),
+    (["--prompt", "x", "--k", "0"], "K must be an integer between 1 and 32"),
+    (["--prompt", "x", "--k", "33"], "K must be an integer between 1 and 32"),
     (["--prompt", "x", "--k", "four"], "invalid int value"),
     (["--prompt", "x", "--temperature", "-1"], "temperature must be finite and >= 0"),
     (["--prompt", "x", "--top-p", "1.5"], "top_p must be in"),
