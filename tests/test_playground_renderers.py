@@ -300,6 +300,35 @@ def test_a_trace_replays_exactly_what_the_live_run_showed(sampled):
         assert a.kv_target.to_json() == b.kv_target.to_json()
 
 
+def test_a_prefix_holds_the_baseline_rounds_run_by_then(sampled):
+    view, _ = sampled
+    for n in range(len(view.rounds) + 1):
+        tokens = view.rounds[n - 1].tokens_total if n else 0
+        assert view.upto(n).baseline == tuple(b for b in view.baseline if b.tokens_total <= tokens)
+        assert view.baseline_by(tokens) == len(view.upto(n).baseline)
+
+
+@pytest.mark.parametrize("fixture", ["sampled", "sampled_v1"])
+def test_the_speedup_series_in_one_pass_equals_reading_every_prefix(fixture, request):
+    from dataclasses import replace
+
+    curve = RCurve("t", "cpu", "float32", 64, [1, 5, 9], [2.0, 3.0, 4.0], [1.0, 1.5, 2.0], 2.0, 1)
+    view = replace(request.getfixturevalue(fixture)[0], calibration=curve)
+    xs, measured, predicted = charts.speedup_series(view)
+    assert xs == list(range(1, len(view.rounds) + 1))
+    for n in xs:
+        sub = view.upto(n)
+        assert measured[n - 1] == pytest.approx(metrics.measured_speedup(sub.rounds, sub.baseline))
+        pred = metrics.predict(sub.rounds, sub.baseline, curve.at)
+        assert predicted[n - 1] == (None if isinstance(pred, metrics.NotMeasured) else pytest.approx(pred.speedup_iid))
+        if not isinstance(pred, metrics.NotMeasured):  # by hand, as Leviathan writes it
+            steps = sub.rounds[1:]
+            e = lambda k: sum(pred.alpha**i for i in range(k + 1)) if k else 1.0  # noqa: E731
+            cost = sum(pred.c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0) for r in steps)
+            assert predicted[n - 1] == pytest.approx(sum(e(r.k) for r in steps) / cost)
+    assert sum(p is not None for p in predicted) >= len(xs) - 2   # the prediction appears once c is measured
+
+
 def test_frame_for_a_pending_round_hides_its_verdict(sampled):
     view, _ = sampled
     pending = render_frame(view, Cursor(shown=3, revealed=False))

@@ -162,13 +162,19 @@ def _cost_text(view: RunView) -> str:
 
 
 def speedup_series(view: RunView) -> tuple[list[int], list[float | None], list[float | None]]:
-    """(round numbers, measured, predicted) after each round, from the records up to that round."""
-    xs, measured, predicted = [], [], []
+    """(round numbers, measured, predicted) after each round, from the records up to that round: the
+    same as reading `view.upto(n)` for every n, in one pass (the prediction's sums are carried from
+    round to round in a metrics.Tally, so a run of n rounds costs O(n), not O(n²))."""
     curve = view.calibration.at if view.calibration else None
-    for n in range(1, len(view.rounds) + 1):
-        sub = view.upto(n)
-        pred = metrics.predict(sub.rounds, sub.baseline, curve)
+    tally, counted = metrics.Tally(), 0
+    xs, measured, predicted = [], [], []
+    for n, r in enumerate(view.rounds, 1):
+        tally.add(r)
+        by = view.baseline_by(r.tokens_total)
+        for b in view.baseline[counted:by]:
+            tally.add_baseline(b)
+        counted = by
         xs.append(n)
-        measured.append(metrics.measured_speedup(sub.rounds, sub.baseline))
-        predicted.append(None if isinstance(pred, NotMeasured) else pred.speedup_iid)
+        measured.append(metrics.measured_speedup(view.rounds[:n], view.baseline[:by]))
+        predicted.append(tally.speedup_iid(curve))
     return xs, measured, predicted
