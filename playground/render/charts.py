@@ -9,25 +9,21 @@ import plotly.graph_objects as go
 
 from engine import metrics
 from engine.metrics import NotMeasured
-from playground.render.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR
+from playground.render.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR, styled_figure
 from playground.view import RunView
 
 HEIGHT = 300
 
 
 def _figure(traces: list, title: str, xtitle: str, ytitle: str, **layout) -> go.Figure:
-    fig = go.Figure(traces)
-    fig.update_layout(title=dict(text=title, font=dict(size=14)), height=HEIGHT, template="plotly_white",
-                      margin=dict(l=50, r=20, t=50, b=45), xaxis=dict(title=xtitle), yaxis=dict(title=ytitle),
-                      legend=dict(orientation="h", y=-0.3), **layout)
-    return fig
+    return styled_figure(traces, title=dict(text=title, font=dict(size=14)), height=HEIGHT,
+                         margin=dict(l=50, r=20, t=50, b=45), xaxis=dict(title=xtitle), yaxis=dict(title=ytitle),
+                         legend=dict(orientation="h", y=-0.3), **layout)
 
 
 def empty_figure(message: str) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-    fig.update_layout(height=HEIGHT, template="plotly_white", xaxis=dict(visible=False), yaxis=dict(visible=False))
-    return fig
+    return styled_figure(annotations=[dict(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")],
+                         height=HEIGHT, xaxis=dict(visible=False), yaxis=dict(visible=False))
 
 
 def _no_drafts(view: RunView) -> str | None:
@@ -99,12 +95,11 @@ def speedup_figure(view: RunView) -> go.Figure:
     if not view.rounds or not view.baseline:
         return empty_figure("Needs a target-only baseline (not recorded in target-only mode).")
     xs, measured, predicted = speedup_series(view)
-    fig = _figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
-                   go.Scatter(x=xs, y=predicted, name="predicted: E(α, K) / (cK + r(K+1)), all measured",
-                              mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot"))],
-                  "Speed-up over target-only", "round", "× target-only")
-    fig.add_hline(y=1.0, line=dict(color=GREY, width=1))
-    return fig
+    parity = dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=1.0, y1=1.0, line=dict(color=GREY, width=1))
+    return _figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
+                    go.Scatter(x=xs, y=predicted, name="predicted: E(α, K) / (cK + r(K+1)), all measured",
+                               mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot"))],
+                   "Speed-up over target-only", "round", "× target-only", shapes=[parity])
 
 
 def identity_badge(view: RunView | None) -> str:
