@@ -21,7 +21,7 @@ from playground.registry import ModelRegistry
 from playground.sessions import Session, SessionLimitReached, SessionPool
 from playground.settings import AppSettings
 from playground.teach.lesson import RoundRows, round_rows
-from playground.view import Cursor, RunView, info_for_run, view_from_trace
+from playground.view import Cursor, Panel, RunView, info_for_run, view_from_trace
 
 # Everything a visitor can cause by typing or uploading: shown as a message, never a traceback.
 USER_ERRORS = (ValueError, ModelLoadError, KVPoolExhausted, SessionLimitReached)  # PromptError, TraceError: ValueErrors
@@ -141,6 +141,11 @@ def scrub(session: Session, shown: float) -> None:
 def select(session: Session, round_index: int | None, position: int | None) -> None:
     """Pick a token for the detail plots (a chip click or the position picker)."""
     session.cursor = replace(session.cursor, round=round_index, position=position)
+
+
+def show(session: Session, panel: Panel) -> None:
+    """A tab was selected: events render its views from now on (the others stay as last drawn)."""
+    session.panel = panel
 
 
 def load_replay(session: Session, source: str | Path | bytes, name: str) -> None:

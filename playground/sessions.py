@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.compared import ComparedRun
-from playground.view import Cursor, RunInfo, RunView, view_from_run
+from playground.view import Cursor, Panel, RunInfo, RunView, view_from_run
 
 
 class SessionLimitReached(RuntimeError):
@@ -32,6 +32,7 @@ class Session:
     info: RunInfo | None = None
     replay: RunView | None = None
     cursor: Cursor = field(default_factory=Cursor)
+    panel: Panel = Panel.DETAIL     # the tab shown, the one each event renders (see ui.Handlers.render)
     trace_path: Path | None = None
     kv_bytes: int = 0
     last_used: float = field(default_factory=time.monotonic)

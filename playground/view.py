@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from engine import metrics
 from engine.calibration import RCurve
@@ -84,6 +85,16 @@ class RunView:
             return None
         n = min(len(spec), len(base))
         return spec[:n] == base[:n]
+
+
+class Panel(Enum):
+    """The tabs that draw from the cursor. Only the shown one is rendered on each event; the others
+    are rendered when their tab is selected."""
+
+    DETAIL = "detail"
+    KV = "kv"
+    CHARTS = "charts"
+    OTHER = "other"    # a tab that draws none of these (Theory, the lab, Traces, Compare)
 
 
 @dataclass(frozen=True, slots=True)

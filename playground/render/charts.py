@@ -1,4 +1,4 @@
-"""Live charts, redrawn every round from the records: acceptance, accepted lengths, time, speed-up."""
+"""Live charts, redrawn from the records each round their tab is shown: acceptance, accepted lengths, time, speed-up."""
 from __future__ import annotations
 
 import html
