@@ -64,12 +64,12 @@ class Handlers:
 
     # -- plumbing -----------------------------------------------------------------------------------
     @staticmethod
-    def render(session: Session | None) -> tuple:
+    def render(session: Session | None, failure: str | None = None) -> tuple:
         """Every frame output, in `Pages.frame_outputs` order: the stream panel and the shown tab's views.
         The hidden tabs' outputs are skipped (left as drawn); selecting a tab renders it (`on_show`)."""
         view = session.view() if session is not None else None
         panel = session.panel if session is not None else Panel.DETAIL
-        f = render_frame(view, session.cursor if session is not None else Cursor(), (panel,))
+        f = render_frame(view, session.cursor if session is not None else Cursor(), (panel,), failure)
         d, k, c = f.detail, f.kv, f.charts
         detail = (d.badge, d.summary, gr.Dropdown(choices=d.positions, value=d.position), d.detail) if d else _skip(4)
         kv = (k.target, k.draft, k.table) if k else _skip(3)
@@ -84,24 +84,30 @@ class Handlers:
             return state
         return self.ctx.pool.open(request.session_hash if request is not None else "anonymous")
 
-    def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None]) -> tuple:
-        """(state, *frame) after running `action`; errors become warnings and leave the session usable."""
+    def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None],
+                failed: str | None = None) -> tuple:
+        """(state, *frame) after running `action`; errors become warnings and leave the session usable.
+        `failed` ("Reset failed") heads the status line when the action fails, so that the run still on
+        screen is not taken for its result."""
         try:
             session = self._session(state, request)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
-            return (state, *self.render(state))
+            return (state, *self.render(state, _failure(failed, str(exc))))
         with session.lock:
+            failure = None
             try:
                 note = action(session)
                 if note:
                     gr.Info(note)
             except USER_ERRORS as exc:
                 gr.Warning(str(exc))
+                failure = _failure(failed, str(exc))
             except Exception as exc:  # a bug, not bad input: log it, tell the visitor briefly, keep going
                 log.exception("unexpected error in a playground action")
                 gr.Warning(f"Unexpected error ({type(exc).__name__}: {exc}). Press Reset to start again.")
-            return (session, *self.render(session))
+                failure = _failure(failed, f"unexpected error ({type(exc).__name__})")
+            return (session, *self.render(session, failure))
 
     def read(self, state: Session | None, request: gr.Request, action: Callable[[Session], tuple],
              fallback: Callable[[str], tuple]) -> tuple:
@@ -149,7 +155,8 @@ class Handlers:
 
     @gpu()
     def on_reset(self, request: gr.Request, state: Session | None, *values) -> tuple:
-        return self.guarded(state, request, lambda s: controller.reset(self.ctx, s, self.decode_request(values)))
+        return self.guarded(state, request, lambda s: controller.reset(self.ctx, s, self.decode_request(values)),
+                            failed="Reset failed")
 
     @gpu()
     def on_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
@@ -225,6 +232,10 @@ class Handlers:
 
 def _skip(n: int) -> tuple:
     return tuple(gr.skip() for _ in range(n))
+
+
+def _failure(failed: str | None, reason: str) -> str | None:
+    return None if failed is None else f"{failed}: {reason}"
 
 
 def play_controls(playing: bool, speed: float | None = None) -> tuple:

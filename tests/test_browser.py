@@ -112,8 +112,10 @@ def test_an_empty_prompt_shows_a_message_and_the_app_keeps_working(page):
     page.click("#reset-btn")
     page.wait_for_selector("text=The prompt is empty")
     # The warning can show while Gradio still marks the status as processing the event.
-    page.wait_for_function("!document.querySelector('#status').innerText.includes('processing')")
-    assert page.locator("#status").inner_text() == before
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Reset failed')")
+    failed = page.locator("#status").inner_text()
+    assert failed.startswith("⚠ Reset failed: The prompt is empty")   # the run below is not the Reset's result
+    assert failed.split("Showing the previous run: ", 1)[1] == before
     page.fill("#prompt-box textarea", "import os\n")
     page.click("#reset-btn")
     page.wait_for_function("document.querySelector('#status').innerText.includes('Round 0 of 0')")

@@ -343,6 +343,17 @@ def test_a_frame_renders_the_tabs_asked_for(sampled):
     assert charts_only.speedup.to_json() == everything.charts.speedup.to_json()
 
 
+def test_a_failed_action_heads_the_status_line(sampled):
+    view, _ = sampled
+    cursor = Cursor(shown=2)
+    plain = render_frame(view, cursor).stream.status
+    failed = render_frame(view, cursor, (), failure="Reset failed: The prompt is empty.").stream.status
+    assert plain.startswith("**Round 2 of")
+    assert failed == f"**⚠ Reset failed: The prompt is empty.** Showing the previous run: {plain}"
+    nothing = render_frame(None, Cursor(), (), failure="Reset failed: The playground is full").stream.status
+    assert nothing.startswith("**⚠ Reset failed: The playground is full.** No run yet")
+
+
 def test_frame_for_a_pending_round_hides_its_verdict(sampled):
     view, _ = sampled
     pending = render_frame(view, Cursor(shown=3, revealed=False))

@@ -66,3 +66,15 @@ def test_each_event_draws_the_shown_tab_and_leaves_the_hidden_ones(handlers):
     assert drawn(out) == set() and "Round 2 of 2" in out[STATUS]
     out = handlers.on_show(Panel.DETAIL)(None, session)
     assert drawn(out) == {Panel.DETAIL} and "Round 2 of 2" in out[STATUS]
+
+
+def test_a_failed_reset_says_so_above_the_run_it_leaves_on_screen(handlers):
+    session = handlers.on_step(None, None, False, *values())[0]
+    before = handlers.on_step(None, session, False, *values())[STATUS]
+    with pytest.warns(UserWarning, match="The prompt is empty"):
+        out = handlers.on_reset(None, session, *values(prompt="   "))
+    assert out[STATUS].startswith("**⚠ Reset failed: The prompt is empty")
+    assert out[STATUS].endswith(f"Showing the previous run: {before}") and "Round 2 of 2" in before
+    assert "Reset failed" not in handlers.on_step(None, session, False, *values())[STATUS]   # not a lasting mark
+    out = handlers.on_reset(None, session, *values())
+    assert out[STATUS].startswith("**Round 0 of 0**")

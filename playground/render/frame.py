@@ -59,7 +59,16 @@ class Frame:
     charts: ChartsFrame | None
 
 
-def _status(view: RunView | None, cursor: Cursor) -> str:
+def _status(view: RunView | None, cursor: Cursor, failure: str | None) -> str:
+    """Where the run stands; after a failed action, the failure first, so the run shown is not taken for
+    the result of what was just pressed."""
+    where = _where(view, cursor)
+    if failure is None:
+        return where
+    return f"**⚠ {failure.rstrip('.')}.** " + (f"Showing the previous run: {where}" if view is not None else where)
+
+
+def _where(view: RunView | None, cursor: Cursor) -> str:
     if view is None:
         return "No run yet: press **Step** (or **Reset**) to start one with these settings."
     total = len(view.rounds)
@@ -101,13 +110,14 @@ def _charts(view: RunView | None) -> ChartsFrame:
                        charts.speedup_figure(view))
 
 
-def render_frame(view: RunView | None, cursor: Cursor, panels: Collection[Panel] = tuple(Panel)) -> Frame:
+def render_frame(view: RunView | None, cursor: Cursor, panels: Collection[Panel] = tuple(Panel),
+                 failure: str | None = None) -> Frame:
     """The stream panel, and the parts of the tabs in `panels`, for the rounds up to the cursor. The
     stream shows a pending round's drafts; the charts, KV grids and badge use only verified rounds, so
-    they never give a verdict away early."""
+    they never give a verdict away early. `failure`: what the action just pressed failed with, if it did."""
     shown = view.upto(cursor.shown) if view is not None else None
     verified = view.upto(cursor.shown - (0 if cursor.revealed else 1)) if view is not None else None
-    stream = StreamFrame(_status(view, cursor), stream_html(shown, cursor),
+    stream = StreamFrame(_status(view, cursor, failure), stream_html(shown, cursor),
                          len(view.rounds) if view is not None else 0, cursor.shown)
     return Frame(stream, _detail(view, verified, cursor) if Panel.DETAIL in panels else None,
                  _kv(verified) if Panel.KV in panels else None,
