@@ -132,8 +132,12 @@ class Handlers:
         return self.read(state, request, show, lambda message: page_theory.render(None))
 
     def on_show(self, panel: Panel) -> Callable[..., tuple]:
-        """The select event of a tab: render `panel` now and on every event until another tab is shown."""
+        """The select event of a tab: render `panel` now and on every event until another tab is shown.
+        A tab that draws nothing from a run opens no session (Compare works without one, even when the
+        server is full)."""
         def show(request: gr.Request, state: Session | None) -> tuple:
+            if panel is Panel.OTHER and state is None:
+                return (state, *self.render(None))
             return self.guarded(state, request, lambda s: controller.show(s, panel))
         return show
 

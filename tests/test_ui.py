@@ -68,6 +68,13 @@ def test_each_event_draws_the_shown_tab_and_leaves_the_hidden_ones(handlers):
     assert drawn(out) == {Panel.DETAIL} and "Round 2 of 2" in out[STATUS]
 
 
+def test_a_tab_that_draws_nothing_from_a_run_opens_no_session(handlers):
+    out = handlers.on_show(Panel.OTHER)(None, None)
+    assert out[0] is None and len(handlers.ctx.pool) == 0
+    out = handlers.on_show(Panel.CHARTS)(None, None)     # the charts tab is remembered for the first Step
+    assert out[0].panel is Panel.CHARTS and len(handlers.ctx.pool) == 1
+
+
 def test_a_failed_reset_says_so_above_the_run_it_leaves_on_screen(handlers):
     session = handlers.on_step(None, None, False, *values())[0]
     before = handlers.on_step(None, session, False, *values())[STATUS]
