@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from bisect import insort
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from engine.config import DrafterKind, Mode
 from engine.records import RoundRecord, RunSummary
@@ -200,26 +202,18 @@ def best_k(alpha: float, c: float, r_of_n: Callable[[int], float] | float = 1.0,
 # -- costs and throughput, measured ----------------------------------------------------------------
 def target_step_ms(baseline: Rounds) -> float | None:
     """Median one-token target forward of a target-only run (its prefill round left out)."""
-    steps = [r.timings.target_forward_ms for r in decode_rounds(baseline)]
-    return median(steps) if steps else None
+    return Tally.of(baseline=baseline).target_step_ms()
 
 
 def draft_forward_ms(rounds: Rounds) -> float | None:
     """Median draft-model forward over the decode rounds; None when no draft forward ran."""
-    times = [t for r in decode_rounds(rounds) for t in r.timings.draft_forward_ms]
-    return median(times) if times else None
+    return Tally.of(rounds).draft_forward_ms()
 
 
 def cost_ratio(rounds: Rounds, baseline: Rounds) -> float | None:
     """c = median draft forward / median target-only step, both measured in this run. 0 for rounds
     that drafted without a model (prompt lookup); None until both sides have a timed step."""
-    step = target_step_ms(baseline)
-    if step is None or step <= 0 or not drafted_rounds(rounds):
-        return None
-    draft = draft_forward_ms(rounds)
-    if draft is None:
-        return 0.0 if all(r.draft_forwards == 0 for r in rounds) else None
-    return draft / step
+    return Tally.of(rounds, baseline).cost_ratio()
 
 
 def tokens_per_s(rounds: Rounds) -> float | None:
@@ -252,9 +246,98 @@ def predicted_over_rounds(tokens_at: Callable[[int], float], rounds_k: Sequence[
     tokens as it is deep: `depths[i]` (default: rounds_k[i]) is what tokens_at is asked about.
     """
     depths = rounds_k if depths is None else depths
-    tokens = sum(tokens_at(d) if k else 1.0 for k, d in zip(rounds_k, depths, strict=True))
-    cost = sum(c * f + (r_of_n(k + 1) if k else 1.0) for k, f in zip(rounds_k, draft_forwards, strict=True))
+    if len(rounds_k) != len(draft_forwards) or len(rounds_k) != len(depths):
+        raise ValueError(f"one draft-forward count and one depth per round: {len(rounds_k)} rounds, "
+                         f"{len(draft_forwards)} counts, {len(depths)} depths")
+    return _over_mix(tokens_at, Counter(zip(rounds_k, depths)), sum(draft_forwards), c, r_of_n)
+
+
+def _over_mix(tokens_at: Callable[[int], float], rounds_by: Mapping[tuple[int, int], int], draft_forwards: int,
+              c: float, r_of_n: Callable[[int], float]) -> float:
+    """predicted_over_rounds from the number of rounds at each (K, depth) and the draft forwards of them
+    all: the sums depend on nothing else, so they need not be taken round by round. A round's tokens
+    follow its depth (a chain's K, a tree's deepest node); its verify cost its width K + 1."""
+    tokens = math.fsum(n * (tokens_at(d) if k else 1.0) for (k, d), n in rounds_by.items())
+    cost = c * draft_forwards + math.fsum(n * (r_of_n(k + 1) if k else 1.0) for (k, _), n in rounds_by.items())
     return tokens / cost if cost > 0 else math.nan
+
+
+# -- running sums: a measure after every round ---------------------------------------------------------
+@dataclass(slots=True)
+class Tally:
+    """Running sums over a run's rounds, taken in order, and over its target-only baseline: what c and
+    Leviathan's prediction read. Adding a round costs O(K) (and a sorted insert per timing, for the
+    medians), so the prediction after every round of a run costs O(rounds · K) in all, where reading
+    each prefix again would cost O(rounds²)."""
+
+    accepted: int = 0        # over the drafted decode rounds: drafts accepted,
+    verified: int = 0        # and positions verified
+    rounds_by: Counter[tuple[int, int]] = field(default_factory=Counter)  # decode rounds by (K drafted, depth)
+    draft_forwards: int = 0  # draft-model forwards the decode rounds ran
+    draft_ms: list[float] = field(default_factory=list)  # the decode rounds' draft forwards, ms, ascending
+    step_ms: list[float] = field(default_factory=list)   # the baseline's decode steps, ms, ascending
+    drafted: bool = False           # some round, the prefill's included, drafted
+    draft_model_ran: bool = False   # some round ran a draft-model forward
+
+    @classmethod
+    def of(cls, rounds: Rounds = (), baseline: Rounds = ()) -> "Tally":
+        tally = cls()
+        for r in rounds:
+            tally.add(r)
+        for b in baseline:
+            tally.add_baseline(b)
+        return tally
+
+    def add(self, r: RoundRecord) -> None:
+        """Count the run's next round."""
+        self.drafted |= r.k > 0
+        self.draft_model_ran |= r.draft_forwards > 0
+        if r.is_prefill:
+            return
+        self.rounds_by[(r.k, r.depth)] += 1
+        self.draft_forwards += r.draft_forwards
+        for ms in r.timings.draft_forward_ms:
+            insort(self.draft_ms, ms)
+        if r.k > 0:
+            self.accepted += r.accepted
+            self.verified += r.verified
+
+    def add_baseline(self, b: RoundRecord) -> None:
+        """Count the baseline's next round."""
+        if not b.is_prefill:
+            insort(self.step_ms, b.timings.target_forward_ms)
+
+    def target_step_ms(self) -> float | None:
+        return median(self.step_ms) if self.step_ms else None
+
+    def draft_forward_ms(self) -> float | None:
+        return median(self.draft_ms) if self.draft_ms else None
+
+    def cost_ratio(self) -> float | None:
+        """c (see `cost_ratio`)."""
+        step = self.target_step_ms()
+        if step is None or step <= 0 or not self.drafted:
+            return None
+        draft = self.draft_forward_ms()
+        if draft is None:
+            return None if self.draft_model_ran else 0.0
+        return draft / step
+
+    def alpha(self) -> float | None:
+        """Accepted / verified positions over the drafted decode rounds; None before one."""
+        return alpha_rate(self.accepted, self.verified) if self.verified else None
+
+    def predicted_speedup(self, tokens_at: Callable[[int], float], c: float, r_of_n: Callable[[int], float]) -> float:
+        """predicted_over_rounds over the decode rounds counted."""
+        return _over_mix(tokens_at, self.rounds_by, self.draft_forwards, c, r_of_n)
+
+    def speedup_iid(self, r_of_n: Callable[[int], float] | None) -> float | None:
+        """Leviathan's speed-up for the rounds so far, E(alpha, k_i) per round; None until alpha, c and
+        r(n) are all measured (`predict` says which is missing)."""
+        a, c = self.alpha(), self.cost_ratio()
+        if a is None or c is None or r_of_n is None:
+            return None
+        return self.predicted_speedup(lambda k: expected_tokens_per_round(a, k), c, r_of_n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,15 +373,14 @@ def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | N
     drafted = [r for r in decode_rounds(rounds) if r.k > 0]
     if not drafted:
         return NotMeasured("Not measured yet: no round has drafted anything (target-only, or no n-gram match).")
-    c = cost_ratio(rounds, baseline)
+    tally = Tally.of(rounds, baseline)
+    c = tally.cost_ratio()
     if c is None:
         return NotMeasured("c not measured yet: it needs the target-only baseline's timings (not recorded in "
                            "target-only mode) and a timed draft forward.")
     if r_of_n is None:
         return NotMeasured("r(n) not measured yet: the calibration of the target's forward is still running.")
-    a, rates = alpha(drafted), position_rates(drafted)
-    steps = decode_rounds(rounds)  # rounds that drafted nothing cost one plain step for one token
-    all_ks, forwards, depths = [r.k for r in steps], [r.draft_forwards for r in steps], [r.depth for r in steps]
+    a, rates = tally.alpha(), position_rates(drafted)
     iid = lambda k: expected_tokens_per_round(a, k)  # noqa: E731
     by_rates = lambda k: expected_tokens_from_rates(rates, k)  # noqa: E731
     best = best_k(a, c, r_of_n, k_max)
@@ -307,8 +389,7 @@ def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | N
         r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(iid(r.depth) for r in drafted) / len(drafted),
         tokens_rates=sum(by_rates(r.depth) for r in drafted) / len(drafted),
         tokens_measured=sum(len(r.emitted) for r in drafted) / len(drafted),
-        speedup_iid=predicted_over_rounds(iid, all_ks, forwards, c, r_of_n, depths),
-        speedup_rates=predicted_over_rounds(by_rates, all_ks, forwards, c, r_of_n, depths),
+        speedup_iid=tally.speedup_iid(r_of_n), speedup_rates=tally.predicted_speedup(by_rates, c, r_of_n),
         best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1)))
 
 

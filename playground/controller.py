@@ -23,7 +23,7 @@ from playground.registry import ModelRegistry
 from playground.sessions import Session, SessionLimitReached, SessionPool
 from playground.settings import AppSettings
 from playground.teach.lesson import RoundRows, round_rows
-from playground.view import Cursor, RunView, info_for_run, view_from_trace
+from playground.view import Cursor, Panel, RunView, info_for_run, view_from_trace
 
 E = TypeVar("E", bound=Enum)
 MAX_MODEL_ID_CHARS = 512   # a Hub id or a local path
@@ -190,6 +190,11 @@ def scrub(session: Session, shown: float) -> None:
 def select(session: Session, round_index: int | None, position: int | None) -> None:
     """Pick a token for the detail plots (a chip click or the position picker)."""
     session.cursor = replace(session.cursor, round=round_index, position=position)
+
+
+def show(session: Session, panel: Panel) -> None:
+    """A tab was selected: events render its views from now on (the others stay as last drawn)."""
+    session.panel = panel
 
 
 def load_replay(session: Session, source: str | Path | bytes, name: str) -> None:

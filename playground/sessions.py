@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.compared import ComparedRun
-from playground.view import Cursor, RunInfo, RunView, view_from_run
+from playground.view import Cursor, Panel, RunInfo, RunView, view_from_run
 
 try:
     import fcntl
@@ -55,6 +55,7 @@ class Session:
     replay: RunView | None = None
     previous: RunView | None = None   # what was shown when a Reset failed, frozen (see keep_as_previous)
     cursor: Cursor = field(default_factory=Cursor)
+    panel: Panel = Panel.DETAIL     # the tab shown, the one each event renders (see ui.Handlers.render)
     trace_path: Path | None = None
     kv_bytes: int = 0
     last_used: float = field(default_factory=time.monotonic)   # on the pool's clock

@@ -2,8 +2,9 @@
 
 Each handler finds the visitor's session (the SessionPool's, keyed by Gradio's session hash and
 bounded per client address), runs one controller action under the session's lock, and renders a
-Frame. Anything a visitor can get wrong becomes a gr.Warning; the session and the server keep
-working. Serving it (heartbeats, sweeping, shutdown) is playground.serve's job.
+Frame of the tab shown (the others are rendered when their tab is selected). Anything a visitor can
+get wrong becomes a gr.Warning; the session and the server keep working. Serving it (heartbeats,
+sweeping, shutdown) is playground.serve's job.
 """
 from __future__ import annotations
 
@@ -30,13 +31,14 @@ from playground.pages import stream as page_stream
 from playground.pages import theory as page_theory
 from playground.pages import traces as page_traces
 from playground.registry import ModelRegistry
+from playground.render.fit import FIT_SHOWN_PLOTS_JS
 from playground.render.frame import render_frame
 from playground.render.palette import stylesheet
 from playground.sessions import Session, SessionPool
 from playground.settings import AppSettings, default_pair
 from playground.spaces_shim import gpu
 from playground.teach.lab import MAX_TRIALS, run_lab, token_texts
-from playground.view import Cursor
+from playground.view import Cursor, Panel
 
 log = logging.getLogger("specplay")
 TITLE = "specplay: speculative decoding, one round at a time"
@@ -66,12 +68,19 @@ class Handlers:
 
     # -- plumbing -----------------------------------------------------------------------------------
     @staticmethod
-    def render(session: Session | None) -> tuple:
+    def render(session: Session | None, failure: str | None = None) -> tuple:
+        """Every frame output, in `Pages.frame_outputs` order: the stream panel and the shown tab's views.
+        The hidden tabs' outputs are skipped (left as drawn); selecting a tab renders it (`on_show`)."""
         view = session.view() if session is not None else None
-        f = render_frame(view, session.cursor if session is not None else Cursor())
-        return (f.status, f.stream, f.badge, f.summary, gr.Dropdown(choices=f.positions, value=f.position),
-                f.detail, f.kv_target, f.kv_draft, f.kv_table, f.acceptance, f.per_position, f.lengths,
-                f.tokens_time, f.speedup, gr.Slider(minimum=0, maximum=max(1, f.rounds_total), value=f.shown, step=1))
+        panel = session.panel if session is not None else Panel.DETAIL
+        f = render_frame(view, session.cursor if session is not None else Cursor(), (panel,), failure)
+        d, k, c = f.detail, f.kv, f.charts
+        detail = (d.badge, d.summary, gr.Dropdown(choices=d.positions, value=d.position), d.detail) if d else _skip(4)
+        kv = (k.target, k.draft, k.table) if k else _skip(3)
+        charts = (c.acceptance, c.per_position, c.lengths, c.tokens_time, c.speedup) if c else _skip(5)
+        s = f.stream
+        return (s.status, s.stream, *detail, *kv, *charts,
+                gr.Slider(minimum=0, maximum=max(1, s.rounds_total), value=s.shown, step=1))
 
     def _session(self, state: Session | None, request: gr.Request) -> Session:
         """The visitor's session, renewed; a fresh one if it was reclaimed. `state` (the gr.State copy) is
@@ -80,24 +89,30 @@ class Handlers:
         key = request.session_hash if request is not None and request.session_hash else "anonymous"
         return self.ctx.pool.open(key, client_address(request, self.ctx.settings.proxy_hops))
 
-    def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None]) -> tuple:
-        """(state, *frame) after running `action`; errors become warnings and leave the session usable."""
+    def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None],
+                failed: str | None = None) -> tuple:
+        """(state, *frame) after running `action`; errors become warnings and leave the session usable.
+        `failed` ("Reset failed") heads the status line when the action fails, so that the run still on
+        screen is not taken for its result."""
         try:
             session = self._session(state, request)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
-            return (state, *self.render(state))
+            return (state, *self.render(state, _failure(failed, str(exc))))
         with session.lock:
+            failure = None
             try:
                 note = action(session)
                 if note:
                     gr.Info(note)
             except USER_ERRORS as exc:
                 gr.Warning(str(exc))
+                failure = _failure(failed, str(exc))
             except Exception as exc:  # a bug, not bad input: log it, tell the visitor briefly, keep going
                 log.exception("unexpected error in a playground action")
                 gr.Warning(f"Unexpected error ({type(exc).__name__}: {exc}). Press Reset to start again.")
-            return (session, *self.render(session))
+                failure = _failure(failed, f"unexpected error ({type(exc).__name__})")
+            return (session, *self.render(session, failure))
 
     def read(self, state: Session | None, request: gr.Request, action: Callable[[Session], tuple],
              fallback: Callable[[str], tuple]) -> tuple:
@@ -116,8 +131,20 @@ class Handlers:
             return (state, *fallback(f"Unexpected error ({type(exc).__name__})."))
 
     def on_theory(self, request: gr.Request, state: Session | None) -> tuple:
-        return self.read(state, request, lambda s: page_theory.render(controller.verified_view(s)),
-                         lambda message: page_theory.render(None))
+        def show(session: Session) -> tuple:
+            controller.show(session, Panel.OTHER)
+            return page_theory.render(controller.verified_view(session))
+        return self.read(state, request, show, lambda message: page_theory.render(None))
+
+    def on_show(self, panel: Panel) -> Callable[..., tuple]:
+        """The select event of a tab: render `panel` now and on every event until another tab is shown.
+        A tab that draws nothing from a run opens no session (Compare works without one, even when the
+        server is full)."""
+        def show(request: gr.Request, state: Session | None) -> tuple:
+            if panel is Panel.OTHER and state is None:
+                return (state, *self.render(None))
+            return self.guarded(state, request, lambda s: controller.show(s, panel))
+        return show
 
     def on_lab(self, request: gr.Request, state: Session | None, rule: str, trials: float, seed: float,
                auto: bool, start: float, length: float) -> tuple:
@@ -137,7 +164,8 @@ class Handlers:
 
     @gpu()
     def on_reset(self, request: gr.Request, state: Session | None, *values) -> tuple:
-        return self.guarded(state, request, lambda s: controller.reset(self.ctx, s, self.decode_request(values)))
+        return self.guarded(state, request, lambda s: controller.reset(self.ctx, s, self.decode_request(values)),
+                            failed="Reset failed")
 
     @gpu()
     def on_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
@@ -229,13 +257,22 @@ def play_speed(value: object) -> float:
         return 1.0
 
 
+def _skip(n: int) -> tuple:
+    return tuple(gr.skip() for _ in range(n))
+
+
+def _failure(failed: str | None, reason: str) -> str | None:
+    return None if failed is None else f"{failed}: {reason}"
+
+
 def play_controls(playing: bool, speed: float | None = None) -> tuple:
     """(timer, play button, playing flag) for the Play/Pause toggle."""
     timer = gr.Timer(active=playing) if speed is None else gr.Timer(value=float(speed), active=playing)
     return timer, gr.Button(value="❚❚ Pause" if playing else "▷ Play"), playing
 
 
-def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) -> None:
+def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
+          shows: tuple[tuple[gr.Tab, Panel], ...]) -> None:
     c = pages.controls
     out = [state, *pages.frame_outputs()]
     decode = c.decode_inputs()
@@ -262,6 +299,9 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks) ->
     c.play.click(handlers.on_play, [playing, c.speed], [timer, c.play, playing], api_name=False)
     c.speed.change(handlers.on_speed, [c.speed, playing], [timer], api_name=False)
     timer.tick(handlers.on_tick, [state, playing, *decode], [*out, timer, c.play, playing], api_name=False, **busy)
+    for tab, panel in shows:  # a tab's views are rendered when it is shown, not on every event before
+        tab.select(handlers.on_show(panel), [state], out,
+                   api_name=False if panel is Panel.OTHER else f"show_{panel.value}")
     demo.load(handlers.on_load, [state], pages.frame_outputs(), api_name=False)
     demo.unload(handlers.on_unload)
 
@@ -287,27 +327,27 @@ def build_app(ctx: Context) -> gr.Blocks:
     with gr.Blocks(title=TITLE) as demo:
         gr.Markdown(f"## {TITLE}")
         state = gr.State(None, time_to_live=ctx.settings.session_ttl_s, delete_callback=ctx.pool.close)
-        with gr.Tabs():
+        with gr.Tabs() as top_tabs:
             with gr.Tab("Playground", id="playground"):
                 with gr.Row():
                     with gr.Column(scale=1, min_width=320):
                         controls = build_controls(ctx.registry, ctx.settings.max_new_tokens)
                     with gr.Column(scale=3):
                         stream = page_stream.build()
-                        with gr.Tabs():
-                            with gr.Tab("Round detail", id="detail"):
+                        with gr.Tabs() as tabs:
+                            with gr.Tab("Round detail", id="detail") as detail_tab:
                                 detail = page_detail.build()
-                            with gr.Tab("KV cache", id="kv"):
+                            with gr.Tab("KV cache", id="kv") as kv_tab:
                                 kv = page_kv.build()
-                            with gr.Tab("Charts", id="charts"):
+                            with gr.Tab("Charts", id="charts") as charts_tab:
                                 charts = page_charts.build()
                             with gr.Tab("Theory", id="theory") as theory_tab:
                                 theory = page_theory.build()
-                            with gr.Tab("Losslessness lab", id="lab"):
+                            with gr.Tab("Losslessness lab", id="lab") as lab_tab:
                                 lab = page_lab.build()
-                            with gr.Tab("Traces", id="traces"):
+                            with gr.Tab("Traces", id="traces") as traces_tab:
                                 traces = page_traces.build(examples)
-                            with gr.Tab("Compare", id="compare"):
+                            with gr.Tab("Compare", id="compare") as compare_tab:
                                 page_compare.build(examples)
             with gr.Tab("Lesson", id="lesson"):
                 # The lesson drives its own run of the built-in pair, beside the playground's.
@@ -316,7 +356,12 @@ def build_app(ctx: Context) -> gr.Blocks:
         theory.refresh.click(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
         lab.run.click(handlers.on_lab, [state, *lab.inputs()], [state, *lab.outputs()], api_name=False,
                       concurrency_id="lab", concurrency_limit=1)
-        _wire(Pages(controls, stream, detail, kv, charts, traces), handlers, state, demo)
+        pages = Pages(controls, stream, detail, kv, charts, traces)
+        shows = ((detail_tab, Panel.DETAIL), (kv_tab, Panel.KV), (charts_tab, Panel.CHARTS),
+                 (lab_tab, Panel.OTHER), (traces_tab, Panel.OTHER), (compare_tab, Panel.OTHER))
+        _wire(pages, handlers, state, demo, shows)
+        for t in (top_tabs, tabs):
+            t.select(None, js=FIT_SHOWN_PLOTS_JS, api_name=False)
     demo.queue(max_size=8 * ctx.settings.max_sessions)
     return demo
 

@@ -5,7 +5,9 @@ loaded `Trace`, so a replayed GPU run and a live CPU run draw exactly the same w
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from engine import metrics
 from engine.calibration import RCurve
@@ -61,9 +63,13 @@ class RunView:
         """The first `shown` spec rounds, and the baseline rounds run by then (it catches up to the
         spec's token count after every spec round, one token per round)."""
         rounds = self.rounds[:shown]
-        tokens = rounds[-1].tokens_total if rounds else 0
-        baseline = tuple(b for b in self.baseline if b.tokens_total <= tokens)
+        baseline = self.baseline[:self.baseline_by(rounds[-1].tokens_total if rounds else 0)]
         return replace(self, rounds=rounds, baseline=baseline, complete=self.complete and shown >= len(self.rounds))
+
+    def baseline_by(self, tokens: int) -> int:
+        """How many baseline rounds had run when the spec run held `tokens` tokens: those with at most
+        that many (each baseline round adds one token, so their counts ascend)."""
+        return bisect_right(self.baseline, tokens, key=lambda b: b.tokens_total)
 
     @property
     def spec_tokens(self) -> list[int]:
@@ -80,6 +86,16 @@ class RunView:
             return None
         n = min(len(spec), len(base))
         return spec[:n] == base[:n]
+
+
+class Panel(Enum):
+    """The tabs that draw from the cursor. Only the shown one is rendered on each event; the others
+    are rendered when their tab is selected."""
+
+    DETAIL = "detail"
+    KV = "kv"
+    CHARTS = "charts"
+    OTHER = "other"    # a tab that draws none of these (Theory, the lab, Traces, Compare)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,15 +29,26 @@ def url(builtin_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(url):
+def browser():
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.set_default_timeout(60_000)
-        page.goto(url)
-        page.wait_for_selector("#step-btn")
-        yield page
+        yield browser
         browser.close()
+
+
+def open_page(browser, url: str, width: int, height: int):
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.set_default_timeout(60_000)
+    page.goto(url)
+    page.wait_for_selector("#step-btn")
+    return page
+
+
+@pytest.fixture(scope="module")
+def page(browser, url):
+    page = open_page(browser, url, 1500, 1100)
+    yield page
+    page.close()
 
 
 def click_step(page, expect_round: int) -> None:
@@ -121,3 +132,114 @@ def test_play_steps_on_its_own_until_paused(page):
     assert "Pause" in page.locator("#play-btn").inner_text()
     page.click("#play-btn")
     page.wait_for_function("document.querySelector('#play-btn').innerText.includes('Play')")
+
+
+# Each plot's drawn width is read off its main SVG and compared with its panel (the component's block).
+PLOT_WIDTHS = """ids => ids.map(id => {
+  const panel = document.getElementById(id), svg = panel && panel.querySelector('.js-plotly-plot svg.main-svg');
+  return svg ? [id, svg.getBoundingClientRect().width, panel.getBoundingClientRect().width] : [id, null, null];
+})"""
+TABS = {"Charts": [f"chart-{c}" for c in ("acceptance", "per-position", "lengths", "tokens-time", "speedup")],
+        "Theory": ["theory-plot", "theory-r"], "KV cache": ["kv-target", "kv-draft"], "Round detail": ["detail-plot"]}
+
+
+def wait_for_plots(page, ids: list[str]) -> None:
+    page.wait_for_function("ids => ids.every(id => document.querySelector(`#${id} .js-plotly-plot svg.main-svg`))",
+                           arg=ids)
+
+
+def shown_plots_fit(page, tab: str, rounds: int, shots: Path) -> None:
+    """Open `tab`, wait until its plots are drawn (the charts: with all `rounds`), and check that none
+    is drawn wider than its panel, which would cut it off on the right."""
+    page.get_by_role("tab", name=tab).click()
+    wait_for_plots(page, TABS[tab])
+    if tab == "Charts":
+        page.wait_for_function("n => document.querySelector('#chart-acceptance .js-plotly-plot').data?.[0]?.x?.length "
+                               "=== n", arg=rounds)
+    plots_fit(page, TABS[tab], shots / f"{tab.replace(' ', '-').lower()}.png")
+
+
+def plots_fit(page, ids: list[str], shot: Path) -> None:
+    page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
+    widths = page.evaluate(PLOT_WIDTHS, ids)  # before the screenshot: a full-page one resizes the window
+    page.screenshot(path=str(shot), full_page=True)
+    for plot, drawn, panel in widths:
+        assert drawn is not None and 0 < drawn <= panel + 0.5, (plot, drawn, panel)
+
+
+def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, url, tmp_path):
+    """The Charts tab seen once, then Step and Run to end on the Round detail tab, at 1440 × 1000."""
+    shots = Path(os.environ.get("SPECPLAY_SHOTS", tmp_path))
+    page = open_page(browser, url, 1440, 1000)
+    try:
+        page.get_by_role("tab", name="Charts").click()
+        wait_for_plots(page, TABS["Charts"])
+        page.get_by_role("tab", name="Round detail").click()
+        for n in range(1, 5):
+            click_step(page, n)
+        page.click("#run-end-btn")
+        page.wait_for_function("document.querySelector('#status').innerText.includes('finished')")
+        rounds = int(page.locator("#status").inner_text().split("Round ", 1)[1].split(" of", 1)[0])
+        for tab in ("Charts", "Theory", "KV cache", "Round detail"):
+            shown_plots_fit(page, tab, rounds, shots)
+    finally:
+        page.close()
+
+
+def test_charts_drawn_by_play_behind_the_lesson_tab_fit_when_the_playground_returns(browser, url, tmp_path):
+    shots = Path(os.environ.get("SPECPLAY_SHOTS", tmp_path))
+    page = open_page(browser, url, 1440, 1000)
+    drawn_rounds = "() => document.querySelector('#chart-acceptance .js-plotly-plot').data?.[0]?.x?.length ?? 0"
+    try:
+        page.get_by_role("tab", name="Charts").click()
+        click_step(page, 1)
+        click_step(page, 2)                                    # round 1 is the prefill: nothing drafted yet
+        page.wait_for_function(f"({drawn_rounds})() === 2")
+        page.click("#play-btn")
+        page.get_by_role("tab", name="Lesson").click()       # the playground hidden while Play draws the charts
+        page.wait_for_function(f"({drawn_rounds})() >= 4")
+        page.get_by_role("tab", name="Playground").click()
+        page.click("#play-btn")
+        page.wait_for_function("document.querySelector('#play-btn').innerText.includes('Play')")
+        plots_fit(page, TABS["Charts"], shots / "charts-after-play.png")
+    finally:
+        page.close()
+
+
+@pytest.fixture(scope="module")
+def calibrated_trace(builtin_pair, tmp_path_factory) -> Path:
+    """A recorded run whose trace holds a calibration, so that the Theory tab has every curve to draw."""
+    from engine.calibration import curve_from_times
+    from engine.compared import ComparedRun
+    from engine.config import SpecConfig
+    from engine.models import ModelPair
+
+    draft, target = builtin_pair
+    path = tmp_path_factory.mktemp("traces") / "calibrated.jsonl"
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+    run = ComparedRun(ModelPair(target, draft), prompt, SpecConfig(max_new_tokens=48, seed=3), trace_path=path)
+    times = {n: [2.0 + 0.12 * (n - 1)] for n in range(1, 18)}
+    run.set_calibration(curve_from_times(target.name, "cpu", "float32", 128, times, 1))
+    run.run_to_end()
+    run.close()
+    return path
+
+
+def test_the_theory_figures_of_a_replayed_trace_fit_their_panels(page, calibrated_trace, tmp_path):
+    shots = Path(os.environ.get("SPECPLAY_SHOTS", tmp_path))
+    page.set_viewport_size({"width": 1440, "height": 1000})
+    try:
+        page.get_by_role("tab", name="Traces").click()
+        page.set_input_files("#trace-upload input[type=file]", str(calibrated_trace))
+        page.wait_for_function("document.querySelector('#status').innerText.includes('replaying calibrated.jsonl')")
+        page.get_by_role("tab", name="Round detail").click()
+        page.click("#run-end-btn")
+        page.wait_for_function("document.querySelector('#status').innerText.includes('finished')")
+        page.get_by_role("tab", name="Theory").click()
+        page.wait_for_function("document.querySelectorAll('#theory-plot .js-plotly-plot .scatterlayer .trace')"
+                               ".length >= 4")
+        page.wait_for_selector("#theory-recommendation table")
+        shown_plots_fit(page, "Theory", 0, shots)
+        assert "recommended K" in page.locator("#theory-recommendation").inner_text()
+    finally:
+        page.set_viewport_size({"width": 1500, "height": 1100})

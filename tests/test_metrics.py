@@ -1,6 +1,8 @@
 """Tests for engine.metrics: the two acceptance measures, the speed-up model and its inputs, on numbers and
 on hand-built rounds."""
 import math
+import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -164,6 +166,40 @@ def test_predict_on_hand_built_rounds():
     assert isinstance(metrics.predict(rounds, baseline, None), NotMeasured)           # r never assumed
     assert isinstance(metrics.predict(rounds, [], r_of_n), NotMeasured)               # no baseline timing
     assert isinstance(metrics.predict(rounds[:1], baseline, r_of_n), NotMeasured)     # nothing drafted
+
+
+def test_a_tally_grown_round_by_round_gives_every_prefix_its_own_measures():
+    baseline = [make_round(i, "", target_ms=10.0 + i, mode=Mode.TARGET) for i in range(6)]
+    rounds = [make_round(0, "", target_ms=50.0), make_round(1, "aaru", draft_ms=1.0), make_round(2, ""),
+              make_round(3, "ar", draft_ms=3.0), make_round(4, "aaaa", draft_ms=2.0)]
+    r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    tally = metrics.Tally()
+    for n, r in enumerate(rounds, 1):
+        tally.add(r)
+        tally.add_baseline(baseline[n - 1])
+        decode, steps = rounds[1:n], baseline[1:n]
+        drafted = [d for d in decode if d.k]
+        if not drafted:
+            assert tally.cost_ratio() is None and tally.alpha() is None and tally.speedup_iid(r_of_n) is None
+            continue
+        c = statistics.median(t for d in decode for t in d.timings.draft_forward_ms) / statistics.median(
+            b.timings.target_forward_ms for b in steps)
+        a = sum(d.accepted for d in drafted) / sum(d.verified for d in drafted)
+        e = lambda k: sum(a**i for i in range(k + 1)) if k else 1.0  # noqa: E731
+        speedup = sum(e(d.k) for d in decode) / sum(c * d.draft_forwards + (r_of_n(d.k + 1) if d.k else 1.0)
+                                                    for d in decode)
+        assert tally.cost_ratio() == pytest.approx(c) and tally.alpha() == pytest.approx(a)
+        assert tally.speedup_iid(r_of_n) == pytest.approx(speedup)
+        assert tally.speedup_iid(None) is None                                             # r never assumed
+        assert metrics.predict(rounds[:n], baseline[:n], r_of_n).speedup_iid == pytest.approx(speedup)
+
+
+def test_prompt_lookup_rounds_cost_no_draft_forward():
+    baseline = [make_round(i, "", mode=Mode.TARGET) for i in range(3)]
+    lookup = replace(make_round(1, "ar", draft_ms=0.0), draft_forwards=0,
+                     timings=replace(make_round(1, "ar").timings, draft_forward_ms=[]))
+    assert metrics.Tally.of([make_round(0, ""), lookup], baseline).cost_ratio() == 0.0
+    assert metrics.cost_ratio([make_round(0, ""), lookup], baseline) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -77,13 +77,13 @@ def test_every_mode_and_drafter_runs_and_renders(ctx, changes):
     view = s.view()
     frame = render_frame(view, s.cursor)
     assert view.rounds[-1].tokens_total == len(view.spec_tokens) <= 8
-    assert "finished" in frame.status and frame.rounds_total == len(view.rounds)
+    assert "finished" in frame.stream.status and frame.stream.rounds_total == len(view.rounds)
     models = {k.model for k in view.rounds[-1].kv}
     assert models == ({"target", "draft"} if view.info.draft else {"target"})
     if changes.get("mode") == "target":
-        assert view.baseline == () and "Needs a target-only baseline" in frame.speedup.layout.annotations[0].text
+        assert view.baseline == () and "Needs a target-only baseline" in frame.charts.speedup.layout.annotations[0].text
     else:
-        assert len(frame.tokens_time.data) == 2
+        assert len(frame.charts.tokens_time.data) == 2
     if changes.get("k_schedule") == "heuristic":
         assert {r.k for r in view.rounds} - {0} <= set(range(1, 7))
 

@@ -20,7 +20,7 @@ from playground.render.kv_plots import kv_figure, kv_table_html, slot_states
 from playground.render.palette import OUTCOME_STYLES, SLOT_COLOURS, SlotState, chip_class
 from playground.render.round_plots import position_choices, position_figure
 from playground.render.tokens import legend_html, round_chips, stream_html, visible
-from playground.view import Cursor, RunView, info_for_run, view_from_run, view_from_trace
+from playground.view import Cursor, Panel, RunView, info_for_run, view_from_run, view_from_trace
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -295,16 +295,70 @@ def test_a_trace_replays_exactly_what_the_live_run_showed(sampled):
     assert replay.rounds == live.rounds and replay.baseline == live.baseline
     for shown in (1, len(live.rounds)):
         a, b = render_frame(live, Cursor(shown=shown)), render_frame(replay, Cursor(shown=shown))
-        assert a.stream == b.stream
-        assert a.acceptance.to_json() == b.acceptance.to_json()
-        assert a.kv_target.to_json() == b.kv_target.to_json()
+        assert a.stream.stream == b.stream.stream
+        assert a.charts.acceptance.to_json() == b.charts.acceptance.to_json()
+        assert a.kv.target.to_json() == b.kv.target.to_json()
+
+
+def test_a_prefix_holds_the_baseline_rounds_run_by_then(sampled):
+    view, _ = sampled
+    for n in range(len(view.rounds) + 1):
+        tokens = view.rounds[n - 1].tokens_total if n else 0
+        assert view.upto(n).baseline == tuple(b for b in view.baseline if b.tokens_total <= tokens)
+        assert view.baseline_by(tokens) == len(view.upto(n).baseline)
+
+
+@pytest.mark.parametrize("fixture", ["sampled", "sampled_v1"])
+def test_the_speedup_series_in_one_pass_equals_reading_every_prefix(fixture, request):
+    from dataclasses import replace
+
+    curve = RCurve("t", "cpu", "float32", 64, [1, 5, 9], [2.0, 3.0, 4.0], [1.0, 1.5, 2.0], 2.0, 1)
+    view = replace(request.getfixturevalue(fixture)[0], calibration=curve)
+    xs, measured, predicted = charts.speedup_series(view)
+    assert xs == list(range(1, len(view.rounds) + 1))
+    for n in xs:
+        sub = view.upto(n)
+        assert measured[n - 1] == pytest.approx(metrics.measured_speedup(sub.rounds, sub.baseline))
+        pred = metrics.predict(sub.rounds, sub.baseline, curve.at)
+        assert predicted[n - 1] == (None if isinstance(pred, metrics.NotMeasured) else pytest.approx(pred.speedup_iid))
+        if not isinstance(pred, metrics.NotMeasured):  # by hand, as Leviathan writes it
+            steps = sub.rounds[1:]
+            e = lambda k: sum(pred.alpha**i for i in range(k + 1)) if k else 1.0  # noqa: E731
+            cost = sum(pred.c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0) for r in steps)
+            assert predicted[n - 1] == pytest.approx(sum(e(r.k) for r in steps) / cost)
+    assert sum(p is not None for p in predicted) >= len(xs) - 2   # the prediction appears once c is measured
+
+
+def test_a_frame_renders_the_tabs_asked_for(sampled):
+    view, _ = sampled
+    cursor = Cursor(shown=len(view.rounds))
+    everything = render_frame(view, cursor)
+    assert everything.detail and everything.kv and everything.charts
+    for panel in Panel:
+        f = render_frame(view, cursor, (panel,))
+        assert (f.detail is not None, f.kv is not None, f.charts is not None) == (
+            panel is Panel.DETAIL, panel is Panel.KV, panel is Panel.CHARTS)
+        assert f.stream == everything.stream
+    charts_only = render_frame(view, cursor, (Panel.CHARTS,)).charts
+    assert charts_only.speedup.to_json() == everything.charts.speedup.to_json()
+
+
+def test_a_failed_action_heads_the_status_line(sampled):
+    view, _ = sampled
+    cursor = Cursor(shown=2)
+    plain = render_frame(view, cursor).stream.status
+    failed = render_frame(view, cursor, (), failure="Reset failed: The prompt is empty.").stream.status
+    assert plain.startswith("**Round 2 of")
+    assert failed == f"**⚠ Reset failed: The prompt is empty.** Showing the previous run: {plain}"
+    nothing = render_frame(None, Cursor(), (), failure="Reset failed: The playground is full").stream.status
+    assert nothing.startswith("**⚠ Reset failed: The playground is full.** No run yet")
 
 
 def test_frame_for_a_pending_round_hides_its_verdict(sampled):
     view, _ = sampled
     pending = render_frame(view, Cursor(shown=3, revealed=False))
     verified = render_frame(view, Cursor(shown=2))
-    assert pending.kv_target.to_json() == verified.kv_target.to_json()
-    assert pending.acceptance.to_json() == verified.acceptance.to_json()
-    assert "pending" in pending.status
-    assert render_frame(view, Cursor(shown=len(view.rounds))).rounds_total == len(view.rounds)
+    assert pending.kv.target.to_json() == verified.kv.target.to_json()
+    assert pending.charts.acceptance.to_json() == verified.charts.acceptance.to_json()
+    assert "pending" in pending.stream.status
+    assert render_frame(view, Cursor(shown=len(view.rounds))).stream.rounds_total == len(view.rounds)

@@ -21,7 +21,7 @@ from playground.pages.theory import theory_figure
 from playground.registry import ModelRegistry
 from playground.render.charts import empty_figure
 from playground.render.kv_plots import kv_figure
-from playground.render.palette import BASELINE_COLOUR, SPEC_COLOUR
+from playground.render.palette import BASELINE_COLOUR, SPEC_COLOUR, styled_figure
 from playground.render.round_plots import draft_figure, final_figure
 from playground.render.tokens import legend_html, stream_html
 from playground.teach.lesson import LessonDriver, LessonError, LessonStep, LessonText, StepId, View, load_lesson_text
@@ -60,10 +60,10 @@ def cost_figure(view: RunView, upto_round: int) -> go.Figure:
              SPEC_COLOUR),
             ("draft: 1 token (one forward)",
              statistics.median(r.timings.draft_ms / r.draft_forwards for r in rounds if r.draft_forwards), "#E69F00")]
-    fig = go.Figure([go.Bar(x=[b[0] for b in bars], y=[b[1] for b in bars], marker_color=[b[2] for b in bars],
+    fig = styled_figure([go.Bar(x=[b[0] for b in bars], y=[b[1] for b in bars], marker_color=[b[2] for b in bars],
                             text=[f"{b[1]:.2f} ms" for b in bars], textposition="outside")])
     fig.update_layout(title=dict(text="Measured in this run (medians): verifying K+1 tokens costs about one step",
-                                 font=dict(size=14)), height=340, template="plotly_white",
+                                 font=dict(size=14)), height=340,
                       yaxis=dict(title="milliseconds", rangemode="tozero"), margin=dict(l=50, r=20, t=50, b=40))
     return fig
 

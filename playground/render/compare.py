@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from engine import metrics
 from engine.metrics import NotMeasured
 from playground.render.charts import HEIGHT, empty_figure
-from playground.render.palette import BLUE, ORANGE
+from playground.render.palette import BLUE, ORANGE, styled_figure
 from playground.view import RunView
 
 COLOURS = (BLUE, ORANGE)   # run A, run B
@@ -48,7 +48,7 @@ def compare_table_html(a: RunView, b: RunView) -> str:
 
 def compare_tokens_time(a: RunView, b: RunView) -> go.Figure:
     """Four measured curves: each run's speculative stream (solid) and its target-only baseline (dashed)."""
-    fig = go.Figure()
+    fig = styled_figure()
     for name, view, colour in (("A", a, COLOURS[0]), ("B", b, COLOURS[1])):
         fig.add_trace(go.Scatter(x=[0] + [r.elapsed_s for r in view.rounds],
                                  y=[0] + [r.tokens_total for r in view.rounds],
@@ -57,7 +57,7 @@ def compare_tokens_time(a: RunView, b: RunView) -> go.Figure:
             fig.add_trace(go.Scatter(x=[0] + [r.elapsed_s for r in view.baseline],
                                      y=[0] + [r.tokens_total for r in view.baseline], name=f"{name}: target-only",
                                      line=dict(color=colour, dash="dash", shape="hv")))
-    fig.update_layout(title="Tokens vs decode time", height=HEIGHT + 60, template="plotly_white",
+    fig.update_layout(title="Tokens vs decode time", height=HEIGHT + 60,
                       xaxis_title="seconds", yaxis_title="tokens", legend=dict(orientation="h", y=-0.3))
     return fig
 
@@ -66,10 +66,10 @@ def compare_per_position(a: RunView, b: RunView) -> go.Figure:
     rates = [metrics.position_rates(v.rounds) for v in (a, b)]
     if not any(rates):
         return empty_figure("Neither run drafted anything.")
-    fig = go.Figure([go.Bar(x=list(range(1, len(r) + 1)), y=[None if math.isnan(x) else x for x in r],
+    fig = styled_figure([go.Bar(x=list(range(1, len(r) + 1)), y=[None if math.isnan(x) else x for x in r],
                             name=f"{n}: {v.info.label()}", marker_color=c)
                      for n, v, r, c in zip("AB", (a, b), rates, COLOURS)])
-    fig.update_layout(title="Per-position acceptance", barmode="group", height=HEIGHT, template="plotly_white",
+    fig.update_layout(title="Per-position acceptance", barmode="group", height=HEIGHT,
                       xaxis_title="draft position", yaxis=dict(title="accepted / verified", range=[0, 1.05]),
                       legend=dict(orientation="h", y=-0.3))
     return fig

@@ -1,6 +1,7 @@
-"""One frame of the playground: every view rendered from a RunView and a Cursor, nothing else."""
+"""One frame of the playground: the views of the tabs asked for, rendered from a RunView and a Cursor, nothing else."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
@@ -9,31 +10,65 @@ from playground.render import charts
 from playground.render.kv_plots import kv_figure, kv_table_html
 from playground.render.round_plots import position_choices, position_figure
 from playground.render.tokens import stream_html
-from playground.view import Cursor, RunView
+from playground.view import Cursor, Panel, RunView
 
 
 @dataclass(frozen=True)
-class Frame:
-    stream: str
+class StreamFrame:
+    """The panel above every tab, always drawn: where the run stands, and the token chips."""
+
     status: str
+    stream: str
+    rounds_total: int
+    shown: int
+
+
+@dataclass(frozen=True)
+class DetailFrame:
     badge: str
     summary: str
     positions: list[tuple[str, int]]
     position: int | None
     detail: go.Figure
-    kv_target: go.Figure
-    kv_draft: go.Figure
-    kv_table: str
+
+
+@dataclass(frozen=True)
+class KVFrame:
+    target: go.Figure
+    draft: go.Figure
+    table: str
+
+
+@dataclass(frozen=True)
+class ChartsFrame:
     acceptance: go.Figure
     per_position: go.Figure
     lengths: go.Figure
     tokens_time: go.Figure
     speedup: go.Figure
-    rounds_total: int
-    shown: int
 
 
-def _status(view: RunView | None, cursor: Cursor) -> str:
+@dataclass(frozen=True)
+class Frame:
+    """One frame. A tab's part is None when it was not asked for: its tab is hidden, and is drawn
+    when it is shown (a hidden tab's figures would be drawn at no width and cost time for nothing)."""
+
+    stream: StreamFrame
+    detail: DetailFrame | None
+    kv: KVFrame | None
+    charts: ChartsFrame | None
+
+
+def _status(view: RunView | None, cursor: Cursor, failure: str | None) -> str:
+    """Where the run stands; after a failed action, the failure first, so the run shown is not taken for
+    the result of what was just pressed."""
+    where = _where(view, cursor)
+    if failure is None:
+        return where
+    return f"**⚠ {failure.rstrip('.')}.** " + (f"Showing the previous run: {where}" if view is not None else where)
+
+
+def _where(view: RunView | None, cursor: Cursor) -> str:
     if view is None:
         return "No run yet: press **Step** (or **Reset**) to start one with these settings."
     total = len(view.rounds)
@@ -48,44 +83,46 @@ def _status(view: RunView | None, cursor: Cursor) -> str:
     return f"**Round {cursor.shown} of {total}** ({state}, {where}) · {view.info.label()} · " + models + pending
 
 
-def _detail(view: RunView | None, cursor: Cursor) -> tuple[list[tuple[str, int]], int | None, go.Figure]:
-    """Position picker entries, the selected position, and its figure (pending while unrevealed)."""
+def _detail(view: RunView | None, verified: RunView | None, cursor: Cursor) -> DetailFrame:
+    """The badge and headline numbers (verified rounds only), and the selected token's figure (pending
+    while unrevealed)."""
+    badge, summary = charts.identity_badge(verified), charts.summary_html(verified)
     selection = cursor.selection(view) if view is not None else None
     if selection is None:
-        return [], None, charts.empty_figure("Step to see a round's verification here.")
+        return DetailFrame(badge, summary, [], None, charts.empty_figure("Step to see a round's verification here."))
     index, position = selection
     record = view.rounds[index]
     revealed = cursor.revealed or index != cursor.shown - 1
-    return position_choices(record), position, position_figure(record, position, revealed)
+    return DetailFrame(badge, summary, position_choices(record), position, position_figure(record, position, revealed))
 
 
-def _kv(view: RunView | None) -> tuple[go.Figure, go.Figure, str]:
+def _kv(view: RunView | None) -> KVFrame:
     """KV after the last verified round shown (a pending round's rollbacks would give its verdict away)."""
     states = view.rounds[-1].kv if view is not None and view.rounds else []
     by_model = {k.model: k for k in states}
     target = kv_figure(by_model["target"]) if "target" in by_model else charts.empty_figure("No target cache yet.")
     draft = kv_figure(by_model["draft"]) if "draft" in by_model else charts.empty_figure(
         "No draft cache: n-gram drafter or target-only mode." if states else "No draft cache yet.")
-    return target, draft, kv_table_html(states)
+    return KVFrame(target, draft, kv_table_html(states))
 
 
-def _charts(view: RunView | None) -> list[go.Figure]:
+def _charts(view: RunView | None) -> ChartsFrame:
     if view is None:
-        return [charts.empty_figure("No rounds yet.")] * 5
-    return [charts.acceptance_figure(view), charts.per_position_figure(view), charts.accepted_length_figure(view),
-            charts.tokens_time_figure(view), charts.speedup_figure(view)]
+        return ChartsFrame(*[charts.empty_figure("No rounds yet.") for _ in range(5)])
+    return ChartsFrame(charts.acceptance_figure(view), charts.per_position_figure(view),
+                       charts.accepted_length_figure(view), charts.tokens_time_figure(view),
+                       charts.speedup_figure(view))
 
 
-def render_frame(view: RunView | None, cursor: Cursor) -> Frame:
-    """Every output for the rounds up to the cursor. The stream shows a pending round's drafts; the
-    charts, KV grids and badge use only verified rounds, so they never give a verdict away early."""
+def render_frame(view: RunView | None, cursor: Cursor, panels: Collection[Panel] = tuple(Panel),
+                 failure: str | None = None) -> Frame:
+    """The stream panel, and the parts of the tabs in `panels`, for the rounds up to the cursor. The
+    stream shows a pending round's drafts; the charts, KV grids and badge use only verified rounds, so
+    they never give a verdict away early. `failure`: what the action just pressed failed with, if it did."""
     shown = view.upto(cursor.shown) if view is not None else None
     verified = view.upto(cursor.shown - (0 if cursor.revealed else 1)) if view is not None else None
-    positions, position, detail = _detail(view, cursor)
-    kv_target, kv_draft, kv_table = _kv(verified)
-    acceptance, per_position, lengths, tokens_time, speedup = _charts(verified)
-    return Frame(stream=stream_html(shown, cursor), status=_status(view, cursor), badge=charts.identity_badge(verified),
-                 summary=charts.summary_html(verified), positions=positions, position=position, detail=detail,
-                 kv_target=kv_target, kv_draft=kv_draft, kv_table=kv_table, acceptance=acceptance,
-                 per_position=per_position, lengths=lengths, tokens_time=tokens_time, speedup=speedup,
-                 rounds_total=len(view.rounds) if view is not None else 0, shown=cursor.shown)
+    stream = StreamFrame(_status(view, cursor, failure), stream_html(shown, cursor),
+                         len(view.rounds) if view is not None else 0, cursor.shown)
+    return Frame(stream, _detail(view, verified, cursor) if Panel.DETAIL in panels else None,
+                 _kv(verified) if Panel.KV in panels else None,
+                 _charts(verified) if Panel.CHARTS in panels else None)

@@ -11,7 +11,7 @@ import html
 import plotly.graph_objects as go
 
 from engine.records import KVState
-from playground.render.palette import SLOT_COLOURS, SLOT_LABELS, SLOT_MARKS, SlotState
+from playground.render.palette import SLOT_COLOURS, SLOT_LABELS, SLOT_MARKS, SlotState, styled_figure
 
 
 def slot_states(kv: KVState) -> list[list[SlotState]]:
@@ -54,13 +54,12 @@ def kv_figure(kv: KVState) -> go.Figure:
     # Invisible points give the heatmap a legend of the five states.
     legend = [go.Scatter(x=[None], y=[None], mode="markers", name=f"{SLOT_MARKS[s] or '□'} {SLOT_LABELS[s]}",
                          marker=dict(symbol="square", size=12, color=SLOT_COLOURS[s])) for s in SlotState]
-    fig = go.Figure([heat, *legend])
-    fig.update_layout(title=dict(text=f"{kv.model} cache on {kv.device}: {kv.length} slots used of "
-                                      f"{kv.num_blocks * kv.block_size}", font=dict(size=14)),
-                      height=110 + 28 * kv.num_blocks, margin=dict(l=90, r=20, t=50, b=45),
-                      xaxis=dict(title="slot offset in block", dtick=1), yaxis=dict(autorange="reversed"),
-                      legend=dict(x=1.02, y=1, yanchor="top"), template="plotly_white")
-    return fig
+    return styled_figure([heat, *legend],
+                         title=dict(text=f"{kv.model} cache on {kv.device}: {kv.length} slots used of "
+                                         f"{kv.num_blocks * kv.block_size}", font=dict(size=14)),
+                         height=110 + 28 * kv.num_blocks, margin=dict(l=90, r=20, t=50, b=45),
+                         xaxis=dict(title="slot offset in block", dtick=1), yaxis=dict(autorange="reversed"),
+                         legend=dict(x=1.02, y=1, yanchor="top"))
 
 
 def _mib(n: int) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import plotly.graph_objects as go
 
 from playground.render.charts import empty_figure
-from playground.render.palette import BLUE, ORANGE, VERMILLION
+from playground.render.palette import BLUE, ORANGE, VERMILLION, styled_figure
 from playground.render.tokens import visible
 from playground.teach.lab import ALPHA_LEVEL, LabResult, top_tokens
 from playground.teach.losslessness import MIN_SAMPLES, Rule
@@ -22,7 +22,7 @@ def lab_figure(result: LabResult, index: int, texts: Mapping[int, str]) -> go.Fi
     ids = top_tokens(result, index)
     labels = [f"{visible(texts.get(t, str(t)))} #{t}" for t in ids]
     freq = result.counts[index].double() / n
-    fig = go.Figure([
+    fig = styled_figure([
         go.Bar(name=f"empirical ({n:,} tokens)", x=labels, y=[float(freq[t]) for t in ids], marker_color=BLUE),
         go.Scatter(name="p_target (what the target would sample)", x=labels,
                    y=[float(result.p_target[index][t]) for t in ids], mode="markers",
@@ -40,7 +40,7 @@ def lab_figure(result: LabResult, index: int, texts: Mapping[int, str]) -> go.Fi
                                       f"{' (the bonus row)' if index == result.length else ''}<br>{verdict}",
                                  font=dict(size=14)),
                       xaxis=dict(type="category"),
-                      height=380, template="plotly_white", margin=dict(l=50, r=20, t=70, b=90),
+                      height=380, margin=dict(l=50, r=20, t=70, b=90),
                       yaxis=dict(title="probability", rangemode="tozero"), legend=dict(orientation="h", y=-0.35))
     return fig
 

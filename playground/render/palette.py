@@ -1,9 +1,12 @@
-"""Colours and non-colour cues for outcomes and KV slot states (Okabe-Ito, colour-blind safe)."""
+"""Colours and non-colour cues for outcomes and KV slot states (Okabe-Ito, colour-blind safe); the figures'
+house style."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
+
+import plotly.graph_objects as go
 
 from engine.records import Outcome
 
@@ -59,6 +62,33 @@ SLOT_LABELS: MappingProxyType[SlotState, str] = MappingProxyType({
     SlotState.WRITTEN: "written this round (kept)", SlotState.ROLLED_BACK: "rolled back this round"})
 
 SPEC_COLOUR, BASELINE_COLOUR, PREDICTED_COLOUR = BLUE, GREY, ORANGE
+
+PLOT_GRID, PLOT_INK = "#EBF0F8", "#2a3f5f"
+
+
+def styled_figure(data: list | None = None, **layout) -> go.Figure:
+    """A figure in the house style: the template is given as the figure is built, since replacing
+    Plotly's default one afterwards (update_layout(template=...)) costs some 30 ms more a figure."""
+    return go.Figure(data or [], layout=dict(template=plot_template(), **layout))
+
+
+def plot_template() -> dict:
+    """Plotly's "plotly_white" look for the 2-D bar, scatter and heatmap figures drawn here, and nothing
+    else. Naming "plotly_white" makes Plotly validate and copy that template's defaults for every trace
+    type it knows, about 12 ms a figure and 8 ms more to serialise it; a Step redraws several figures."""
+    axis = dict(gridcolor=PLOT_GRID, linecolor=PLOT_GRID, ticks="", title=dict(standoff=15), zerolinecolor=PLOT_GRID,
+                automargin=True, zerolinewidth=2)
+    layout = dict(autotypenumbers="strict", font=dict(color=PLOT_INK), hovermode="closest",
+                  hoverlabel=dict(align="left"), paper_bgcolor="white", plot_bgcolor="white", title=dict(x=0.05),
+                  xaxis=axis, yaxis=dict(axis),
+                  colorway=["#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692", "#B6E880",
+                            "#FF97FF", "#FECB52"],
+                  coloraxis=dict(colorbar=dict(outlinewidth=0, ticks="")),
+                  shapedefaults=dict(line=dict(color=PLOT_INK)),
+                  annotationdefaults=dict(arrowcolor=PLOT_INK, arrowhead=0, arrowwidth=1))
+    bars = dict(error_x=dict(color=PLOT_INK), error_y=dict(color=PLOT_INK),
+                marker=dict(line=dict(color="white", width=0.5)))
+    return dict(layout=layout, data=dict(bar=[bars], heatmap=[dict(colorbar=dict(outlinewidth=0, ticks=""))]))
 
 
 def _chip_rule(outcome: Outcome) -> str:

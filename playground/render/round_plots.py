@@ -4,7 +4,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from engine.records import Candidate, Outcome, RoundRecord
-from playground.render.palette import BLUE, ORANGE, OUTCOME_STYLES, PURPLE, VERMILLION
+from playground.render.palette import BLUE, ORANGE, OUTCOME_STYLES, PURPLE, VERMILLION, styled_figure
 from playground.render.tokens import visible
 
 P_COLOUR, Q_COLOUR, RESIDUAL_COLOUR = BLUE, ORANGE, VERMILLION
@@ -23,27 +23,25 @@ def _outline(candidates: list[Candidate], token: int) -> dict:
                           width=[HIGHLIGHT_WIDTH if c.token == token else 0 for c in candidates]))
 
 
-def _layout(fig: go.Figure, title: str) -> go.Figure:
-    fig.update_layout(title=dict(text=title, font=dict(size=14)), barmode="group", height=360,
-                      margin=dict(l=40, r=20, t=70, b=60), yaxis=dict(title="probability", rangemode="tozero"),
-                      xaxis=dict(type="category"),
-                      legend=dict(orientation="h", y=-0.25), template="plotly_white")
-    return fig
+def _figure(bars: list, title: str, marks: list[dict]) -> go.Figure:
+    """Grouped probability bars over token labels, built in one go (see palette.styled_figure)."""
+    return styled_figure(bars, title=dict(text=title, font=dict(size=14)), barmode="group", height=360,
+                         margin=dict(l=40, r=20, t=70, b=60), yaxis=dict(title="probability", rangemode="tozero"),
+                         xaxis=dict(type="category"), legend=dict(orientation="h", y=-0.25), annotations=marks)
 
 
 def _message(text: str) -> go.Figure:
-    fig = go.Figure()
-    fig.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font=dict(size=14))
-    fig.update_layout(height=220, xaxis=dict(visible=False), yaxis=dict(visible=False), template="plotly_white",
-                      margin=dict(l=10, r=10, t=10, b=10))
-    return fig
+    return styled_figure(annotations=[dict(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                                           font=dict(size=14))],
+                         height=220, xaxis=dict(visible=False), yaxis=dict(visible=False),
+                         margin=dict(l=10, r=10, t=10, b=10))
 
 
-def _mark(fig: go.Figure, labels: list[str], candidates: list[Candidate], token: int, text: str, y: float) -> None:
-    for label, c in zip(labels, candidates):
-        if c.token == token:
-            # By position: plotly would read a label such as "22" as the number 22, off the axis.
-            fig.add_annotation(x=labels.index(label), y=y, text=text, showarrow=True, arrowhead=2, ay=-35)
+def _mark(labels: list[str], candidates: list[Candidate], token: int, text: str, y: float) -> list[dict]:
+    """An arrow over the marked token's bars. By position: plotly would read a label such as "22" as
+    the number 22, off the category axis."""
+    return [dict(x=labels.index(label), y=y, text=text, showarrow=True, arrowhead=2, ay=-35)
+            for label, c in zip(labels, candidates) if c.token == token]
 
 
 def position_figure(record: RoundRecord, position: int, revealed: bool = True) -> go.Figure:
@@ -69,14 +67,14 @@ def draft_figure(record: RoundRecord, position: int, revealed: bool = True) -> g
     cands = p.candidates
     labels = _labels(cands)
     outline = _outline(cands, p.token)
-    fig = go.Figure([
+    bars = [
         go.Bar(name="p_target", x=labels, y=[c.p_target for c in cands], marker=dict(color=P_COLOUR, **outline)),
         go.Bar(name="q_draft", x=labels, y=[c.q_draft for c in cands], marker=dict(color=Q_COLOUR, **outline)),
-    ])
+    ]
     verdict = "u < α → ACCEPTED ✓" if p.outcome is Outcome.ACCEPTED else "u ≥ α → REJECTED ✗"
-    _mark(fig, labels, cands, p.token, "drafted", max(p.p_target or 0.0, p.q_draft))
-    return _layout(fig, f"{name}<br>p={p.p_target:.3f}, q={p.q_draft:.3f}, "
-                        f"α=min(1, p/q)={p.alpha:.3f}, u={p.u:.3f} — {verdict}")
+    return _figure(bars, f"{name}<br>p={p.p_target:.3f}, q={p.q_draft:.3f}, "
+                         f"α=min(1, p/q)={p.alpha:.3f}, u={p.u:.3f} — {verdict}",
+                   _mark(labels, cands, p.token, "drafted", max(p.p_target or 0.0, p.q_draft)))
 
 
 def final_figure(record: RoundRecord) -> go.Figure:
@@ -87,21 +85,21 @@ def final_figure(record: RoundRecord) -> go.Figure:
     labels = _labels(cands)
     name = f"round {record.index + 1}, final token {visible(f.text)!r}"
     if f.outcome is Outcome.CORRECTED:
-        fig = go.Figure([
+        bars = [
             go.Bar(name="p_target", x=labels, y=[c.p_target for c in cands], marker=dict(color=P_COLOUR), opacity=0.45),
             go.Bar(name="q_draft", x=labels, y=[c.q_draft for c in cands], marker=dict(color=Q_COLOUR), opacity=0.45),
             go.Bar(name="residual norm(max(0, p−q))", x=labels, y=[c.residual or 0.0 for c in cands],
                    marker=dict(color=RESIDUAL_COLOUR, **_outline(cands, f.token))),
-        ])
+        ]
         top = max([c.residual or 0.0 for c in cands if c.token == f.token] or [0.0])
-        _mark(fig, labels, cands, f.token, "correction ↻", top)
-        return _layout(fig, f"{name}<br>draft #{f.row + 1} was rejected: the correction is sampled from the "
-                            f"residual with u={f.u:.3f} — CORRECTED ↻")
-    fig = go.Figure([go.Bar(name=f"p_target row {f.row} (bonus row)", x=labels, y=[c.p_target for c in cands],
-                            marker=dict(color=PURPLE, **_outline(cands, f.token)))])
-    _mark(fig, labels, cands, f.token, "bonus ★", f.p_target)
+        return _figure(bars, f"{name}<br>draft #{f.row + 1} was rejected: the correction is sampled from the "
+                             f"residual with u={f.u:.3f} — CORRECTED ↻",
+                       _mark(labels, cands, f.token, "correction ↻", top))
+    bars = [go.Bar(name=f"p_target row {f.row} (bonus row)", x=labels, y=[c.p_target for c in cands],
+                   marker=dict(color=PURPLE, **_outline(cands, f.token)))]
     why = f"all {record.k} drafts accepted: row K={f.row} gives a free token" if record.k else "target-only: one token"
-    return _layout(fig, f"{name}<br>{why}, sampled with u={f.u:.3f} (p={f.p_target:.3f}) — BONUS ★")
+    return _figure(bars, f"{name}<br>{why}, sampled with u={f.u:.3f} (p={f.p_target:.3f}) — BONUS ★",
+                   _mark(labels, cands, f.token, "bonus ★", f.p_target))
 
 
 def position_choices(record: RoundRecord) -> list[tuple[str, int]]:

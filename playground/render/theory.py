@@ -16,7 +16,7 @@ from engine.calibration import RCurve
 from engine.config import K_BOUND
 from engine.metrics import NotMeasured, Prediction
 from playground.render.charts import empty_figure
-from playground.render.palette import BASELINE_COLOUR, GREY, PREDICTED_COLOUR, SPEC_COLOUR
+from playground.render.palette import BASELINE_COLOUR, GREY, PREDICTED_COLOUR, SPEC_COLOUR, styled_figure
 from playground.view import RunView
 
 
@@ -79,7 +79,7 @@ def theory_figure(view: RunView | None, k_max: int = K_BOUND) -> go.Figure:
         return empty_figure(got.reason)
     pred, curve = got
     curves = theory_curves(pred, curve, k_max)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, figure=styled_figure(), subplot_titles=(
         f"tokens per round, α = {pred.alpha:.3f}", f"predicted speed-up, c = {pred.c:.3f}, r(n) measured"))
     ks = list(curves.ks)
     points = measured_points(view)
@@ -100,7 +100,7 @@ def theory_figure(view: RunView | None, k_max: int = K_BOUND) -> go.Figure:
     for col in (1, 2):
         fig.add_vline(x=curves.best_k, line=dict(color="#000", dash="dash", width=1), row=1, col=col)
     fig.update_xaxes(title_text="K (drafts per round)", dtick=2)
-    fig.update_layout(height=400, template="plotly_white", margin=dict(l=50, r=20, t=60, b=40),
+    fig.update_layout(height=400, margin=dict(l=50, r=20, t=60, b=40),
                       legend=dict(orientation="h", y=-0.22), autosize=True)
     return fig
 
@@ -111,7 +111,7 @@ def r_figure(view: RunView | None) -> go.Figure:
     curve = view.calibration if view is not None else None
     if curve is None:
         return empty_figure("r(n) not measured yet: the calibration runs in the background when a pair loads.")
-    fig = go.Figure()
+    fig = styled_figure()
     fig.add_trace(go.Scatter(x=curve.ns, y=[m / curve.step_ms for m in curve.ms], mode="markers",
                              name="median forward / one-token forward", marker=dict(color=BASELINE_COLOUR, size=7)))
     fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines", name="r(n), made non-decreasing",
@@ -127,7 +127,7 @@ def r_figure(view: RunView | None) -> go.Figure:
                                       f"{curve.context} tokens of context, one-token forward {curve.step_ms:.2f} ms",
                                  font=dict(size=13)),
                       xaxis_title="n: tokens in one target forward (K + 1 for a verify)",
-                      yaxis_title="cost relative to n = 1", height=340, template="plotly_white",
+                      yaxis_title="cost relative to n = 1", height=340,
                       margin=dict(l=50, r=20, t=50, b=40), legend=dict(orientation="h", y=-0.3), autosize=True)
     return fig
 

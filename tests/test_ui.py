@@ -1,0 +1,87 @@
+"""The event handlers without a server: what each event renders, and what a failed Reset shows."""
+from __future__ import annotations
+
+from dataclasses import astuple, replace
+
+import gradio as gr
+import plotly.graph_objects as go
+import pytest
+
+from playground.controller import Context, DecodeRequest
+from playground.registry import ModelRegistry
+from playground.sessions import SessionPool
+from playground.settings import AppSettings
+from playground.ui import Handlers
+from playground.view import Panel
+
+# Positions in a handler's reply: the session, then `Pages.frame_outputs`.
+STATUS, STREAM, BADGE, SUMMARY, POSITION, DETAIL, KV_TARGET, KV_DRAFT, KV_TABLE = range(1, 10)
+ACCEPTANCE, PER_POSITION, LENGTHS, TOKENS_TIME, SPEEDUP, SCRUBBER = range(10, 16)
+BY_PANEL = {Panel.DETAIL: (BADGE, SUMMARY, POSITION, DETAIL), Panel.KV: (KV_TARGET, KV_DRAFT, KV_TABLE),
+            Panel.CHARTS: (ACCEPTANCE, PER_POSITION, LENGTHS, TOKENS_TIME, SPEEDUP)}
+SKIPPED = gr.skip()
+
+
+def values(**changes) -> tuple:
+    """The controls' values, in the order the events take them (DecodeRequest's fields)."""
+    request = DecodeRequest(prompt="def fibonacci(n):\n", preset="default", custom_draft="", custom_target="",
+                            mode="v2", drafter="model", k=4.0, k_schedule="constant", k_min=1.0, k_max=8.0,
+                            temperature=1.0, top_k=0.0, top_p=1.0, seed=3.0, max_new_tokens=12.0)
+    return astuple(replace(request, **changes))
+
+
+@pytest.fixture
+def handlers(builtin_pair, tmp_path) -> Handlers:
+    draft, target = builtin_pair
+    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
+    pool = SessionPool(2, 64 * 2**20, 60.0, root=tmp_path)
+    yield Handlers(Context(registry, pool, AppSettings(max_sessions=2, max_new_tokens=64)))
+    pool.shutdown()
+
+
+def drawn(out: tuple) -> set[Panel]:
+    """The panels whose outputs the reply carries (all of a panel's, or none)."""
+    shown = set()
+    for panel, slots in BY_PANEL.items():
+        skipped = [out[i] == SKIPPED for i in slots]
+        assert all(skipped) or not any(skipped), panel
+        if not any(skipped):
+            shown.add(panel)
+    return shown
+
+
+def test_each_event_draws_the_shown_tab_and_leaves_the_hidden_ones(handlers):
+    out = handlers.on_step(None, None, False, *values())
+    session = out[0]
+    assert "Round 1 of 1" in out[STATUS] and drawn(out) == {Panel.DETAIL}
+    assert isinstance(out[DETAIL], go.Figure)
+    out = handlers.on_show(Panel.CHARTS)(None, session)
+    assert drawn(out) == {Panel.CHARTS} and isinstance(out[SPEEDUP], go.Figure)
+    out = handlers.on_step(None, session, False, *values())
+    assert "Round 2 of 2" in out[STATUS] and drawn(out) == {Panel.CHARTS}
+    assert list(out[ACCEPTANCE].data[0].x) == [1, 2]            # the charts are up to date with round 2
+    out = handlers.on_show(Panel.KV)(None, session)
+    assert drawn(out) == {Panel.KV} and "block table" in out[KV_TABLE]
+    out = handlers.on_show(Panel.OTHER)(None, session)
+    assert drawn(out) == set() and "Round 2 of 2" in out[STATUS]
+    out = handlers.on_show(Panel.DETAIL)(None, session)
+    assert drawn(out) == {Panel.DETAIL} and "Round 2 of 2" in out[STATUS]
+
+
+def test_a_tab_that_draws_nothing_from_a_run_opens_no_session(handlers):
+    out = handlers.on_show(Panel.OTHER)(None, None)
+    assert out[0] is None and len(handlers.ctx.pool) == 0
+    out = handlers.on_show(Panel.CHARTS)(None, None)     # the charts tab is remembered for the first Step
+    assert out[0].panel is Panel.CHARTS and len(handlers.ctx.pool) == 1
+
+
+def test_a_failed_reset_says_so_above_the_run_it_leaves_on_screen(handlers):
+    session = handlers.on_step(None, None, False, *values())[0]
+    before = handlers.on_step(None, session, False, *values())[STATUS]
+    with pytest.warns(UserWarning, match="The prompt is empty"):
+        out = handlers.on_reset(None, session, *values(prompt="   "))
+    assert out[STATUS].startswith("**⚠ Reset failed: The prompt is empty")
+    assert out[STATUS].endswith(f"Showing the previous run: {before}") and "Round 2 of 2" in before
+    assert "Reset failed" not in handlers.on_step(None, session, False, *values())[STATUS]   # not a lasting mark
+    out = handlers.on_reset(None, session, *values())
+    assert out[STATUS].startswith("**Round 0 of 0**")
