@@ -13,6 +13,7 @@ more tokens never really costs less, so a dip is noise), divided by the n = 1 va
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ from engine.clock import Now
 from engine.metrics import median
 from engine.models import LoadedModel
 from engine.runner import ModelRunner
+
+
+class CalibrationStopped(Exception):
+    """`calibrate` was asked to stop (its `stop` event was set) before it finished."""
+
 
 DEFAULT_GRID = tuple(range(1, 18)) + (21, 25, 29, 33)   # K + 1 for K <= 16, and tree widths up to 33
 
@@ -87,11 +93,14 @@ def curve_from_times(model: str, device: str, dtype: str, context: int, times: d
 
 @torch.inference_mode()
 def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = DEFAULT_GRID, repeats: int = 5,
-              fused: bool = True, now: Now = time.perf_counter, warmup: int = 2) -> RCurve:
+              fused: bool = True, now: Now = time.perf_counter, warmup: int = 2,
+              stop: threading.Event | None = None) -> RCurve:
     """Measure r(n) for `loaded` on its device with `context` tokens already cached.
 
     The context is a fixed pseudo-random id sequence (the cost of attention depends on the length,
     not on the tokens). Each forward is timed by the runner's own clock (device time on CUDA).
+    `stop`, once set, ends the measurement before its next forward with CalibrationStopped (a
+    background calibration must not be inside torch when the interpreter exits).
     """
     if context < 1 or repeats < 1 or not grid:
         raise ValueError(f"need context >= 1, repeats >= 1 and a grid, got {context}, {repeats}, {grid}")
@@ -103,18 +112,23 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
     ids = torch.randint(0, min(loaded.vocab_size, len(loaded.tokenizer)), (context + grid[-1],), generator=g).tolist()
     runner.forward(cache, ids[:context], last_only=True)
     feed = ids[context:]
-    for _ in range(warmup):
-        for n in grid:
-            runner.forward(cache, feed[:n])
-            cache.rollback(n)
-    runner.drain_forward_ms()
-    times: dict[int, list[float]] = {n: [] for n in grid}
-    for rep in range(repeats):
-        shift = rep % len(grid)
-        for n in grid[shift:] + grid[:shift]:
-            runner.forward(cache, feed[:n])
-            times[n].append(runner.drain_forward_ms()[0])
-            cache.rollback(n)
-    cache.free()
+    def forward(n: int) -> float:
+        if stop is not None and stop.is_set():
+            raise CalibrationStopped(f"the calibration of {loaded.name} was stopped")
+        runner.forward(cache, feed[:n])
+        cache.rollback(n)
+        return runner.drain_forward_ms()[0]
+
+    try:
+        for _ in range(warmup):
+            for n in grid:
+                forward(n)
+        times: dict[int, list[float]] = {n: [] for n in grid}
+        for rep in range(repeats):
+            shift = rep % len(grid)
+            for n in grid[shift:] + grid[:shift]:
+                times[n].append(forward(n))
+    finally:
+        cache.free()
     return curve_from_times(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""), context,
                             times, repeats)

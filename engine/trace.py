@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from engine import typed_json
 from engine.calibration import RCurve
-from engine.config import K_BOUND, SpecConfig
+from engine.config import K_BOUND, SpecConfig, TreeSpec
 from engine.models import LoadedModel
 from engine.prompts import ChatPrompt
 from engine.records import Outcome, RoundRecord, RunSummary
@@ -85,12 +85,15 @@ class Trace:
 # ---------------------------------------------------------------------------- header
 
 def config_to_dict(config: SpecConfig) -> dict:
-    """SpecConfig -> JSON-ready dict: enums become their values, sampling a nested dict."""
+    """SpecConfig -> JSON-ready dict: enums become their values, sampling and a tree nested dicts."""
     out = {f.name: getattr(config, f.name) for f in fields(config)}
     for name, value in out.items():
         if isinstance(value, Enum):
             out[name] = value.value
     out["sampling"] = asdict(config.sampling)
+    if config.tree is not None:
+        t = config.tree
+        out["tree"] = {"widths": list(t.widths), "budget": t.budget, "depth": t.depth, "rule": t.rule.value}
     return out
 
 
@@ -100,7 +103,12 @@ def config_from_dict(data: dict) -> SpecConfig:
         raise TraceError("config must be an object with a nested sampling object")
     try:
         sampling = SamplingParams(**data["sampling"])
-        return SpecConfig(**{**data, "sampling": sampling})
+        tree = data.get("tree")
+        if tree is not None:
+            if not isinstance(tree, dict):
+                raise ValueError("tree must be an object")
+            tree = TreeSpec(**{**tree, "widths": tuple(tree.get("widths", ()))})
+        return SpecConfig(**{**data, "sampling": sampling, "tree": tree})
     except (TypeError, ValueError) as exc:
         raise TraceError(f"config is not a valid SpecConfig: {exc}") from None
 

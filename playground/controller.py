@@ -13,9 +13,9 @@ from typing import TypeVar
 
 from engine.block_manager import KVPoolExhausted
 from engine.compared import ComparedRun, kv_bytes_needed
-from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig
-from engine.models import ModelLoadError
-from engine.prompts import encode_prompt
+from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig, TreeSpec
+from engine.models import ModelLoadError, ModelPair
+from engine.prompts import ChatPrompt, PromptError, encode_chat, encode_prompt, has_chat_template
 from engine.sampling import SamplingParams
 from engine.trace import TraceError, load_trace
 from playground.inputs import as_float, as_int, as_seed, as_text
@@ -41,6 +41,14 @@ class Context:
     settings: AppSettings
 
 
+class PromptAs(str, Enum):
+    CHAT = "chat"   # a user message, through the target's chat template
+    RAW = "raw"     # text the target continues
+
+
+CHAT, RAW = PromptAs.CHAT.value, PromptAs.RAW.value
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
     """The controls' values, as the UI sends them."""
@@ -60,6 +68,9 @@ class DecodeRequest:
     top_p: float
     seed: float
     max_new_tokens: float
+    prompt_as: str = RAW      # CHAT: the prompt is a user message for the target's chat template
+    system: str = ""          # with CHAT: a system prompt ("" = the template's own)
+    tree: str = ""            # "" drafts a chain of K; "4-2-2-1" (widths per depth) or "N16d4" a tree
 
     def config(self, max_new_tokens_cap: int) -> SpecConfig:
         """The validated SpecConfig; raises ValueError with a message for the user that names the field and
@@ -67,7 +78,13 @@ class DecodeRequest:
         sampling = SamplingParams(
             temperature=as_float("Temperature", self.temperature, "a finite number of at least 0 (0 = greedy)"),
             top_k=as_int("Top-k", self.top_k, 0), top_p=as_float("Top-p", self.top_p, "a number in (0, 1]"))
+        tree = as_text("Tree", self.tree, 40).strip()
+        try:
+            shape = TreeSpec.parse(tree) if tree else None
+        except ValueError as exc:
+            raise ValueError(f"Tree: {exc} (leave it empty to draft a chain of K).") from None
         return SpecConfig(mode=_choice("Mode", Mode, self.mode), drafter=_choice("Drafter", DrafterKind, self.drafter),
+                          tree=shape,
                           k=as_int("K", self.k, 1, K_BOUND),
                           k_schedule=_choice("K schedule", KSchedule, self.k_schedule),
                           k_min=as_int("K min", self.k_min, 1, K_BOUND), k_max=as_int("K max", self.k_max, 1, K_BOUND),
@@ -76,6 +93,17 @@ class DecodeRequest:
 
     def prompt_text(self, max_chars: int) -> str:
         return as_text("The prompt", self.prompt, max_chars)
+
+    def prompt_for(self, tokenizer, max_chars: int) -> str | ChatPrompt:
+        """The prompt as the run takes it: raw text, or a chat turn when asked for (and the target has a
+        chat template)."""
+        text = self.prompt_text(max_chars)
+        mode = _choice("Prompt as", PromptAs, self.prompt_as)
+        if mode is PromptAs.RAW:
+            return text
+        if not has_chat_template(tokenizer):
+            raise PromptError("This target has no chat template: set “Prompt as” to raw text.")
+        return ChatPrompt(text, as_text("The system prompt", self.system, max_chars) or None)
 
 
 def _choice(name: str, kind: type[E], value: object) -> E:
@@ -107,11 +135,14 @@ def reset(ctx: Context, session: Session, req: DecodeRequest, load: bool = True)
 
 def _start_run(ctx: Context, session: Session, req: DecodeRequest, load: bool) -> None:
     config = req.config(ctx.settings.max_new_tokens)
-    prompt = req.prompt_text(ctx.settings.max_prompt_chars)
+    req.prompt_text(ctx.settings.max_prompt_chars)
     ids = (as_text(name, value, MAX_MODEL_ID_CHARS) for name, value in
            (("Custom draft", req.custom_draft), ("Custom target", req.custom_target)))
     pair = ctx.registry.pair(req.preset, *ids, load=load)
-    prompt_ids = encode_prompt(pair.target.tokenizer, prompt)
+    _check_drafter(pair, config)
+    prompt = req.prompt_for(pair.target.tokenizer, ctx.settings.max_prompt_chars)
+    prompt_ids = encode_chat(pair.target.tokenizer, prompt) if isinstance(prompt, ChatPrompt) else \
+        encode_prompt(pair.target.tokenizer, prompt)
     session.drop_run()
     ctx.pool.reserve_kv(session, kv_bytes_needed(pair, len(prompt_ids), config))
     trace = session.new_trace_path()
@@ -123,6 +154,39 @@ def _start_run(ctx: Context, session: Session, req: DecodeRequest, load: bool) -
         raise
     session.use_trace(trace)
     session.info = info_for_run(session.run, pair.target, pair.draft)
+    attach_calibration(ctx, session)
+
+
+def attach_calibration(ctx: Context, session: Session) -> None:
+    """Give the live run its target's measured r(n) once the background calibration has it (traced too)."""
+    if session.live:
+        curve = ctx.registry.calibration(session.run.pair.target)
+        if curve is not None and curve is not session.run.calibration:
+            session.run.set_calibration(curve)
+
+
+def remeasure(ctx: Context, session: Session) -> str:
+    """Start a fresh calibration of the live run's target; the next refresh shows it."""
+    if not session.live:
+        raise ValueError("r(n) is measured on a loaded target: start a live run first (a replay keeps its trace's).")
+    ctx.registry.calibration(session.run.pair.target, again=True)
+    return "Measuring r(n) again in the background: press Update in a few seconds."
+
+
+def theory_view(ctx: Context, session: Session) -> RunView | None:
+    """The run for the Theory tab: its verified rounds, with the newest calibration attached."""
+    attach_calibration(ctx, session)
+    return verified_view(session)
+
+
+def _check_drafter(pair: ModelPair, config: SpecConfig) -> None:
+    """The drafter must be one this pair can run: a clear sentence instead of the engine's own error."""
+    if config.uses_draft_model and pair.draft is None:
+        raise ValueError("This pair has no draft model: pick the n-gram drafter, or the EAGLE head where the pair "
+                         "has one.")
+    if config.uses_eagle and pair.eagle is None:
+        raise ValueError("This pair has no EAGLE head (train one with `python -m engine train-draft`): pick another "
+                         "drafter.")
 
 
 def _first_sentence(exc: Exception) -> str:
@@ -157,6 +221,7 @@ def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = Fals
     elif session.live and not session.run.finished:
         session.run.step()
         _advance(session, reveal)
+        attach_calibration(ctx, session)
     else:
         return "The run is finished: press Reset to decode again." if session.live else "End of the trace."
     return None
@@ -173,6 +238,7 @@ def run_to_end(ctx: Context, session: Session, req: DecodeRequest,
         while not run.finished:
             run.step()
             progress(len(run.spec.generated), total)
+        attach_calibration(ctx, session)
     session.cursor = Cursor(shown=len(session.view().rounds))
 
 

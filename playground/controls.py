@@ -7,21 +7,17 @@ import gradio as gr
 
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode
 from playground.components import RawNumber, RawSlider
+from playground.controller import CHAT, RAW
 from playground.registry import ModelRegistry
-
-# The built-in pair was trained on the Python standard library: code prompts suit it.
-EXAMPLE_PROMPTS = (
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "import os\nimport sys\n\n\ndef main(argv):\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "    def __repr__(self):\n        return",
-)
 
 MODES = (("v2: one target forward, rejected slots rolled back", Mode.V2.value),
          ("v1: verify read-only, then a second forward commits", Mode.V1.value),
          ("target only (the baseline)", Mode.TARGET.value))
 DRAFTERS = (("draft model", DrafterKind.MODEL.value), ("n-gram (prompt lookup)", DrafterKind.NGRAM.value),
-            ("hybrid: copy repeats, else the draft model", DrafterKind.HYBRID.value))
+            ("hybrid: copy repeats, else the draft model", DrafterKind.HYBRID.value),
+            ("EAGLE head: one layer over the target's features", DrafterKind.EAGLE.value),
+            ("hybrid: copy repeats, else the EAGLE head", DrafterKind.EAGLE_HYBRID.value))
+PROMPT_AS = (("a chat message (the target's chat template)", CHAT), ("raw text to continue", RAW))
 SCHEDULES = (("constant", KSchedule.CONSTANT.value), ("heuristic (+2 after a full accept, −1 otherwise)",
                                                       KSchedule.HEURISTIC.value))
 
@@ -45,6 +41,10 @@ class Controls:
     top_p: RawSlider
     seed: RawNumber
     max_new_tokens: RawSlider
+    prompt_as: gr.Radio
+    system: gr.Textbox
+    tree: gr.Textbox
+    examples: gr.Dropdown
     reveal: gr.Checkbox
     reset: gr.Button
     step: gr.Button
@@ -58,7 +58,11 @@ class Controls:
         """In DecodeRequest's field order."""
         return [self.prompt, self.preset, self.custom_draft, self.custom_target, self.mode, self.drafter, self.k,
                 self.k_schedule, self.k_min, self.k_max, self.temperature, self.top_k, self.top_p, self.seed,
-                self.max_new_tokens]
+                self.max_new_tokens, self.prompt_as, self.system, self.tree]
+
+    def preset_outputs(self) -> list[gr.components.Component]:
+        """What a change of model pair resets (`preset_defaults`)."""
+        return [self.prompt, self.prompt_as, self.drafter, self.examples]
 
 
 def _transport() -> dict:
@@ -89,15 +93,18 @@ def _models(registry: ModelRegistry) -> dict:
     return dict(preset=preset, custom_draft=custom_draft, custom_target=custom_target)
 
 
-def _decoding(max_new_tokens: int) -> dict:
+def _decoding(max_new_tokens: int, drafter_default: str) -> dict:
     mode = gr.Radio(list(MODES), value=Mode.V2.value, label="Mode")
-    drafter = gr.Radio(list(DRAFTERS), value=DrafterKind.MODEL.value, label="Drafter")
+    drafter = gr.Radio(list(DRAFTERS), value=drafter_default, label="Drafter", elem_id="drafter-radio")
     with gr.Row():
         k = RawSlider(1, K_BOUND, value=4, step=1, label="K (drafts per round)")
         k_schedule = gr.Radio(list(SCHEDULES), value=KSchedule.CONSTANT.value, label="K schedule")
     with gr.Row():
         k_min = RawSlider(1, K_BOUND, value=1, step=1, label="K min (heuristic)")
         k_max = RawSlider(1, K_BOUND, value=8, step=1, label="K max (heuristic)")
+    tree = gr.Textbox("", label="Tree (empty: a chain of K)", elem_id="tree-box", max_lines=1,
+                      info="Widths per depth, e.g. 4-2-2-1 (static), or a node budget N16 / N16d6 (dynamic, up to "
+                           "32 nodes); drafted by the draft model or the EAGLE head.")
     with gr.Row():
         temperature = RawSlider(0.0, 2.0, value=1.0, step=0.05, label="Temperature (0 = greedy)")
         top_p = RawSlider(0.05, 1.0, value=1.0, step=0.05, label="Top-p (1 = off)")
@@ -106,18 +113,47 @@ def _decoding(max_new_tokens: int) -> dict:
         seed = RawNumber(0, precision=0, label="Seed")
     max_new = RawSlider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens")
     return dict(mode=mode, drafter=drafter, k=k, k_schedule=k_schedule, k_min=k_min, k_max=k_max,
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new)
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new, tree=tree)
+
+
+def preset_defaults(registry: ModelRegistry, key: str) -> tuple:
+    """(prompt, prompt-as, drafter, examples) that suit a model pair: its first example, chat for a chat
+    model, its EAGLE head (else prompt lookup) when it has no draft model."""
+    try:
+        preset = registry.resolve(key)
+    except ValueError:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    drafter = DrafterKind.MODEL.value if preset.draft else (
+        DrafterKind.EAGLE.value if preset.eagle else DrafterKind.NGRAM.value)
+    examples = list(preset.examples) or [""]
+    return (examples[0], CHAT if preset.chat else RAW, drafter,
+            gr.Dropdown(choices=[(_short(e), e) for e in examples], value=None))
+
+
+def _short(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= 60 else line[:59] + "…"
 
 
 def build_controls(registry: ModelRegistry, max_new_tokens: int) -> Controls:
     """Lay the controls out in the current Blocks context and return them."""
-    prompt = gr.Textbox(EXAMPLE_PROMPTS[0], lines=4, label="Prompt", elem_id="prompt-box")
-    gr.Examples([[p] for p in EXAMPLE_PROMPTS], inputs=[prompt], label="Example prompts (suit the built-in pair)")
+    first = registry.presets[0]
+    examples = list(first.examples) or [""]
+    prompt = gr.Textbox(examples[0], lines=4, label="Prompt", elem_id="prompt-box")
+    example_box = gr.Dropdown([(_short(e), e) for e in examples], value=None, label="Example prompts for this pair",
+                              elem_id="examples-box")
+    with gr.Row():
+        prompt_as = gr.Radio(list(PROMPT_AS), value=CHAT if first.chat else RAW, label="Prompt as",
+                             elem_id="prompt-as")
+    system = gr.Textbox("", lines=1, label="System prompt (chat only; empty: the template's own)",
+                        elem_id="system-box")
     transport = _transport()
     gr.Markdown("Settings apply from the next **Reset** (or the first Step after a reset).")
     with gr.Accordion("Models", open=False):
         models = _models(registry)
     with gr.Accordion("Decoding", open=True):
-        decoding = _decoding(max_new_tokens)
-    return Controls(prompt=prompt, **models, **decoding, **transport)
+        decoding = _decoding(max_new_tokens, preset_defaults(registry, first.key)[2])
+    example_box.input(lambda text: text, [example_box], [prompt], api_name=False)
+    return Controls(prompt=prompt, **models, **decoding, prompt_as=prompt_as, system=system, examples=example_box,
+                    **transport)
 

@@ -146,9 +146,9 @@ def session_folders(tmp: Path) -> list[Path]:
 
 
 # -- the visitors -----------------------------------------------------------------------------------------------
-def reset_values(client, seed: int, new_tokens: int) -> dict:
-    """Keyword arguments for /reset: the defaults, with this visitor's seed and length."""
-    params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]
+def reset_values(client, seed: int, new_tokens: int, endpoint: str = "/reset") -> dict:
+    """Keyword arguments for /reset (or /step): the defaults, with this visitor's seed and length."""
+    params = client.view_api(print_info=False, return_format="dict")["named_endpoints"][endpoint]["parameters"]
     values = {p["parameter_name"]: p["parameter_default"] for p in params}
     names = {p["label"]: p["parameter_name"] for p in params}
     values[names["Seed"]] = seed
@@ -164,22 +164,23 @@ def run_visitor(url: str, visitor: Visitor, steps: int, new_tokens: int, deadlin
         client = Client(url, verbose=False)
         try:
             client.predict(**reset_values(client, visitor.seed, new_tokens), api_name="/reset")
+            step_values = reset_values(client, visitor.seed, new_tokens, "/step")   # Step with the run's settings
             start.wait(timeout=max(1.0, deadline - time.monotonic()))
             for _ in range(steps):
                 if time.monotonic() > deadline:
                     visitor.errors.append("stopped at the time limit")
                     return
-                visitor.streams.append(timed_step(client, visitor))
+                visitor.streams.append(timed_step(client, visitor, step_values))
         finally:
             client.close()
     except Exception as exc:  # reported, not raised: one visitor's failure is a finding
         visitor.errors.append(f"{type(exc).__name__}: {exc}")
 
 
-def timed_step(client, visitor: Visitor) -> str:
+def timed_step(client, visitor: Visitor, values: dict) -> str:
     """One Step as a visitor waits for it, noting the queue place Gradio showed meanwhile."""
     t0 = time.perf_counter()
-    job = client.submit(api_name="/step")
+    job = client.submit(**values, api_name="/step")
     while not job.done():
         status = job.status()
         if status.rank is not None:
@@ -203,22 +204,28 @@ def drain(job) -> list:
     return updates
 
 
+def with_length(params: list[dict], new_tokens: int) -> list:
+    """/reset's positional values: every default, with "Max new tokens" set to new_tokens."""
+    return [new_tokens if p["label"] == "Max new tokens" else p["parameter_default"] for p in params]
+
+
 def run_api_caller(url: str, visitor: Visitor, steps: int, new_tokens: int, deadline: float,
-                   defaults: list, start: threading.Barrier) -> None:
+                   defaults: list[dict], start: threading.Barrier) -> None:
     """A bare HTTP caller with its own session hash: POST /gradio_api/call/<name>, then read the result."""
     import httpx
 
     session = f"loadtest-{uuid.uuid4().hex}"
     try:
         with httpx.Client(base_url=url, timeout=max(5.0, deadline - time.monotonic())) as http:
-            call(http, "reset", [*defaults[:-1], new_tokens], session)
+            values = with_length(defaults, new_tokens)
+            call(http, "reset", values, session)
             start.wait(timeout=max(1.0, deadline - time.monotonic()))
             for _ in range(steps):
                 if time.monotonic() > deadline:
                     visitor.errors.append("stopped at the time limit")
                     return
                 t0 = time.perf_counter()
-                out = call(http, "step", [False, *defaults[:-1], new_tokens], session)
+                out = call(http, "step", [False, *values], session)
                 visitor.step_ms.append((time.perf_counter() - t0) * 1000)
                 visitor.streams.append(out[1 + STREAM])   # [0] is the session's gr.State
     except Exception as exc:
@@ -289,13 +296,13 @@ def drive(a: argparse.Namespace, url: str, server: subprocess.Popen, tmp: Path, 
     wait_until_up(url, server, deadline)
     warm = Client(url, verbose=False)      # loads the pair and warms the caches before "before" is measured
     warm.predict(api_name="/step")
-    defaults = [p["parameter_default"] for p in
-                warm.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]]
+    defaults = warm.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]
     warm.close()
     rss_before = rss_mb(server.pid)
     peak = PeakRss(server.pid)
     visitors = [Visitor(f"visitor {i}", i % SEED_GROUPS) for i in range(a.clients)]
-    callers = [Visitor(f"api caller {i}", int(defaults[13])) for i in range(a.api_callers)]
+    seed = int(next(p["parameter_default"] for p in defaults if p["label"] == "Seed"))
+    callers = [Visitor(f"api caller {i}", seed) for i in range(a.api_callers)]
     start = threading.Barrier(len(visitors) + len(callers))
     threads = [threading.Thread(target=run_visitor, args=(url, v, a.steps, new_tokens, deadline, start), daemon=True)
                for v in visitors]

@@ -15,8 +15,8 @@ from engine.config import Mode, SpecConfig
 from engine.models import ModelPair, load_model
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN
-from playground.controls import EXAMPLE_PROMPTS
 from playground.pages.traces import EXAMPLES_DIR
+from playground.registry import CODE_EXAMPLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ EXAMPLES = (
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=EXAMPLES_DIR)
-    ap.add_argument("--prompt", default=EXAMPLE_PROMPTS[0])
+    ap.add_argument("--prompt", default=CODE_EXAMPLES[0])
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     draft, target = load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")

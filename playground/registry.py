@@ -6,16 +6,19 @@ a model that would not fit in the free memory of its device is refused with a cl
 """
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.models import LoadedModel, ModelLoadError, ModelPair, default_devices, load_model, resolve_dtype
+from engine.calibration import RCurve, calibrate
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
-from engine.sources import BUILTIN, SMOLLM2, eagle_folder, smollm2_gguf
+from engine.models import LoadedModel, ModelLoadError, ModelPair, default_devices, load_model, resolve_dtype
+from engine.sources import BUILTIN, SMOLLM2, eagle_folder, hub_kwargs, smollm2_gguf
 
 CUSTOM = "custom"
 MEMORY_HEADROOM = 1.2   # weights plus activations, allocator slack and the KV pools
@@ -112,7 +115,7 @@ def weight_bytes(source: str, role: str, device: torch.device) -> int:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **hub_kwargs(source))
     except Exception as exc:  # offline, unknown id, not a model folder, remote code required, ...
         raise ModelLoadError(f"Could not read the config of {role} model {source!r}: {type(exc).__name__}. "
                              "Hub ids need internet access (or a copy in the local HF cache); "
@@ -147,6 +150,16 @@ def _key(source: str, role: str, device: torch.device) -> ModelKey:
     return source, role if source == BUILTIN else "", str(device)
 
 
+_OPEN: weakref.WeakSet = weakref.WeakSet()   # every registry, so that exit stops their calibrations
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, before torch's threads go away: a calibration still measuring would abort the process."""
+    for registry in list(_OPEN):
+        registry.close()
+
+
 class ModelRegistry:
     """Loads model pairs on demand and shares each loaded model, read-only, across sessions.
 
@@ -162,7 +175,8 @@ class ModelRegistry:
                  loader: Callable[..., LoadedModel] = load_model,
                  free: Callable[[torch.device], int] = free_memory,
                  inspect: Callable[[str, str, torch.device], int] = weight_bytes,
-                 eagle_loader: Callable[[str, LoadedModel], EagleRuntime] = load_eagle) -> None:
+                 eagle_loader: Callable[[str, LoadedModel], EagleRuntime] = load_eagle,
+                 calibrate_fn: Callable[[LoadedModel], RCurve] | None = None) -> None:
         local = local_presets()
         known = {(p.draft, p.target): p for p in local}
         first = known.get((default_draft, default_target))
@@ -175,6 +189,11 @@ class ModelRegistry:
         self.presets: tuple[PairPreset, ...] = (first, *others, *HUB_PRESETS)
         self._eagle_loader = eagle_loader
         self._eagles: dict[tuple[str, int], EagleRuntime] = {}
+        self._curves: dict[int, Future[RCurve]] = {}   # r(n) per loaded target, measured in the background
+        self._calibrate = calibrate_fn
+        self._stop = threading.Event()                 # set by close(): background calibrations end
+        self._measuring: list[threading.Thread] = []
+        _OPEN.add(self)
         self.allow_custom = allow_custom
         self._loader, self._free, self._inspect = loader, free, inspect
         self._models: dict[ModelKey, Future[LoadedModel]] = {}
@@ -228,6 +247,40 @@ class ModelRegistry:
             with self._lock:
                 pair = self._pairs.setdefault(key, built)
         return pair
+
+    def calibration(self, target: LoadedModel, again: bool = False) -> RCurve | None:
+        """The target's measured r(n), or None while it is being measured: the first request (and every
+        request with `again`) starts the calibration on a background thread, so no visitor waits for it."""
+        with self._lock:
+            future = self._curves.get(id(target))
+            start = future is None or (again and future.done())
+            if start:
+                future = self._curves[id(target)] = Future()
+        if start:
+            thread = threading.Thread(target=self._measure, args=(target, future), daemon=True,
+                                      name=f"calibrate {target.name}")
+            with self._lock:
+                self._measuring = [t for t in self._measuring if t.is_alive()] + [thread]
+            thread.start()
+        if future.done() and future.exception() is None:
+            return future.result()
+        return None
+
+    def _measure(self, target: LoadedModel, future: Future) -> None:
+        try:
+            measure = self._calibrate or (lambda t: calibrate(t, context=128, repeats=3 if t.weight_bytes > 2**28 else 5,
+                                                              stop=self._stop))
+            future.set_result(measure(target))
+        except Exception as exc:  # a failed calibration leaves predictions "not measured", never assumed
+            future.set_exception(exc)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the background calibrations and wait for them (each stops before its next forward)."""
+        self._stop.set()
+        with self._lock:
+            threads = list(self._measuring)
+        for thread in threads:
+            thread.join(timeout)
 
     def _eagle(self, source: str, target: LoadedModel) -> EagleRuntime:
         """The target's EAGLE head, loaded once per target (a few MB: no lock is held while it loads)."""

@@ -19,7 +19,7 @@ from engine.trace import MAX_TRACE_BYTES
 from playground import controller
 from playground.connections import client_address, heartbeat_middleware
 from playground.controller import USER_ERRORS, Context, DecodeRequest
-from playground.controls import Controls, build_controls
+from playground.controls import Controls, build_controls, preset_defaults
 from playground.inputs import as_int, as_number, as_seed
 from playground.pages import charts as page_charts
 from playground.pages import compare as page_compare
@@ -56,8 +56,9 @@ class Pages:
     def frame_outputs(self) -> list:
         """In the order `Handlers.render` returns values."""
         d, k, c = self.detail, self.kv, self.charts
-        return [self.stream.status, self.stream.stream, d.badge, d.summary, d.position, d.detail, k.target, k.draft,
-                k.table, c.acceptance, c.per_position, c.lengths, c.tokens_time, c.speedup, self.controls.scrubber]
+        return [self.stream.status, self.stream.stream, d.badge, d.summary, d.position, d.detail, d.tree, k.target,
+                k.draft, k.table, c.acceptance, c.per_position, c.lengths, c.tokens_time, c.speedup,
+                self.controls.scrubber]
 
 
 class Handlers:
@@ -75,7 +76,8 @@ class Handlers:
         panel = session.panel if session is not None else Panel.DETAIL
         f = render_frame(view, session.cursor if session is not None else Cursor(), (panel,), failure)
         d, k, c = f.detail, f.kv, f.charts
-        detail = (d.badge, d.summary, gr.Dropdown(choices=d.positions, value=d.position), d.detail) if d else _skip(4)
+        detail = (d.badge, d.summary, gr.Dropdown(choices=d.positions, value=d.position), d.detail, d.tree) if d \
+            else _skip(5)
         kv = (k.target, k.draft, k.table) if k else _skip(3)
         charts = (c.acceptance, c.per_position, c.lengths, c.tokens_time, c.speedup) if c else _skip(5)
         s = f.stream
@@ -133,8 +135,14 @@ class Handlers:
     def on_theory(self, request: gr.Request, state: Session | None) -> tuple:
         def show(session: Session) -> tuple:
             controller.show(session, Panel.OTHER)
-            return page_theory.render(controller.verified_view(session))
+            return page_theory.render(controller.theory_view(self.ctx, session))
         return self.read(state, request, show, lambda message: page_theory.render(None))
+
+    def on_remeasure(self, request: gr.Request, state: Session | None) -> tuple:
+        def start(session: Session) -> tuple:
+            gr.Info(controller.remeasure(self.ctx, session))
+            return page_theory.render(controller.theory_view(self.ctx, session))
+        return self.read(state, request, start, lambda message: page_theory.render(None))
 
     def on_show(self, panel: Panel) -> Callable[..., tuple]:
         """The select event of a tab: render `panel` now and on every event until another tab is shown.
@@ -163,7 +171,9 @@ class Handlers:
         return self.render(state)
 
     @gpu()
-    def on_reset(self, request: gr.Request, state: Session | None, *values) -> tuple:
+    def on_reset(self, request: gr.Request, progress=gr.Progress(track_tqdm=True), state: Session | None = None,
+                 *values) -> tuple:
+        """Reset; a first load of SmolLM2 converts its GGUF once, and its progress bar shows here."""
         return self.guarded(state, request, lambda s: controller.reset(self.ctx, s, self.decode_request(values)),
                             failed="Reset failed")
 
@@ -290,6 +300,9 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     c.scrubber.release(handlers.on_scrub, [state, c.scrubber], out, api_name="scrub")
     pages.detail.position.input(handlers.on_position, [state, pages.detail.position], out, api_name=False)
     pages.stream.stream.click(handlers.on_chip, [state], out, api_name=False)
+    pages.detail.tree.click(handlers.on_chip, [state], out, api_name=False)
+    c.preset.change(lambda key: preset_defaults(handlers.ctx.registry, key), [c.preset], c.preset_outputs(),
+                    api_name=False)
     t = pages.traces
     t.upload.upload(handlers.on_trace, [state, t.upload], out, api_name="replay_upload")
     t.load_example.click(handlers.on_trace, [state, t.example], out, api_name="replay_example")
@@ -354,6 +367,7 @@ def build_app(ctx: Context) -> gr.Blocks:
                 page_lesson.build_lesson(ctx.registry)
         theory_tab.select(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
         theory.refresh.click(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
+        theory.remeasure.click(handlers.on_remeasure, [state], [state, *theory.outputs()], api_name=False)
         lab.run.click(handlers.on_lab, [state, *lab.inputs()], [state, *lab.outputs()], api_name=False,
                       concurrency_id="lab", concurrency_limit=1)
         pages = Pages(controls, stream, detail, kv, charts, traces)

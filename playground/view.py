@@ -30,6 +30,8 @@ class RunInfo:
     draft: str | None
     devices: dict[str, str]    # role -> device
     dtypes: dict[str, str]     # role -> dtype
+    chat: bool = False         # the prompt is a chat turn through the target's template
+    eagle: str | None = None   # the EAGLE head the run drafted with
 
     @property
     def greedy(self) -> bool:
@@ -39,7 +41,10 @@ class RunInfo:
         c = self.config
         if c.mode is Mode.TARGET:
             return f"target-only · T={c.sampling.temperature:g}"
-        k = f"K={c.k}" if c.k_schedule is KSchedule.CONSTANT else f"K={c.k} ({c.k_min}..{c.k_max}, heuristic)"
+        if c.tree is not None:
+            k = f"tree {c.tree.label()}"
+        else:
+            k = f"K={c.k}" if c.k_schedule is KSchedule.CONSTANT else f"K={c.k} ({c.k_min}..{c.k_max}, heuristic)"
         return f"{c.mode.value} · {c.drafter.value} drafter · {k} · T={c.sampling.temperature:g}"
 
 
@@ -125,7 +130,9 @@ class Cursor:
 
 
 def default_position(record: RoundRecord) -> int:
-    """The rejected position if there was one, else the final token (position k)."""
+    """The rejected position if there was one, else the final token (position k; a tree's is 0)."""
+    if record.tree is not None:
+        return 0
     for p in record.positions:
         if p.outcome is Outcome.REJECTED:
             return p.index
@@ -134,7 +141,8 @@ def default_position(record: RoundRecord) -> int:
 
 def info_from_header(h: TraceHeader) -> RunInfo:
     return RunInfo(prompt=h.prompt, prompt_tokens=len(h.prompt_ids), config=config_from_dict(h.config),
-                   target=h.target, draft=h.draft, devices=dict(h.devices), dtypes=dict(h.dtypes))
+                   target=h.target, draft=h.draft, devices=dict(h.devices), dtypes=dict(h.dtypes),
+                   chat=h.chat is not None, eagle=h.eagle)
 
 
 def view_from_trace(trace: Trace, name: str) -> RunView:
@@ -144,7 +152,8 @@ def view_from_trace(trace: Trace, name: str) -> RunView:
 
 def info_for_run(run: ComparedRun, target: LoadedModel, draft: LoadedModel | None) -> RunInfo:
     """A live run's info, built exactly as its trace header is."""
-    return info_from_header(make_header(run.prompt, run.spec.prompt, run.config, target, draft))
+    eagle = run.pair.eagle.name if run.pair.eagle is not None else None
+    return info_from_header(make_header(run.prompt, run.spec.prompt, run.config, target, draft, run.chat, eagle))
 
 
 def view_from_run(run: ComparedRun, info: RunInfo) -> RunView:

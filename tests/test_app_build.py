@@ -58,7 +58,7 @@ def test_decoding_events_queue_and_show_each_visitor_their_place():
 
 def test_flags_and_environment_reach_the_settings():
     s = app.parse_args([], {})
-    assert (s.host, s.port, s.share, s.draft, s.target) == ("127.0.0.1", 7860, False, "builtin", "builtin")
+    assert (s.host, s.port, s.share, s.draft, s.target) == ("127.0.0.1", 7860, False, "auto", "auto")
     assert s.allow_custom_models is True
     assert app.parse_args([], {"SPACE_ID": "u/space"}).allow_custom_models is False
     assert app.parse_args(["--allow-custom-models"], {"SPACE_ID": "u/space"}).allow_custom_models is True
@@ -78,4 +78,17 @@ def test_flags_and_environment_reach_the_settings():
     pool.shutdown()
     with pytest.raises(ValueError, match="session_lease_s must be > 0 seconds"):
         app.parse_args(["--session-lease", "0"], {})
+
+
+def test_the_default_pair_is_the_real_model_when_its_weights_are_installed(monkeypatch):
+    import playground.registry as registry
+    from playground.settings import default_pair
+
+    monkeypatch.setattr(registry, "smollm2_gguf", lambda: "somewhere.gguf")
+    assert default_pair("auto", "auto") == (None, "smollm2")
+    assert registry.local_presets()[0].target == "smollm2" and registry.local_presets()[0].chat
+    monkeypatch.setattr(registry, "smollm2_gguf", lambda: None)
+    assert default_pair("auto", "auto") == ("builtin", "builtin")
+    assert registry.local_presets()[0].target == "builtin" and not registry.local_presets()[0].chat
+    assert default_pair("none", "smollm2") == (None, "smollm2") and default_pair("a", "b") == ("a", "b")
 

@@ -12,7 +12,7 @@ from gradio_client.exceptions import AppError
 from tests.conftest import launched_app
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "assets" / "traces").glob("*.jsonl"))
-STATUS, STREAM, BADGE, SUMMARY, POSITION, DETAIL, KV_TARGET = range(7)
+STATUS, STREAM, BADGE, SUMMARY, POSITION, DETAIL, TREE, KV_TARGET = range(8)
 SCRUBBER = -1
 
 

@@ -114,7 +114,14 @@ def test_generate_gets_no_prediction_without_verified_positions():
     assert result.alpha is None and math.isnan(result.predicted_speedup) and result.draft_acceptance_rate == 0.5
 
 
-@pytest.mark.parametrize("argv", [["--ks", "0"], ["--methods", "v3"], ["--repeats", "0"], ["--profile", "v2:x"]])
+def test_a_method_written_with_its_k_runs_at_that_k_only():
+    built = build_methods(["eagle:6", "v2", "eagle:2", "eagle:6", "tree-dynamic:16"], (1, 4))
+    assert [(m.name, m.k) for m in built] == [("hf-generate", None), ("target", None), ("v2", 1), ("v2", 4),
+                                              ("eagle", 2), ("eagle", 6), ("tree-dynamic", 16)]
+
+
+@pytest.mark.parametrize("argv", [["--ks", "0"], ["--methods", "v3"], ["--repeats", "0"], ["--profile", "v2:x"],
+                                  ["--methods", "v2:x"], ["--methods", "v2:99"], ["--methods", "tree-static:5"]])
 def test_bad_input_exits_2(argv, capsys):
     assert main(["--quick", "--no-progress", *argv]) == 2
     assert capsys.readouterr().err.startswith("error: ")

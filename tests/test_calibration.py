@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from engine.calibration import RCurve, calibrate, curve_from_times, non_decreasing
+from engine.calibration import CalibrationStopped, RCurve, calibrate, curve_from_times, non_decreasing
 from engine.compared import ComparedRun
 from engine.config import SpecConfig
 from engine.models import ModelPair
@@ -46,6 +46,22 @@ def test_calibrate_measures_the_runners_forwards_with_the_injected_clock(builtin
     curve = calibrate(target, context=16, grid=(1, 2, 4), repeats=2, now=lambda: next(ticks) / 1000, warmup=0)
     assert curve.ns == [1, 2, 4] and curve.ms == pytest.approx([1.0, 1.0, 1.0]) and curve.r == [1.0, 1.0, 1.0]
     assert curve.context == 16 and curve.model == target.name and curve.repeats == 2
+
+
+def test_a_set_stop_event_ends_a_calibration_at_its_next_forward(builtin_pair):
+    import threading
+
+    _, target = builtin_pair
+    stop, reads = threading.Event(), itertools.count()
+
+    def clock() -> float:      # sets the event on the 3rd read: inside the 2nd timed forward
+        if next(reads) == 2:
+            stop.set()
+        return 0.0
+
+    with pytest.raises(CalibrationStopped, match="stopped"):
+        calibrate(target, context=16, grid=(1, 2, 4), repeats=50, now=clock, warmup=0, stop=stop)
+    assert next(reads) == 4    # two forwards ran (two reads each), the third never started
 
 
 def test_a_real_calibration_of_the_builtin_target(builtin_pair):

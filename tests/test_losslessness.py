@@ -25,6 +25,7 @@ from tests.test_eagle import random_head
 SAMPLING = SamplingParams(temperature=0.9, top_k=4, top_p=0.95)
 RUNS = 1000
 LEVEL = 1e-3
+SHARPEN = 50.0
 PROMPT = [5, 17, 230, 9, 17, 230, 9]   # a repeat, so that prompt lookup finds something to copy
 
 
@@ -127,10 +128,15 @@ def test_tree_sampling_follows_the_target(tiny, drafter, spec):
     assert chi_square(exact, counts) >= LEVEL
 
 
-def test_a_tree_rule_that_skips_the_residual_update_fails_the_same_test(tiny):
+def test_a_tree_rule_that_skips_the_residual_update_fails_the_same_test(tiny, builtin_tokenizer):
     """Testing every sibling against the same p (no residual update between them) over-produces
-    the tokens the draft proposes first; the chi-square test sees it."""
+    the tokens the draft proposes; the chi-square test sees it. The draft here is the target with its
+    logits scaled up (its final norm's weight times SHARPEN): the same top-k support, a far sharper q,
+    so the wrong rule's bias is large."""
     pair, exact = tiny
-    wrong = TreeSpec(widths=(4, 1), rule=TreeRule.NO_RESIDUAL_UPDATE)
-    counts = tree_counts(pair, DrafterKind.MODEL, wrong, RUNS)
-    assert chi_square(exact, counts) < LEVEL
+    sharp = tiny_model(builtin_tokenizer, layers=2, seed=11)      # the target's own weights
+    with torch.no_grad():
+        sharp.model.model.norm.weight.mul_(SHARPEN)
+    wrong = tree_counts(ModelPair(pair.target, sharp), DrafterKind.MODEL,
+                        TreeSpec(widths=(4, 1), rule=TreeRule.NO_RESIDUAL_UPDATE), RUNS // 2)
+    assert chi_square(exact, wrong) < LEVEL

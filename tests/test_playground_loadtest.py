@@ -35,7 +35,8 @@ def test_the_isolation_check_catches_crosstalk_and_vacuous_runs():
 
 
 def test_a_small_run_passes_every_check(capsys):
-    rc = loadtest.main(["--clients", "2", "--api-callers", "1", "--steps", "2", "--session-lease", "2",
+    # a bare caller has no heartbeat: its lease (6 s) must outlast a queued Step on a busy machine
+    rc = loadtest.main(["--clients", "2", "--api-callers", "1", "--steps", "2", "--session-lease", "6",
                         "--time-limit", "300"])
     out = capsys.readouterr().out
     assert rc == 0, out

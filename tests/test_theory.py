@@ -28,10 +28,10 @@ FLAT = RCurve("t", "cuda:0", "bfloat16", 64, [1, 33], [2.0, 2.0], [1.0, 1.0], 2.
 
 def brute_force_best_k(alpha: float, c: float, r, k_max: int) -> int:
     """Independent of the module: the closed form E = (1 - a^(K+1)) / (1 - a) (K+1 at a = 1) at every
-    K, then the smallest K within rounding of the best."""
+    K, then the smallest K within the engine's documented tie tolerance of the best."""
     values = [((k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)) / (c * k + r(k + 1))
               for k in range(1, k_max + 1)]
-    return 1 + next(i for i, v in enumerate(values) if v >= max(values) * (1 - 1e-12))
+    return 1 + next(i for i, v in enumerate(values) if v >= max(values) * (1 - metrics.TIE_RTOL))
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,12 @@ from playground.ui import Handlers
 from playground.view import Panel
 
 # Positions in a handler's reply: the session, then `Pages.frame_outputs`.
-STATUS, STREAM, BADGE, SUMMARY, POSITION, DETAIL, KV_TARGET, KV_DRAFT, KV_TABLE = range(1, 10)
-ACCEPTANCE, PER_POSITION, LENGTHS, TOKENS_TIME, SPEEDUP, SCRUBBER = range(10, 16)
-BY_PANEL = {Panel.DETAIL: (BADGE, SUMMARY, POSITION, DETAIL), Panel.KV: (KV_TARGET, KV_DRAFT, KV_TABLE),
+STATUS, STREAM, BADGE, SUMMARY, POSITION, DETAIL, TREE, KV_TARGET, KV_DRAFT, KV_TABLE = range(1, 11)
+ACCEPTANCE, PER_POSITION, LENGTHS, TOKENS_TIME, SPEEDUP, SCRUBBER = range(11, 17)
+BY_PANEL = {Panel.DETAIL: (BADGE, SUMMARY, POSITION, DETAIL, TREE), Panel.KV: (KV_TARGET, KV_DRAFT, KV_TABLE),
             Panel.CHARTS: (ACCEPTANCE, PER_POSITION, LENGTHS, TOKENS_TIME, SPEEDUP)}
 SKIPPED = gr.skip()
+NO_PROGRESS = lambda *args, **kwargs: None   # what gradio passes as `progress` is not used outside an event
 
 
 def values(**changes) -> tuple:
@@ -79,9 +80,12 @@ def test_a_failed_reset_says_so_above_the_run_it_leaves_on_screen(handlers):
     session = handlers.on_step(None, None, False, *values())[0]
     before = handlers.on_step(None, session, False, *values())[STATUS]
     with pytest.warns(UserWarning, match="The prompt is empty"):
-        out = handlers.on_reset(None, session, *values(prompt="   "))
+        out = handlers.on_reset(None, NO_PROGRESS, session, *values(prompt="   "))
     assert out[STATUS].startswith("**⚠ Reset failed: The prompt is empty")
-    assert out[STATUS].endswith(f"Showing the previous run: {before}") and "Round 2 of 2" in before
-    assert "Reset failed" not in handlers.on_step(None, session, False, *values())[STATUS]   # not a lasting mark
-    out = handlers.on_reset(None, session, *values())
+    assert "** **Previous run** — the last Reset failed (The prompt is empty" in out[STATUS]
+    assert "Step will not continue it" in out[STATUS] and "**Round 2 of 2**" in out[STATUS] and "Round 2 of 2" in before
+    with pytest.warns(UserWarning, match="This is the previous run"):
+        stepped = handlers.on_step(None, session, False, *values())[STATUS]   # Step does not continue it
+    assert "**Round 2 of 2**" in stepped and "⚠ Reset failed" not in stepped
+    out = handlers.on_reset(None, NO_PROGRESS, session, *values())
     assert out[STATUS].startswith("**Round 0 of 0**")

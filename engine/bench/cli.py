@@ -13,6 +13,7 @@ import torch
 from engine.bench.methods import (
     CODE_PROMPT_TOKENS,
     DEFAULT_KS,
+    DEFAULT_METHODS,
     METHOD_NAMES,
     PROMPT_SETS,
     BenchSettings,
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up runs per method (default: 1)")
     p.add_argument("--ks", default=None, help="comma-separated K values (default: 1,2,3,4,6,8)")
     p.add_argument("--methods", default=None,
-                   help=f"comma-separated subset of {','.join(METHOD_NAMES)} (the target-only baselines always run)")
+                   help=f"comma-separated subset of {','.join(METHOD_NAMES)}, each at every K of --ks or, "
+                        "written METHOD:K, at that K only (the target-only baselines always run)")
     p.add_argument("--seed", type=int, default=0, help="prompt selection seed (default: 0)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write one record per method and K")
@@ -90,7 +92,7 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
     if a.prompts == "code":
         base["prompt_tokens"] = CODE_PROMPT_TOKENS
     pick = lambda name: getattr(a, name) if getattr(a, name) is not None else (QUICK if a.quick else base).get(name, base[name])
-    methods = tuple(m.strip() for m in a.methods.split(",")) if a.methods else METHOD_NAMES
+    methods = tuple(m.strip() for m in a.methods.split(",")) if a.methods else DEFAULT_METHODS
     try:
         return BenchSettings(prompt_set=a.prompts, num_prompts=pick("num_prompts"), prompt_tokens=pick("prompt_tokens"),
                              new_tokens=pick("new_tokens"), repeats=pick("repeats"), warmup=pick("warmup"),
@@ -132,8 +134,9 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
         raise UsageError(str(exc)) from None
     a.draft = draft_source(a)
     if a.draft is None:   # no draft model: the methods that run one are left out
-        settings = replace(settings, methods=tuple(m for m in settings.methods if not Method(m, 1).uses_draft_model
-                                                   and m != "hf-assisted"))
+        settings = replace(settings, methods=tuple(m for m in settings.methods
+                                                   if not Method(m.partition(":")[0], 1).uses_draft_model
+                                                   and not m.startswith("hf-assisted")))
         if chosen is not None and (chosen.uses_draft_model or chosen.name == "hf-assisted"):
             raise UsageError(f"{chosen.name} needs a draft model: pass --draft")
     drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)

@@ -90,18 +90,34 @@ class Method:
                           fused_forward=self.name != "target-transformers", tree=self.tree)
 
 
+def method_ks(entry: str, ks: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+    """A --methods entry and the Ks it runs at: 'eagle' at every K of --ks, 'eagle:6' at K = 6 only."""
+    name, _, k = entry.partition(":")
+    if not k:
+        return name, tuple(ks)
+    try:
+        return name, (int(k),)
+    except ValueError:
+        raise ValueError(f"bad K in {entry!r}; write METHOD:K, e.g. eagle:6") from None
+
+
 def build_methods(names: Sequence[str], ks: Sequence[int]) -> list[Method]:
-    """The baselines first, then each selected method at each K (heuristic ones once, from K=4)."""
+    """The baselines first, then each selected method at each of its Ks (heuristic ones once, from K=4),
+    in METHOD_NAMES order."""
+    wanted: dict[str, list[int]] = {}
+    for entry in names:
+        name, its_ks = method_ks(entry, ks)
+        wanted.setdefault(name, []).extend(k for k in its_ks if k not in wanted.get(name, []))
     out = [Method(n) for n in BASELINES]
     for name in METHOD_NAMES:
-        if name in BASELINES or name not in names:
+        if name in BASELINES or name not in wanted:
             continue
         if name in UNDRAFTED:
             out.append(Method(name))
         elif name.endswith("-heuristic"):
             out.append(Method(name, HEURISTIC_START_K))
         else:
-            out.extend(Method(name, k) for k in ks)
+            out.extend(Method(name, k) for k in sorted(wanted[name]))
     return out
 
 
@@ -121,16 +137,19 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.prompt_set not in PROMPT_SETS:
             raise ValueError(f"--prompts must be one of {', '.join(PROMPT_SETS)}, not {self.prompt_set!r}")
-        if "tree-static" in " ".join(self.methods) and any(k not in STATIC_TREES for k in self.ks):
-            raise ValueError(f"static trees are defined for N in {sorted(STATIC_TREES)}, got K = {list(self.ks)}")
+        per_method = [method_ks(entry, self.ks) for entry in self.methods]
+        static = sorted({k for name, ks in per_method if name.endswith("tree-static") for k in ks} - set(STATIC_TREES))
+        if static:
+            raise ValueError(f"static trees are defined for N in {sorted(STATIC_TREES)}, got K = {static}")
         for name in ("num_prompts", "prompt_tokens", "new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if not self.ks or any(not 1 <= k <= K_BOUND for k in self.ks):
-            raise ValueError(f"every K must lie in 1..{K_BOUND}, got {list(self.ks)}")
-        unknown = sorted(set(self.methods) - set(METHOD_NAMES))
+        all_ks = [*self.ks, *(k for _, ks in per_method for k in ks)]
+        if not self.ks or any(not 1 <= k <= K_BOUND for k in all_ks):
+            raise ValueError(f"every K must lie in 1..{K_BOUND}, got {sorted(set(all_ks))}")
+        unknown = sorted({name for name, _ in per_method} - set(METHOD_NAMES))
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHOD_NAMES)}")
 

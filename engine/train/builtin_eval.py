@@ -157,6 +157,10 @@ def sample(target, prompt: str, new_tokens: int = 48) -> str:
     return f"# greedy:\n{prompt}{text(greedy)}\n\n# sampled, T=0.7, top-k 40, seed 0:\n{prompt}{text(sampled)}"
 
 
+def _count(x: object) -> str:
+    return f"{x:,}" if isinstance(x, int) else "n/a"
+
+
 def write_card(fig: PairFigures, out: Path = BUILTIN_DIR) -> None:
     training = json.loads((out / "training.json").read_text()) if (out / "training.json").exists() else {}
     plan = training.get("plan", {})
@@ -180,7 +184,7 @@ Re-measure and rewrite this card: `python -m engine eval-builtin`.
 |---|---|---|
 | shape | {t.get('layers')} layers × {t.get('hidden')}, {t.get('heads')} heads ({t.get('kv_heads')} KV), MLP {t.get('mlp')} | {d.get('layers')} layer × {d.get('hidden')}, {d.get('heads')} heads ({d.get('kv_heads')} KV), MLP {d.get('mlp')} |
 | parameters | {fig.target_params:,} | {fig.draft_params:,} |
-| tokens seen | {training.get('tokens_seen_target', 'n/a'):,} | {training.get('tokens_seen_draft', 'n/a'):,} |
+| tokens seen | {_count(training.get('tokens_seen_target'))} | {_count(training.get('tokens_seen_draft'))} |
 | held-out loss (nats/token, {fig.heldout_windows} windows × 256) | {fig.heldout_loss_target:.3f} | {fig.heldout_loss_draft:.3f} |
 | decode 1 token, 256-token KV, fp32, the engine's forward (median) | {fig.target_decode_ms:.2f} ms | {fig.draft_decode_ms:.2f} ms |
 

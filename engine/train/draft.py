@@ -84,7 +84,9 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64) -> DraftEva
     from engine.speculative import SpeculativeEngine
 
     pair = ModelPair(target, None, load_runtime(folder, target))
-    config = SpecConfig(drafter=DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False, stop_at_eos=False)
+    # stop at the end of the turn, as in use: the training answers end there, and what a target writes
+    # past its EOS is text no head was trained on
+    config = SpecConfig(drafter=DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False)
     rounds, baseline = [], []
     prompts = heldout_prompts(target)
     for ids in prompts:
@@ -122,7 +124,7 @@ reused at load time. Rebuild from scratch: `python -m engine train-draft --targe
 - Held-out loss (training distribution): {meta.get('heldout_loss', float('nan')):.3f}; top-1 agreement with the
   target by unrolled step: {', '.join(f'{a:.2f}' for a in meta.get('heldout_top1_by_step', []))}.
 
-## Measured by the engine ({figures.prompts} held-out prompts, greedy, K = {figures.k}, {figures.new_tokens} new tokens)
+## Measured by the engine ({figures.prompts} held-out prompts, greedy, K = {figures.k}, up to {figures.new_tokens} new tokens, to the end of the turn)
 - per-position acceptance α = accepted / verified positions: **{figures.alpha:.3f}**
   (draft acceptance rate, accepted / drafted: {figures.draft_acceptance:.3f})
 - α at positions 1..{figures.k}: {rates}
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="train on the shards generated so far instead of generating the missing ones first")
     ap.add_argument("--data-only", action="store_true", help="stop after generating the data")
     ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="re-measure the trained head with the engine and rewrite its card; no data, no training")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     if a.threads:
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     work = WORK / a.target
     with quiet_transformers():
         target = load_model(a.target, "target")
-    if not a.skip_data:
+    if not a.skip_data and not a.eval_only:
         log(f"target {target.name}: generating training data under {work / 'data'}")
         prompts = training_prompts(target, a.target, a.prompts)
         new = a.max_new_tokens or (96 if a.target == BUILTIN else 192)
@@ -178,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"data: {tokens:,} tokens")
             return 0
     kept = a.kept or min(8192, target.vocab_size)
-    result = train(target, work / "data", work / "train", eagle_folder(a.target),
-                   EaglePlan(kept=kept, epochs=a.epochs), log=log, deadline=deadline)
-    if not result["finished"]:
-        return 0
+    if not a.eval_only:
+        result = train(target, work / "data", work / "train", eagle_folder(a.target),
+                       EaglePlan(kept=kept, epochs=a.epochs), log=log, deadline=deadline)
+        if not result["finished"]:
+            return 0
     if a.skip_eval:
         return 0
     log("evaluating the head with the engine on the held-out prompts")

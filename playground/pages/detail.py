@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from playground.render.tokens import CHIP_CLICK_JS
+
 
 @dataclass(frozen=True)
 class DetailPage:
@@ -12,12 +14,14 @@ class DetailPage:
     summary: gr.HTML
     position: gr.Dropdown
     detail: gr.Plot
+    tree: gr.HTML
 
 
 def build() -> DetailPage:
     with gr.Row():
         badge = gr.HTML(elem_id="identity-badge")
         position = gr.Dropdown([], label="Token of the selected round (or click a chip)", elem_id="position-pick")
+    tree = gr.HTML(elem_id="tree-view", js_on_load=CHIP_CLICK_JS)
     detail = gr.Plot(label="Verification at the selected token", elem_id="detail-plot")
     summary = gr.HTML(elem_id="summary")
-    return DetailPage(badge, summary, position, detail)
+    return DetailPage(badge, summary, position, detail, tree)

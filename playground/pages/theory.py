@@ -18,6 +18,7 @@ class TheoryPage:
     r_curve: gr.Plot
     recommendation: gr.HTML
     refresh: gr.Button
+    remeasure: gr.Button
 
     def outputs(self) -> list:
         return [self.figure, self.r_curve, self.recommendation]
@@ -38,5 +39,7 @@ def build() -> TheoryPage:
     figure = gr.Plot(show_label=False, elem_id="theory-plot")
     r_curve = gr.Plot(show_label=False, elem_id="theory-r")
     recommendation = gr.HTML(elem_id="theory-recommendation")
-    refresh_button = gr.Button("↻ Update from the playground's run", size="sm", elem_id="theory-refresh")
-    return TheoryPage(figure, r_curve, recommendation, refresh_button)
+    with gr.Row():
+        refresh_button = gr.Button("↻ Update from the playground's run", size="sm", elem_id="theory-refresh")
+        remeasure = gr.Button("⏱ Measure r(n) again", size="sm", elem_id="theory-remeasure")
+    return TheoryPage(figure, r_curve, recommendation, refresh_button, remeasure)

@@ -62,7 +62,8 @@ def per_position_figure(view: RunView) -> go.Figure:
     rates = metrics.position_rates(view.rounds)
     ys = [None if math.isnan(r) else r for r in rates]
     return _figure([go.Bar(x=list(range(1, len(rates) + 1)), y=ys, name="acceptance", marker_color=SPEC_COLOUR)],
-                   "Per-position acceptance", "draft position", "accepted / verified", yaxis_range=[0, 1.05])
+                   "Per-position acceptance (a tree: per depth)", "draft position or tree depth",
+                   "accepted / verified", yaxis_range=[0, 1.05])
 
 
 def accepted_length_figure(view: RunView) -> go.Figure:

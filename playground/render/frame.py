@@ -10,6 +10,7 @@ from playground.render import charts
 from playground.render.kv_plots import kv_figure, kv_table_html
 from playground.render.round_plots import position_choices, position_figure
 from playground.render.tokens import stream_html
+from playground.render.tree import tree_html
 from playground.view import Cursor, Panel, RunView
 
 
@@ -30,6 +31,7 @@ class DetailFrame:
     positions: list[tuple[str, int]]
     position: int | None
     detail: go.Figure
+    tree: str = ""            # a tree round drawn as a tree ("" for a chain)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def _status(view: RunView | None, cursor: Cursor, failure: str | None) -> str:
     where = _where(view, cursor)
     if failure is None:
         return where
-    return f"**⚠ {failure.rstrip('.')}.** " + (f"Showing the previous run: {where}" if view is not None else where)
+    shown = "" if view is None or view.previous is not None else "Showing the previous run: "   # a previous run says so
+    return f"**⚠ {failure.rstrip('.')}.** {shown}{where}"
 
 
 def _where(view: RunView | None, cursor: Cursor) -> str:
@@ -93,7 +96,9 @@ def _detail(view: RunView | None, verified: RunView | None, cursor: Cursor) -> D
     index, position = selection
     record = view.rounds[index]
     revealed = cursor.revealed or index != cursor.shown - 1
-    return DetailFrame(badge, summary, position_choices(record), position, position_figure(record, position, revealed))
+    tree = tree_html(record, position) if record.tree is not None and revealed else ""
+    return DetailFrame(badge, summary, position_choices(record), position, position_figure(record, position, revealed),
+                       tree)
 
 
 def _kv(view: RunView | None) -> KVFrame:
@@ -101,7 +106,8 @@ def _kv(view: RunView | None) -> KVFrame:
     states = view.rounds[-1].kv if view is not None and view.rounds else []
     by_model = {k.model: k for k in states}
     target = kv_figure(by_model["target"]) if "target" in by_model else charts.empty_figure("No target cache yet.")
-    draft = kv_figure(by_model["draft"]) if "draft" in by_model else charts.empty_figure(
+    drafts = [by_model[m] for m in ("draft", "eagle") if m in by_model]
+    draft = kv_figure(drafts[0]) if drafts else charts.empty_figure(
         "No draft cache: n-gram drafter or target-only mode." if states else "No draft cache yet.")
     return KVFrame(target, draft, kv_table_html(states))
 

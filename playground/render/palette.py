@@ -109,6 +109,10 @@ def stylesheet() -> str:
 .chip.chip-rejected { text-decoration: line-through; text-decoration-thickness: 2px; }
 .chip.chip-unchecked { opacity: 0.55; text-decoration: line-through; }
 .chip.selected { outline: 3px solid #000; outline-offset: 1px; }
+.tree-view .chip { position: absolute; width: 110px; overflow: hidden; text-overflow: ellipsis; }
+.tree-view .chip.on-path { font-weight: 700; box-shadow: 0 0 0 2px #000; }
+.tree-view .tree-root { background: #eee; border: 2px solid #999; cursor: default; }
+.tree-caption { font-size: 13px; margin: 2px 0 6px; }
 .round-sep { display: inline-block; width: 1px; height: 1.2em; background: #bbb; margin: 0 3px;
              vertical-align: middle; }
 .legend { display: flex; flex-wrap: wrap; gap: 10px 18px; font-size: 13px; margin: 4px 0; }

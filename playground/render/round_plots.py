@@ -45,9 +45,15 @@ def _mark(labels: list[str], candidates: list[Candidate], token: int, text: str,
 
 
 def position_figure(record: RoundRecord, position: int, revealed: bool = True) -> go.Figure:
-    """The figure for position `position` of a round: 0..k-1 a drafted token, k the final token."""
+    """The figure for position `position` of a round: 0..k-1 a drafted token, k the final token (a tree
+    round: 1..k its nodes, 0 its final token)."""
     if not 0 <= position <= record.k:
         raise ValueError(f"position {position} is outside round {record.index}'s 0..{record.k}")
+    if record.tree is not None:
+        from playground.render.tree import node_figure
+
+        return node_figure(record, position) if revealed else _message("The tree's verification is pending: Step "
+                                                                         "reveals it.")
     if position == record.k:
         if not revealed:
             return _message("The final token (correction or bonus) appears once verification is revealed.")
@@ -103,7 +109,11 @@ def final_figure(record: RoundRecord) -> go.Figure:
 
 
 def position_choices(record: RoundRecord) -> list[tuple[str, int]]:
-    """Dropdown entries for a round's positions: (label, position)."""
+    """Dropdown entries for a round's positions: (label, position); a tree round's nodes, then its final (0)."""
+    if record.tree is not None:
+        nodes = [(f"node {n.index} (depth {n.depth}) {visible(n.text)} {OUTCOME_STYLES[n.outcome].icon}", n.index)
+                 for n in record.tree.nodes]
+        return nodes + [(f"final {visible(record.final.text)} {OUTCOME_STYLES[record.final.outcome].icon}", 0)]
     out = []
     for p in record.positions:
         mark = OUTCOME_STYLES[p.outcome].icon

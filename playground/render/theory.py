@@ -142,6 +142,25 @@ def _run_verify_points(view: RunView) -> list[tuple[int, float]]:
     return [(n, metrics.median(ms) / step) for n, ms in sorted(by_n.items())]
 
 
+def tree_rows(view: RunView, pred: Prediction) -> list[tuple[str, str]]:
+    """For a tree run: its tokens per round predicted from the measured per-depth acceptance, and its
+    cost from the measured r at its width, beside the same tree on a memory-bound device (r = 1)."""
+    spec = view.info.config.tree
+    if spec is None:
+        return []
+    flat = metrics.predict(view.rounds, view.baseline, lambda n: 1.0)
+    width = spec.nodes + 1
+    out = [(f"tree {spec.label()}: {spec.nodes} nodes, verify width {width}, up to {spec.max_depth} deep",
+            f"acceptance by depth {', '.join('—' if r != r else f'{r:.2f}' for r in pred.rates)}"),
+           ("tree tokens per round: measured / from the per-depth rates",
+            f"{pred.tokens_measured:.2f} / {pred.tokens_rates:.2f}"),
+           (f"r({width}) measured here", f"{view.calibration.at(width):.2f}")]
+    if not isinstance(flat, NotMeasured):
+        out.append(("predicted speed-up: with r measured here / on a memory-bound device (r = 1)",
+                    f"{pred.speedup_rates:.2f}× / {flat.speedup_rates:.2f}×"))
+    return out
+
+
 def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
     """The recommended K and whether speculation is predicted to pay, with where each number comes from."""
     got = inputs(view)
@@ -163,5 +182,6 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
              f"{pred.tokens_measured:.2f} / {pred.tokens_iid:.2f} / {pred.tokens_rates:.2f}"),
             ("speed-up: measured / predicted", ("—" if measured is None else f"{measured:.2f}×")
              + f" / {pred.speedup_iid:.2f}×")]
+    rows += tree_rows(view, pred)
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv-table">{body}</table>'

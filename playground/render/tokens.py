@@ -50,24 +50,32 @@ class Chip:
 
 
 def draft_source(r: RoundRecord) -> str:
-    """Who proposed a round's drafts: the draft model, or a copy of an earlier occurrence (the
-    n-gram drafter always, the hybrid in rounds where it spent no draft forward)."""
+    """Who proposed a round's drafts: the draft model, the EAGLE head, or a copy of an earlier
+    occurrence (the n-gram drafter always, a hybrid in rounds where it copied)."""
     if r.proposer is DrafterKind.NGRAM:
         return "copied by prompt lookup"
+    if r.proposer is DrafterKind.EAGLE:
+        return "from the EAGLE head"
     return "from the draft model"
+
+
+def chip_text(text: str, pending: str) -> str:
+    """What a chip shows: its characters, and the bytes of a character it starts but does not finish."""
+    return text + (f"‹{pending}›" if pending else "")
 
 
 def position_chip(r: RoundRecord, p: PositionRecord, revealed: bool) -> Chip:
     name = f"drafted #{p.index + 1} ({draft_source(r)})"
     if not revealed:
-        return Chip(p.text, Outcome.PENDING, f"{name}: q={_num(p.q_draft)} · not yet verified", r.index, p.index)
+        return Chip(chip_text(p.text, p.pending), Outcome.PENDING, f"{name}: q={_num(p.q_draft)} · not yet verified",
+                    r.index, p.index)
     if p.outcome is Outcome.UNCHECKED:
-        return Chip(p.text, Outcome.UNCHECKED, f"{name}: q={_num(p.q_draft)} · discarded "
+        return Chip(chip_text(p.text, p.pending), Outcome.UNCHECKED, f"{name}: q={_num(p.q_draft)} · discarded "
                     "unchecked (an earlier draft was rejected)", r.index, p.index)
     verdict = "u < α: accepted" if p.outcome is Outcome.ACCEPTED else "u ≥ α: rejected"
     title = (f"{name}: p={_num(p.p_target)} q={_num(p.q_draft)} "
              f"α=min(1,p/q)={_num(p.alpha)} u={_num(p.u)} · {verdict}")
-    return Chip(p.text, p.outcome, title, r.index, p.index)
+    return Chip(chip_text(p.text, p.pending), p.outcome, title, r.index, p.index)
 
 
 def final_chip(r: RoundRecord, f: FinalRecord) -> Chip:
@@ -79,7 +87,24 @@ def final_chip(r: RoundRecord, f: FinalRecord) -> Chip:
         how = "the prefill round: sampled from the target's row after the whole prompt, before any drafting"
     else:
         how = "sampled from the target alone (no drafts this round)"
-    return Chip(f.text, f.outcome, f"{how}: p={_num(f.p_target)} u={_num(f.u)}", r.index, r.k)
+    position = 0 if r.tree is not None else r.k    # a tree round's final token is its position 0
+    return Chip(chip_text(f.text, f.pending), f.outcome, f"{how}: p={_num(f.p_target)} u={_num(f.u)}", r.index,
+                position)
+
+
+def tree_chips(r: RoundRecord, revealed: bool) -> list[Chip]:
+    """A tree round in the stream: its accepted path and final token (the Round detail tab draws the tree)."""
+    if not revealed:
+        return [Chip(f"tree of {r.k}", Outcome.PENDING, f"a tree of {r.k} drafted nodes ({draft_source(r)}), not "
+                     "yet verified", r.index, 0)]
+    nodes = {n.index: n for n in r.tree.nodes}
+    chips = [Chip(chip_text(nodes[i].text, nodes[i].pending), Outcome.ACCEPTED,
+                  f"tree node {i} at depth {nodes[i].depth} ({draft_source(r)}): p={_num(nodes[i].p_target)} "
+                  f"q={_num(nodes[i].q_draft)} α={_num(nodes[i].alpha)} u={_num(nodes[i].u)} · accepted", r.index, i)
+             for i in r.tree.path[: len(r.emitted)]]
+    if len(r.emitted) > r.accepted:
+        chips.append(final_chip(r, r.final))
+    return chips
 
 
 def round_chips(r: RoundRecord, revealed: bool = True) -> list[Chip]:
@@ -87,6 +112,8 @@ def round_chips(r: RoundRecord, revealed: bool = True) -> list[Chip]:
 
     Unrevealed, only the drafts show, all pending. Tokens cut by EOS or max_new_tokens are not shown.
     """
+    if r.tree is not None:
+        return tree_chips(r, revealed)
     if not revealed:
         return [position_chip(r, p, False) for p in r.positions]
     chips = [position_chip(r, p, True) for p in r.positions[: r.accepted]]

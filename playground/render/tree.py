@@ -132,11 +132,3 @@ def node_figure(record: RoundRecord, node: int) -> go.Figure:
                       template="plotly_white", margin=dict(l=50, r=20, t=60, b=80), xaxis=dict(type="category"),
                       legend=dict(orientation="h", y=-0.35))
     return fig
-
-
-TREE_CSS = """
-.tree-view .chip { position: absolute; width: 110px; overflow: hidden; text-overflow: ellipsis; }
-.tree-view .chip.on-path { font-weight: 700; box-shadow: 0 0 0 2px #000; }
-.tree-view .tree-root { background: #eee; border: 2px solid #999; cursor: default; }
-.tree-caption { font-size: 13px; margin: 2px 0 6px; }
-"""
