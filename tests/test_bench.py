@@ -107,6 +107,15 @@ def test_summarize_flags_mismatched_tokens_and_reads_c_and_r_from_the_runs():
         (1 + 0.5 + 0.5 * 0.0) / (0.2 * 2 + 1.5))   # rates [1/2, 0/1] from the checks
 
 
+@pytest.mark.parametrize("name, c", [("eagle", 0.2), ("eagle-hybrid", 0.2), ("ngram", 0.0)])
+def test_an_eagle_heads_step_is_its_draft_cost(name, c):
+    """The head's forwards are draft forwards: c is their cost (prompt lookup's is 0)."""
+    samples = [_sample(0, [1, 2, 3, 4], [2, 2], 1, 3)]
+    result = summarize(Method(name, 2), samples, t1=0.01, fastest_tps=8.0, reference={0: [1, 2, 3, 4]},
+                       r_of_n=lambda n: 1.5)
+    assert result.c == pytest.approx(c)
+
+
 def test_generate_gets_no_prediction_without_verified_positions():
     samples = [_sample(0, [1, 2, 3, 4], [2, 2], 2, None)]
     result = summarize(Method("hf-assisted", 2), samples, t1=0.01, fastest_tps=8.0, reference={0: [1, 2, 3, 4]},

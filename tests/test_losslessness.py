@@ -50,17 +50,21 @@ def exact_joint(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, int, 
     return out
 
 
-def sampled_counts(pair: ModelPair, drafter: DrafterKind, runs: int) -> dict[tuple[int, int, int], int]:
+def run_counts(pair: ModelPair, runs: int, **config) -> dict[tuple[int, int, int], int]:
+    """How often each first three tokens came out over `runs` seeds of the engine with `config`."""
     counts: dict[tuple[int, int, int], int] = {}
     for seed in range(runs):
-        config = SpecConfig(drafter=drafter, k=2, sampling=SAMPLING, seed=seed, max_new_tokens=3, stop_at_eos=False,
-                            record=False, ngram_min=1)
-        engine = SpeculativeEngine(pair, PROMPT, config)
+        engine = SpeculativeEngine(pair, PROMPT, SpecConfig(sampling=SAMPLING, seed=seed, max_new_tokens=3,
+                                                            stop_at_eos=False, record=False, **config))
         engine.run()
         engine.close()
         key = tuple(engine.generated)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def sampled_counts(pair: ModelPair, drafter: DrafterKind, runs: int) -> dict[tuple[int, int, int], int]:
+    return run_counts(pair, runs, drafter=drafter, k=2, ngram_min=1)
 
 
 def chi_square(exact: dict, counts: dict) -> float:
@@ -104,16 +108,7 @@ def test_the_test_can_fail(tiny):
 
 
 def tree_counts(pair: ModelPair, drafter: DrafterKind, spec: TreeSpec, runs: int) -> dict[tuple[int, int, int], int]:
-    counts: dict[tuple[int, int, int], int] = {}
-    for seed in range(runs):
-        config = SpecConfig(drafter=drafter, tree=spec, sampling=SAMPLING, seed=seed, max_new_tokens=3,
-                            stop_at_eos=False, record=False)
-        engine = SpeculativeEngine(pair, PROMPT, config)
-        engine.run()
-        engine.close()
-        key = tuple(engine.generated)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return run_counts(pair, runs, drafter=drafter, tree=spec)
 
 
 @pytest.mark.parametrize("drafter, spec", [

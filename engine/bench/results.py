@@ -58,7 +58,7 @@ def reference_forward_s(samples: Sequence[RunSample]) -> float:
 def cost_ratios(method: Method, samples: Sequence[RunSample], t1: float) -> tuple[float, dict[int, float]]:
     """(c, {k: r at K}) from this method's own forward times, relative to `t1` seconds."""
     draft = [t.seconds for s in samples for t in s.decode_forwards[1]]
-    c = median(draft, 0.0) / t1 if method.uses_draft_model else 0.0
+    c = median(draft, 0.0) / t1 if method.uses_draft_model or method.uses_eagle else 0.0   # a head's step counts
     by_k: dict[int, list[float]] = {}
     for s in samples:
         for t in s.decode_forwards[0]:
