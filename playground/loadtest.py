@@ -97,11 +97,13 @@ def start_server(host: str, port: int, sessions: int, lease_s: float, tmp: Path)
 
 
 def wait_until_up(url: str, server: subprocess.Popen, deadline: float) -> None:
+    """Poll `url` until it answers 200; the server's output (stderr, else stdout) if it exits first."""
     import httpx
 
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the app exited at start-up:\n{server.stderr.read()[-2000:]}")
+            output = server.stderr or server.stdout
+            raise RuntimeError(f"the app exited at start-up:\n{output.read()[-2000:] if output else ''}")
         try:
             if httpx.get(url, timeout=5).status_code == 200:
                 return

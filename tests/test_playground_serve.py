@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 from gradio_client import Client
 
+from playground.loadtest import wait_until_up
 from playground.sessions import OWNER_LOCK, ROOT_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,19 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until_up(url: str, process: subprocess.Popen, bound_s: float = 180) -> None:
-    deadline = time.monotonic() + bound_s      # a bound against a hang, not a duration under test
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the app did not start")
 
 
 def test_sigterm_removes_the_session_folders_and_start_up_sweeps_a_killed_servers(tmp_path):
@@ -48,7 +35,7 @@ def test_sigterm_removes_the_session_folders_and_start_up_sweeps_a_killed_server
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}/"
-        wait_until_up(url, server)
+        wait_until_up(url, server, time.monotonic() + 180)   # a bound against a hang, not a timing
         assert not killed.exists()
         client = Client(url, verbose=False)
         assert "Round 1 of" in client.predict(api_name="/step")[0]
