@@ -38,6 +38,8 @@ class TreeSpec:
     budget: int = 0
     depth: int = 4
     rule: TreeRule = TreeRule.RECURSIVE
+    # greedy trees grow by the draft's confidence as measured (engine.tree.Confidence); False: by raw q
+    calibrated: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, TreeRule):
@@ -70,21 +72,25 @@ class TreeSpec:
 
     @staticmethod
     def parse(text: str) -> "TreeSpec":
-        """'4-2-2-1' (static widths) or 'N16' / 'N16d6' (dynamic: budget, optional depth)."""
+        """'4-2-2-1' (static widths) or 'N16' / 'N16d6' (dynamic: budget, optional depth); a trailing 'q'
+        grows by the draft's raw q instead of its measured confidence (e.g. 'N16d6q')."""
         text = text.strip().lower()
+        shape = text.removesuffix("q")
+        calibrated = shape == text
         try:
-            if text.startswith("n"):
-                budget, _, depth = text[1:].partition("d")
-                return TreeSpec(budget=int(budget), depth=int(depth) if depth else 4)
-            return TreeSpec(widths=tuple(int(w) for w in text.split("-")))
+            if shape.startswith("n"):
+                budget, _, depth = shape[1:].partition("d")
+                return TreeSpec(budget=int(budget), depth=int(depth) if depth else 4, calibrated=calibrated)
+            return TreeSpec(widths=tuple(int(w) for w in shape.split("-")), calibrated=calibrated)
         except ValueError as exc:
             if "invalid literal" in str(exc):
                 raise ValueError(f"a tree is written as widths per depth (e.g. 4-2-2-1) or a budget (e.g. N16 or "
-                                 f"N16d6), not {text!r}") from None
+                                 f"N16d6), optionally ending in q (grow by raw q), not {text!r}") from None
             raise
 
     def label(self) -> str:
-        return "-".join(map(str, self.widths)) if self.widths else f"N{self.budget}d{self.depth}"
+        shape = "-".join(map(str, self.widths)) if self.widths else f"N{self.budget}d{self.depth}"
+        return shape if self.calibrated else shape + "q"
 
 
 class Mode(str, Enum):

@@ -127,6 +127,8 @@ class ModelPair:
     target: LoadedModel
     draft: LoadedModel | None = None
     eagle: "EagleRuntime | None" = None   # the target's EAGLE head, when one is loaded
+    # what greedy tree rounds over this pair have learned of each drafter's confidence, by drafter name
+    confidences: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.draft is not None and self.draft.tokenizer is not self.target.tokenizer:
@@ -134,6 +136,14 @@ class ModelPair:
         if self.eagle is not None and self.eagle.target is not self.target:
             raise ModelLoadError(f"The EAGLE head given was bound to {self.eagle.target.name!r}, not to the "
                                  f"target {self.target.name!r}.")
+
+
+    def confidence(self, drafter: str) -> "Confidence":
+        """The pair's engine.tree.Confidence for `drafter` ("model" or "eagle"): shared by every engine
+        over this pair, so each run's tree rounds start from what earlier runs measured."""
+        from engine.tree import Confidence
+
+        return self.confidences.setdefault(drafter, Confidence())
 
 
 def check_same_tokenizer(draft: LoadedModel, target: LoadedModel, probes: int = 2000) -> None:

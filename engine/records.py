@@ -83,7 +83,7 @@ class TreeNode:
     depth: int
     token: int
     text: str
-    score: float               # cumulative draft probability of its path
+    score: float               # its path's estimated chance of acceptance (cumulative q, or calibrated)
     q_draft: float             # q of its token in the row it was drawn from (renormalised without earlier siblings)
     p_target: float | None     # the target's (residual-updated) p of its token when tested; None if never tested
     alpha: float | None

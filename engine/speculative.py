@@ -86,6 +86,12 @@ class SpeculativeEngine:
         self._features: torch.Tensor | None = None   # the last target forward's features, for the drafter
         self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config), self.sequence.prompt)
         self.k = config.k
+        tree = config.tree
+        # greedy trees grow by the draft's calibrated confidence (engine.tree.Confidence), which the
+        # pair keeps across runs
+        self.confidence = pair.confidence("eagle" if config.drafter.uses_eagle else "model") \
+            if tree is not None and tree.calibrated and config.sampling.greedy and config.mode is not Mode.TARGET \
+            else None
         self.rounds: list[RoundRecord] = []
         self._started = False
         self._busy_s = 0.0  # time spent inside step(): a stepping UI's idle time never counts
@@ -180,7 +186,8 @@ class SpeculativeEngine:
         if not k:
             return None
         if self.config.tree is not None:
-            return self.drafter.propose_tree(self.tokens, self.config.tree)
+            return self.drafter.propose_tree(self.tokens, self.config.tree,
+                                             self.confidence.weigh if self.confidence else None)
         proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1))
         return proposal if proposal.tokens else None
 
@@ -253,7 +260,10 @@ class SpeculativeEngine:
             self.drafter.commit(self.tokens, self._features)
 
     def _schedule(self, proposal: Proposal | TreeProposal | None, verdict: VerifyResult | TreeVerdict) -> None:
-        """The next round's K (the heuristic schedule reacts to a fully accepted round)."""
+        """The next round's K (the heuristic schedule reacts to a fully accepted round); a tree round
+        teaches the calibration what its children's q was worth."""
+        if isinstance(proposal, TreeProposal) and self.confidence is not None:
+            self.confidence.observe(proposal.tree, verdict)
         if isinstance(proposal, Proposal):
             self.k = self.config.next_k(self.k, verdict.accepted_count == len(proposal.tokens))
 

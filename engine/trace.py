@@ -93,7 +93,8 @@ def config_to_dict(config: SpecConfig) -> dict:
     out["sampling"] = asdict(config.sampling)
     if config.tree is not None:
         t = config.tree
-        out["tree"] = {"widths": list(t.widths), "budget": t.budget, "depth": t.depth, "rule": t.rule.value}
+        out["tree"] = {"widths": list(t.widths), "budget": t.budget, "depth": t.depth, "rule": t.rule.value,
+                       "calibrated": t.calibrated}
     return out
 
 
@@ -107,7 +108,8 @@ def config_from_dict(data: dict) -> SpecConfig:
         if tree is not None:
             if not isinstance(tree, dict):
                 raise ValueError("tree must be an object")
-            tree = TreeSpec(**{**tree, "widths": tuple(tree.get("widths", ()))})
+            # traces written before calibrated growth existed grew their trees by raw q
+            tree = TreeSpec(**{"calibrated": False, **tree, "widths": tuple(tree.get("widths", ()))})
         return SpecConfig(**{**data, "sampling": sampling, "tree": tree})
     except (TypeError, ValueError) as exc:
         raise TraceError(f"config is not a valid SpecConfig: {exc}") from None

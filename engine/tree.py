@@ -28,6 +28,7 @@ lab can show it fail.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Callable
@@ -106,6 +107,7 @@ def attention_mask(tree: DraftTree, past: int, nodes: list[int] | None = None,
 
 # -- construction -----------------------------------------------------------------------------------
 RowsAt = Callable[["DraftTree", list[int]], dict[int, Tensor]]   # (tree, nodes) -> their draft rows, one forward
+Weigh = Callable[[float, int, int], float]   # (a child's q, its rank among its siblings from 0, its depth) -> its chance
 
 
 @dataclass(order=True, slots=True)
@@ -128,12 +130,17 @@ def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int)
     return torch.topk(keys, limit).indices.tolist()
 
 
-def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generator: torch.Generator) -> DraftTree:
+def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generator: torch.Generator,
+         weigh: Weigh | None = None) -> DraftTree:
     """Build a tree best-first. rows_at(tree, nodes) runs the drafter on those nodes (one forward, a tree
     mask; node 0 alone: the drafter's forward up to the root) and returns their draft rows; it is called
     once per wave of nodes whose rows are needed. Greedy rows rank children; sampled rows are the
-    distributions children are drawn from."""
+    distributions children are drawn from.
+
+    A node's score is its parent's times the child's chance of acceptance: its draft probability, or
+    when greedy and `weigh` is given, weigh(q, rank, depth) (a Confidence table's estimate from earlier rounds)."""
     tree = DraftTree.root(root_token)
+    weigh = weigh if greedy and weigh is not None else (lambda q, rank, depth: q)
     caps = list(spec.widths) if spec.widths else None
     heap: list[_Option] = [_Option(-1.0, 0)]
     pending: list[_Option] = []           # options of nodes whose rows are not computed yet
@@ -144,7 +151,7 @@ def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generat
                 tree.q_rows[node] = row
             for o in pending:
                 o.order = _draw_order(tree.q_rows[o.node], greedy, generator, spec.nodes)
-                o.priority = -_next_priority(tree, o, greedy)
+                o.priority = -_next_priority(tree, o, greedy, weigh)
                 if o.order:
                     heapq.heappush(heap, o)
             pending = []
@@ -160,27 +167,72 @@ def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generat
             continue                      # that depth is full: the option (and its later siblings) is dropped
         token = option.order[option.taken]
         q = tree.q_rows[option.node]
-        child = tree.add(option.node, token, tree.scores[option.node] * float(q[token]))
+        child = tree.add(option.node, token, tree.scores[option.node] * weigh(float(q[token]), option.taken, depth))
         filled[depth] += 1
         option.taken += 1
         if option.taken < len(option.order):
-            option.priority = -_next_priority(tree, option, greedy)
+            option.priority = -_next_priority(tree, option, greedy, weigh)
             heapq.heappush(heap, option)
         if depth < spec.max_depth:
             pending.append(_Option(-tree.scores[child], child))   # an upper bound until its row is known
     return tree
 
 
-def _next_priority(tree: DraftTree, option: _Option, greedy: bool) -> float:
-    """Cumulative probability of v times the mass available to its next child: that child's own q when
-    greedy (the order is known), the mass not yet drawn when sampling (known before the draw)."""
+def _next_priority(tree: DraftTree, option: _Option, greedy: bool, weigh: Weigh) -> float:
+    """Score of v times the chance of its next child: that child's weighed q when greedy (the order is
+    known), the mass not yet drawn when sampling (known before the draw)."""
     q = tree.q_rows[option.node]
     if option.taken >= len(option.order):
         return 0.0
     if greedy:
-        return tree.scores[option.node] * float(q[option.order[option.taken]])
+        return tree.scores[option.node] * weigh(float(q[option.order[option.taken]]), option.taken,
+                                                 tree.depths[option.node] + 1)
     drawn = sum(float(q[t]) for t in option.order[: option.taken])
     return tree.scores[option.node] * max(0.0, 1.0 - drawn)
+
+
+class Confidence:
+    """How often a drafted child turns out to be the target's greedy token, by its draft probability q,
+    its rank (first child or a later sibling) and its depth, learned from the rounds verified so far.
+
+    Best-first growth by cumulative q (EAGLE-2) assumes the draft is calibrated: that a child with q =
+    0.3 is the target's token 30% of the time. A small draft is often right but unsure, and then
+    q-growth spends the budget on siblings where depth would pay. No power of q fixes that (a path's
+    product of q^t orders nodes exactly as the product of q), so the estimate is a table: per rank,
+    depth band and q bin, hits over trials, starting from a prior of `prior` trials at the bin's
+    middle, so the first round grows as q does. Depth matters because acceptance is correlated along
+    a path: a round that reached depth 6 is in text the draft predicts well. Used for greedy trees
+    only; the tree's structure depends on draft rows and past rounds, never on this round's target,
+    so verification stays exact."""
+
+    EDGES = (0.0, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    DEPTHS = (1, 2, 3, 5, 9)   # depth bands start here
+    RANKS = 2                  # the first child, and every later sibling
+
+    def __init__(self, prior: float = 4.0) -> None:
+        mids = [(a + b) / 2 for a, b in zip(self.EDGES, self.EDGES[1:])]
+        cells = self.RANKS * len(self.DEPTHS)
+        self.trials = [[prior] * len(mids) for _ in range(cells)]
+        self.hits = [[prior * m for m in mids] for _ in range(cells)]
+
+    def _cell(self, q: float, rank: int, depth: int) -> tuple[int, int]:
+        b = min(max(bisect.bisect_right(self.EDGES, q) - 1, 0), len(self.EDGES) - 2)
+        band = bisect.bisect_right(self.DEPTHS, depth) - 1
+        return min(rank, self.RANKS - 1) * len(self.DEPTHS) + band, b
+
+    def weigh(self, q: float, rank: int, depth: int) -> float:
+        r, b = self._cell(q, rank, depth)
+        return self.hits[r][b] / self.trials[r][b]
+
+    def observe(self, tree: DraftTree, verdict: "TreeVerdict") -> None:
+        """Count every child of every node the greedy walk reached: a hit iff it is the token the
+        target chose there (the next accepted token, or the final one)."""
+        for node, chosen in zip([0, *verdict.path], verdict.tokens):
+            row = tree.q_rows.get(node)
+            for rank, child in enumerate(tree.children[node]):
+                r, b = self._cell(float(row[tree.tokens[child]]), rank, tree.depths[child])
+                self.trials[r][b] += 1
+                self.hits[r][b] += float(tree.tokens[child] == chosen)
 
 
 # -- verification ------------------------------------------------------------------------------------

@@ -415,3 +415,14 @@ def test_a_trace_is_readable_after_its_writer_is_killed(tmp_path) -> None:
     child.wait()
     t = load_trace(path)
     assert not t.complete and len(t.rounds) >= 3 and t.summary is None
+
+
+def test_tree_growth_round_trips_and_older_traces_read_as_raw_q():
+    from engine.config import TreeSpec
+
+    for spec in (TreeSpec(budget=16, depth=6), TreeSpec(widths=(4, 2), calibrated=False)):
+        config = SpecConfig(tree=spec)
+        assert config_from_dict(json.loads(json.dumps(config_to_dict(config)))) == config
+    older = config_to_dict(SpecConfig(tree=TreeSpec(budget=16, depth=6)))
+    del older["tree"]["calibrated"]   # written before growth by measured confidence existed
+    assert config_from_dict(older).tree == TreeSpec(budget=16, depth=6, calibrated=False)

@@ -11,8 +11,9 @@ from engine.models import ModelPair
 from engine.prompts import encode_prompt
 from engine.records import Outcome
 from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine
-from engine.tree import DraftTree, attention_mask, grow, verify_tree
+from engine.tree import Confidence, DraftTree, attention_mask, grow, verify_tree
 from tests.test_speculative import CODE, assert_cache_holds, hf_greedy
 
 NEW = 32
@@ -22,6 +23,8 @@ def test_specs_validate_and_parse():
     assert TreeSpec(widths=(4, 2, 2, 1)).nodes == 9 and TreeSpec(widths=(4, 2, 2, 1)).max_depth == 4
     assert TreeSpec.parse("4-2-2-1") == TreeSpec(widths=(4, 2, 2, 1))
     assert TreeSpec.parse("N16d6") == TreeSpec(budget=16, depth=6) and TreeSpec.parse("n8").depth == 4
+    assert TreeSpec.parse("N16d6q") == TreeSpec(budget=16, depth=6, calibrated=False)
+    assert TreeSpec.parse("4-2q").label() == "4-2q" and TreeSpec.parse("4-2").label() == "4-2"
     for bad, message in [(dict(widths=(8, 8, 8, 8, 4)), "36 nodes; the bound is 32"),
                          (dict(widths=(2, 0)), "positive integer"), (dict(budget=0), "node budget"),
                          (dict(budget=TREE_BOUND + 1), "node budget"), (dict(widths=(2,), budget=4), "not both"),
@@ -85,7 +88,8 @@ def reference(builtin_pair, prompt) -> list[int]:
 
 @pytest.mark.parametrize("spec", [TreeSpec(widths=(4, 2, 2, 1)), TreeSpec(widths=(2, 2, 2, 2, 2)),
                                   TreeSpec(budget=4, depth=3), TreeSpec(budget=16, depth=6),
-                                  TreeSpec(budget=32, depth=8)], ids=lambda s: s.label())
+                                  TreeSpec(budget=32, depth=8), TreeSpec(budget=16, depth=6, calibrated=False)],
+                         ids=lambda s: s.label())
 @pytest.mark.parametrize("mode", [Mode.V2, Mode.V1])
 def test_greedy_trees_match_generate_and_keep_the_cache_exact(builtin_pair, prompt, reference, spec, mode):
     draft, target = builtin_pair
@@ -116,11 +120,11 @@ def test_a_larger_budget_never_accepts_less_from_the_same_context(builtin_pair, 
     N=16 one and that of the N=32 one; under greedy verification a subtree's accepted path can be no
     longer. Checked on the first drafting round from several contexts along a greedy continuation."""
     draft, target = builtin_pair
-    pair = ModelPair(target, draft)
     continuation = hf_greedy(target, prompt, 24)
 
     def accepted(context: list[int], budget: int) -> int:
-        engine = SpeculativeEngine(pair, context, SpecConfig(tree=TreeSpec(budget=budget, depth=6), max_new_tokens=8,
+        # a fresh pair each time: every tree then grows from the same (prior) confidence table
+        engine = SpeculativeEngine(ModelPair(target, draft), context, SpecConfig(tree=TreeSpec(budget=budget, depth=6), max_new_tokens=8,
                                                              stop_at_eos=False))
         first = next(r for r in engine.run() if r.k)
         engine.close()
@@ -189,3 +193,68 @@ def test_grow_respects_widths_budgets_and_depths():
 def test_a_wrong_rule_is_only_selectable_by_name():
     assert TreeSpec(budget=4).rule is TreeRule.RECURSIVE
     assert TreeSpec(budget=4, rule="no-residual-update").rule is TreeRule.NO_RESIDUAL_UPDATE
+
+
+def unsure_but_right(v: int = 50):
+    """A draft whose first guess (token 1, q = 0.3) is always the target's token, and whose next
+    guesses (2 and 3, q = 0.2 each) never are: rows_at for grow, and the target's one-hot p rows."""
+    q = torch.full((v,), 0.3 / (v - 3))
+    q[1], q[2], q[3] = 0.3, 0.2, 0.2
+
+    def rows_at(tree, nodes):
+        return {n: q for n in nodes}
+
+    def p_rows(tree):
+        return torch.nn.functional.one_hot(torch.ones(len(tree.tokens), dtype=torch.long), v).float()
+    return rows_at, p_rows
+
+
+def test_confidence_starts_at_q_and_learns_what_children_were_worth():
+    conf = Confidence(prior=4.0)
+    assert conf.weigh(0.35, 0, 1) == pytest.approx(0.35) and conf.weigh(0.15, 1, 3) == pytest.approx(0.15)
+    rows_at, p_rows = unsure_but_right()
+    spec = TreeSpec(budget=8, depth=8)
+    for _ in range(40):
+        tree = grow(spec, 5, rows_at, True, torch.Generator(), conf.weigh)
+        conf.observe(tree, verify_tree(tree, p_rows(tree), torch.Generator(), greedy=True))
+    assert conf.weigh(0.3, 0, 1) > 0.9 and conf.weigh(0.3, 0, 6) > 0.9    # first guesses: always right
+    assert conf.weigh(0.2, 1, 1) < 0.1      # later siblings: never right (from a prior of 0.25; once learned, rarely drafted)
+
+
+def test_measured_confidence_grows_deeper_trees_that_accept_more():
+    """Raw q (EAGLE-2) ranks the unsure first guess's grandchild (0.09) below its siblings (0.2): the
+    tree stays shallow. Measured confidence learns that first guesses are right and grows a chain."""
+    rows_at, p_rows = unsure_but_right()
+    spec = TreeSpec(budget=8, depth=8)
+    raw = grow(spec, 5, rows_at, True, torch.Generator())
+    conf = Confidence()
+    for _ in range(30):
+        tree = grow(spec, 5, rows_at, True, torch.Generator(), conf.weigh)
+        conf.observe(tree, verify_tree(tree, p_rows(tree), torch.Generator(), greedy=True))
+    learned = grow(spec, 5, rows_at, True, torch.Generator(), conf.weigh)
+
+    def accepted(tree):
+        return verify_tree(tree, p_rows(tree), torch.Generator(), greedy=True).accepted_count
+    assert max(raw.depths) <= 3 and accepted(raw) == max(raw.depths)
+    assert max(learned.depths) == 8 and accepted(learned) == 8
+    assert grow(spec, 5, rows_at, False, torch.Generator().manual_seed(0), conf.weigh).size == 8   # sampled: unused
+
+
+def test_the_pair_keeps_one_confidence_per_drafter_for_greedy_trees_only(builtin_pair, prompt):
+    draft, target = builtin_pair
+    pair = ModelPair(target, draft)
+
+    def run(**config) -> SpeculativeEngine:
+        engine = SpeculativeEngine(pair, prompt, SpecConfig(max_new_tokens=12, **config))
+        engine.run()
+        engine.close()
+        return engine
+    first = run(tree=TreeSpec(budget=8, depth=6))
+    table = pair.confidences["model"]
+    assert first.confidence is table
+    trials = sum(map(sum, table.trials))
+    second = run(tree=TreeSpec(budget=4, depth=3))
+    assert second.confidence is table and sum(map(sum, table.trials)) > trials
+    assert run(tree=TreeSpec(budget=8, depth=6, calibrated=False)).confidence is None
+    assert run(tree=TreeSpec(budget=8, depth=6), sampling=SamplingParams(temperature=0.8), seed=3).confidence is None
+    assert run(k=4).confidence is None and list(pair.confidences) == ["model"]

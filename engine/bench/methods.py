@@ -13,7 +13,9 @@ REFERENCE = "hf-generate"
 METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "hf-prompt-lookup",
                 "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic",
                 "eagle", "eagle-heuristic", "eagle-hybrid", "tree-static", "tree-dynamic", "eagle-tree-static",
-                "eagle-tree-dynamic")
+                "eagle-tree-dynamic", "tree-static-q", "tree-dynamic-q", "eagle-tree-static-q", "eagle-tree-dynamic-q")
+# Tree methods grow by the draft's measured confidence (engine.tree.Confidence); "-q": by raw q, as EAGLE-2.
+TREE_METHODS = tuple(m for m in METHOD_NAMES if "tree-" in m)
 # Tree methods take K as their node budget N: the verify forward covers N + 1 rows, like a chain at K = N.
 STATIC_TREES = {1: (1,), 2: (2,), 3: (2, 1), 4: (2, 1, 1), 6: (3, 2, 1), 8: (3, 2, 2, 1), 12: (4, 3, 2, 2, 1),
                 16: (4, 4, 3, 3, 2), 24: (6, 6, 5, 4, 3), 32: (8, 8, 6, 4, 3, 2, 1)}
@@ -67,11 +69,12 @@ class Method:
     @property
     def tree(self) -> TreeSpec | None:
         """The tree of a tree method at its budget N = K (static shapes from STATIC_TREES)."""
-        if not self.name.endswith(("tree-static", "tree-dynamic")):
+        if self.name not in TREE_METHODS:
             return None
-        if self.name.endswith("static"):
-            return TreeSpec(widths=STATIC_TREES[self.k])
-        return TreeSpec(budget=self.k, depth=min(self.k, DYNAMIC_TREE_DEPTH))
+        calibrated = not self.name.endswith("-q")
+        if self.name.removesuffix("-q").endswith("static"):
+            return TreeSpec(widths=STATIC_TREES[self.k], calibrated=calibrated)
+        return TreeSpec(budget=self.k, depth=min(self.k, DYNAMIC_TREE_DEPTH), calibrated=calibrated)
 
     @property
     def schedule(self) -> str:
@@ -138,7 +141,8 @@ class BenchSettings:
         if self.prompt_set not in PROMPT_SETS:
             raise ValueError(f"--prompts must be one of {', '.join(PROMPT_SETS)}, not {self.prompt_set!r}")
         per_method = [method_ks(entry, self.ks) for entry in self.methods]
-        static = sorted({k for name, ks in per_method if name.endswith("tree-static") for k in ks} - set(STATIC_TREES))
+        static = sorted({k for name, ks in per_method if name.removesuffix("-q").endswith("tree-static") for k in ks}
+                        - set(STATIC_TREES))
         if static:
             raise ValueError(f"static trees are defined for N in {sorted(STATIC_TREES)}, got K = {static}")
         for name in ("num_prompts", "prompt_tokens", "new_tokens", "repeats"):

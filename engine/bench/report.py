@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench.methods import UNDRAFTED, BenchSettings, Method
+from engine.bench.methods import TREE_METHODS, UNDRAFTED, BenchSettings, Method
 from engine.bench.prompts import Prompt
 from engine.bench.results import MethodResult, phases_per_token
 from engine.bench.runs import BenchModels, Phases, run_once
@@ -98,13 +98,11 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
     by_label = {r.label: r for r in results}
     lines = []
     for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hybrid-heuristic", "eagle", "eagle-heuristic",
-                 "eagle-hybrid", "tree-static", "tree-dynamic", "eagle-tree-static", "eagle-tree-dynamic", "hf-assisted",
-                 "hf-prompt-lookup"):
+                 "eagle-hybrid", *TREE_METHODS, "hf-assisted", "hf-prompt-lookup"):
         best = max((r for r in results if r.method == name), key=lambda r: r.speedup, default=None)
         if best:
             lines.append(f"best {name}: {best.label} at {best.speedup:.2f}x (predicted {best.predicted_speedup:.2f}x)")
-    for tree in (r for r in results if r.method in ("tree-static", "tree-dynamic", "eagle-tree-static",
-                                                    "eagle-tree-dynamic")):
+    for tree in (r for r in results if r.method in TREE_METHODS):
         chain = by_label.get(f"{'eagle' if tree.method.startswith('eagle') else 'v2'} K={tree.k}")
         if chain and chain.mean_accepted_length:
             lines.append(f"{tree.label} against a chain of the same width: "
