@@ -13,6 +13,7 @@ from engine.kv_cache import KVShape
 
 if TYPE_CHECKING:
     from engine.drafters.eagle import EagleRuntime
+    from engine.tree import Confidence
 from engine.sources import Progress, SourceError, hub_kwargs, missing_hint, resolve
 
 
