@@ -192,18 +192,20 @@ def _next_priority(tree: DraftTree, option: _Option, greedy: bool, weigh: Weigh)
 
 
 class Confidence:
-    """How often a drafted child turns out to be the target's greedy token, by its draft probability q,
-    its rank (first child or a later sibling) and its depth, learned from the rounds verified so far.
+    """How much a drafted child's q is worth: how often children turn out to be the target's greedy
+    token, against how often their q said they would, by q bin, rank (first child or a later sibling)
+    and depth band, learned from the rounds verified so far.
 
-    Best-first growth by cumulative q (EAGLE-2) assumes the draft is calibrated: that a child with q =
-    0.3 is the target's token 30% of the time. A small draft is often right but unsure, and then
+    Best-first growth by cumulative q (EAGLE-2) assumes the draft is calibrated: that children with q
+    = 0.3 are the target's token 30% of the time. A small draft is often right but unsure, and then
     q-growth spends the budget on siblings where depth would pay. No power of q fixes that (a path's
-    product of q^t orders nodes exactly as the product of q), so the estimate is a table: per rank,
-    depth band and q bin, hits over trials, starting from a prior of `prior` trials at the bin's
-    middle, so the first round grows as q does. Depth matters because acceptance is correlated along
-    a path: a round that reached depth 6 is in text the draft predicts well. Used for greedy trees
-    only; the tree's structure depends on draft rows and past rounds, never on this round's target,
-    so verification stays exact."""
+    product of q^t orders nodes exactly as the product of q), so each cell keeps hits and the q mass
+    of its trials, and a child weighs q x hits / mass (at most 1): the draft's own ranking within a
+    cell, rescaled by what the cell measured. A prior of `prior` trials at ratio 1 makes the first
+    rounds grow as q does, and a calibrated draft keeps growing so. Depth matters because acceptance
+    is correlated along a path: a round that reached depth 6 is in text the draft predicts well.
+    Greedy trees only; the tree's structure depends on draft rows and past rounds, never on this
+    round's target, so verification stays exact."""
 
     EDGES = (0.0, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
     DEPTHS = (1, 2, 3, 5, 9)   # depth bands start here
@@ -214,6 +216,7 @@ class Confidence:
         cells = self.RANKS * len(self.DEPTHS)
         self.trials = [[prior] * len(mids) for _ in range(cells)]
         self.hits = [[prior * m for m in mids] for _ in range(cells)]
+        self.mass = [[prior * m for m in mids] for _ in range(cells)]
 
     def _cell(self, q: float, rank: int, depth: int) -> tuple[int, int]:
         b = min(max(bisect.bisect_right(self.EDGES, q) - 1, 0), len(self.EDGES) - 2)
@@ -222,7 +225,7 @@ class Confidence:
 
     def weigh(self, q: float, rank: int, depth: int) -> float:
         r, b = self._cell(q, rank, depth)
-        return self.hits[r][b] / self.trials[r][b]
+        return min(1.0, q * self.hits[r][b] / self.mass[r][b])
 
     def observe(self, tree: DraftTree, verdict: "TreeVerdict") -> None:
         """Count every child of every node the greedy walk reached: a hit iff it is the token the
@@ -230,8 +233,10 @@ class Confidence:
         for node, chosen in zip([0, *verdict.path], verdict.tokens):
             row = tree.q_rows.get(node)
             for rank, child in enumerate(tree.children[node]):
-                r, b = self._cell(float(row[tree.tokens[child]]), rank, tree.depths[child])
+                q = float(row[tree.tokens[child]])
+                r, b = self._cell(q, rank, tree.depths[child])
                 self.trials[r][b] += 1
+                self.mass[r][b] += q
                 self.hits[r][b] += float(tree.tokens[child] == chosen)
 
 
