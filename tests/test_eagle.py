@@ -101,9 +101,20 @@ def test_q_rows_sum_to_one_and_are_exactly_zero_outside_the_kept_set(builtin_eag
         engine.close()
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_parity_with_generate_on_the_builtin_target(builtin_eagle, builtin_pair, k):
+@pytest.fixture(scope="module")
+def shipped_builtin_eagle(builtin_pair) -> ModelPair:
+    """The built-in target's head as `python -m engine train-draft --target builtin` shipped it."""
+    from engine.drafters.eagle import load_eagle
+
     _, target = builtin_pair
+    return ModelPair(target, None, load_eagle("builtin", target))
+
+
+@pytest.mark.parametrize("head", ["quick", "shipped"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_parity_with_generate_on_the_builtin_target(request, builtin_pair, k, head):
+    _, target = builtin_pair
+    builtin_eagle = request.getfixturevalue("builtin_eagle" if head == "quick" else "shipped_builtin_eagle")
     prompt = encode_prompt(target.tokenizer, CODE)
     expected = hf_greedy(target, prompt, 40)
     for mode in (Mode.V2, Mode.V1):
@@ -113,6 +124,8 @@ def test_greedy_parity_with_generate_on_the_builtin_target(builtin_eagle, builti
     assert hybrid.generated == expected
     drafted = [r for r in engine.rounds if r.k]
     assert drafted and all(r.proposer is DrafterKind.EAGLE for r in drafted)
+    if head == "shipped":   # a real head: whole chains accepted, and rejections too
+        assert any(r.accepted == r.k for r in drafted) and any(r.accepted < r.k for r in drafted)
 
 
 def fresh_features(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
