@@ -1,4 +1,5 @@
-"""`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin, train-draft."""
+"""`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin, train-draft,
+sampled-bench."""
 import sys
 
 
@@ -10,6 +11,7 @@ def main() -> int:
         "eval-builtin": "engine.train.builtin_eval",
         "train-draft": "engine.train.draft",
         "cache-bench": "engine.bench.cache_bench",
+        "sampled-bench": "engine.bench.sampled",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m engine {{{','.join(commands)}}} [options]  (--help on each)", file=sys.stderr)

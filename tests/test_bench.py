@@ -155,3 +155,26 @@ def test_profile_accounts_for_the_whole_wall_time(capsys):
     assert share(forwards) + share(rest) == pytest.approx(100.0, abs=0.2)
     assert 0 < share(forwards) < 100
     assert "cProfile, top 5 functions by own time" in out
+
+
+def test_sampled_bench_counts_every_prompt_and_rejects_greedy(builtin_pair, capsys):
+    """The sampled bench sums both engines over its prompts: each prompt gives max_new_tokens tokens,
+    and alpha is accepted over verified positions of the speculative runs."""
+    from engine.bench.sampled import main, measure, prompts_for
+    from engine.config import DrafterKind, SpecConfig
+    from engine.models import ModelPair
+    from engine.sampling import SamplingParams
+
+    draft, target = builtin_pair
+    prompts = prompts_for(target, 2)
+    assert len(prompts) == 2 and all(isinstance(p, list) and len(p) == 128 for p in prompts)
+    config = SpecConfig(drafter=DrafterKind.MODEL, k=3, max_new_tokens=12, stop_at_eos=False,
+                        sampling=SamplingParams(temperature=0.7, top_p=0.95))
+    result = measure(ModelPair(target, draft), prompts, config)
+    assert result.tokens == 24 and result.prompts == 2 and 0 < result.alpha <= 1
+    assert result.tokens_per_s > 0 and result.baseline_tokens_per_s > 0
+    for bad, message in [(["--temperature", "0"], "above 0"), (["--target", "smollm2", "--drafter", "model"],
+                                                             "built-in target only")]:
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert message in capsys.readouterr().err

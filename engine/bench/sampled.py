@@ -1,0 +1,111 @@
+"""`python -m engine sampled-bench`: speed-up at T > 0 over the engine's own target-only decode.
+
+The bench proper is greedy (it checks every method's tokens against target-only). Sampled output
+cannot be compared token for token, so this measures speed alone: each prompt runs speculatively
+with a target-only engine beside it, interleaved round by round (engine.compared.ComparedRun), and
+tokens and busy time are summed over the prompts. Built-in target: held-out stdlib windows; a chat
+target: the held-out chat prompts (never trained on).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from engine.config import DrafterKind, Mode, SpecConfig
+from engine.sampling import SamplingParams
+from engine.sources import BUILTIN
+
+
+@dataclass(frozen=True, slots=True)
+class SampledResult:
+    target: str
+    drafter: str
+    k: int
+    temperature: float
+    top_p: float
+    prompts: int
+    tokens: int                 # speculative tokens (the baseline's are the same count per prompt)
+    tokens_per_s: float
+    baseline_tokens_per_s: float
+    alpha: float                # accepted / verified positions, over all prompts
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.baseline_tokens_per_s
+
+
+def prompts_for(target, count: int) -> list:
+    from engine.bench.prompts import heldout_prompts
+    from engine.prompts import ChatPrompt, has_chat_template
+
+    if has_chat_template(target.tokenizer):
+        from engine.train.chat_prompts import chat_prompts
+
+        return [ChatPrompt(p) for p in chat_prompts("heldout")[:count]]
+    return [p.ids for p in heldout_prompts(target.tokenizer, count, 128, seed=0)]
+
+
+def measure(pair, prompts: list, config: SpecConfig) -> SampledResult:
+    from engine.compared import ComparedRun
+
+    tokens = spec_s = base_tokens = base_s = accepted = verified = 0
+    for prompt in prompts:
+        run = ComparedRun(pair, prompt, config)
+        try:
+            run.run_to_end()
+            spec, base = run.summaries()
+        finally:
+            run.close()
+        tokens, spec_s, accepted, verified = (tokens + spec.tokens, spec_s + spec.elapsed_s,
+                                              accepted + spec.accepted, verified + spec.verified)
+        base_tokens, base_s = base_tokens + base.tokens, base_s + base.elapsed_s
+    s = config.sampling
+    return SampledResult(pair.target.name, config.drafter.value, config.k, s.temperature, s.top_p, len(prompts),
+                         tokens, tokens / spec_s, base_tokens / base_s, accepted / max(verified, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.cli import quiet_transformers
+    from engine.drafters.eagle import load_eagle
+    from engine.models import ModelPair, load_model
+
+    ap = argparse.ArgumentParser(prog="python -m engine sampled-bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=BUILTIN, help="'builtin' (default), 'smollm2', or another source")
+    ap.add_argument("--drafter", choices=[d.value for d in DrafterKind], default="eagle")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    a = ap.parse_args(argv)
+    drafter = DrafterKind(a.drafter)
+    try:
+        config = SpecConfig(mode=Mode.V2, drafter=drafter, k=a.k, max_new_tokens=a.new_tokens, seed=a.seed,
+                            sampling=SamplingParams(temperature=a.temperature, top_p=a.top_p))
+        if config.sampling.greedy:
+            raise ValueError("--temperature must be above 0 (the greedy bench is `python -m engine bench`)")
+        if drafter.uses_model and a.target != BUILTIN:
+            raise ValueError(f"the {drafter.value} drafter runs the built-in draft model, which drafts for the "
+                             f"built-in target only")
+    except ValueError as exc:
+        ap.error(str(exc))
+    with quiet_transformers():
+        target = load_model(a.target, "target")
+        draft = load_model(BUILTIN, "draft") if drafter.uses_model else None
+        eagle = load_eagle(a.target, target) if drafter.uses_eagle else None
+    result = measure(ModelPair(target, draft, eagle), prompts_for(target, a.num_prompts), config)
+    if a.json:
+        print(json.dumps({**asdict(result), "speedup": result.speedup}))
+    else:
+        print(f"{result.target}, {result.drafter} K={result.k}, T={result.temperature:g}, top-p {result.top_p:g}, "
+              f"{result.prompts} prompts: {result.tokens_per_s:.1f} tokens/s against target-only "
+              f"{result.baseline_tokens_per_s:.1f}: {result.speedup:.2f}x, alpha {result.alpha:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
