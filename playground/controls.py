@@ -124,11 +124,15 @@ def preset_defaults(registry: ModelRegistry, key: str) -> tuple:
         preset = registry.resolve(key)
     except ValueError:
         return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-    drafter = DrafterKind.MODEL.value if preset.draft else (
-        DrafterKind.EAGLE.value if preset.eagle else DrafterKind.NGRAM.value)
     examples = list(preset.examples) or [""]
-    return (examples[0], CHAT if preset.chat else RAW, drafter,
+    return (examples[0], CHAT if preset.chat else RAW, default_drafter(preset),
             gr.Dropdown(choices=[(_short(e), e) for e in examples], value=None))
+
+
+def default_drafter(preset) -> str:
+    """A pair's own draft model, else its EAGLE head, else prompt lookup."""
+    return DrafterKind.MODEL.value if preset.draft else (
+        DrafterKind.EAGLE.value if preset.eagle else DrafterKind.NGRAM.value)
 
 
 def _short(text: str) -> str:
@@ -153,7 +157,7 @@ def build_controls(registry: ModelRegistry, max_new_tokens: int) -> Controls:
     with gr.Accordion("Models", open=False):
         models = _models(registry)
     with gr.Accordion("Decoding", open=True):
-        decoding = _decoding(max_new_tokens, preset_defaults(registry, first.key)[2])
+        decoding = _decoding(max_new_tokens, default_drafter(first))
     example_box.input(lambda text: text, [example_box], [prompt], api_name=False)
     return Controls(prompt=prompt, **models, **decoding, prompt_as=prompt_as, system=system, examples=example_box,
                     **transport)

@@ -42,6 +42,12 @@ def test_the_whole_app_builds_without_loading_a_model():
     assert {"step", "reset", "back", "run_to_end", "scrub", "replay_example", "replay_upload", "export",
             "compare"} <= names
     assert ctx.registry.loaded() == [] and len(ctx.pool) == 0
+    # every input the page shows says what it is (a component built inside the layout by a helper
+    # meant for event updates once showed up as a stray, unlabeled "Dropdown")
+    unlabeled = [type(b).__name__ for b in demo.blocks.values()
+                 if isinstance(b, (gr.Dropdown, gr.Textbox, gr.Radio, gr.Slider, gr.Number))
+                 and b.visible is not False and not b.label]
+    assert unlabeled == []
     ctx.pool.shutdown()
 
 
