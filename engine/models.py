@@ -138,7 +138,6 @@ class ModelPair:
             raise ModelLoadError(f"The EAGLE head given was bound to {self.eagle.target.name!r}, not to the "
                                  f"target {self.target.name!r}.")
 
-
     def confidence(self, drafter: str) -> "Confidence":
         """The pair's engine.tree.Confidence for `drafter` ("model" or "eagle"): shared by every engine
         over this pair, so each run's tree rounds start from what earlier runs measured."""

@@ -92,9 +92,7 @@ def config_to_dict(config: SpecConfig) -> dict:
             out[name] = value.value
     out["sampling"] = asdict(config.sampling)
     if config.tree is not None:
-        t = config.tree
-        out["tree"] = {"widths": list(t.widths), "budget": t.budget, "depth": t.depth, "rule": t.rule.value,
-                       "calibrated": t.calibrated}
+        out["tree"] = {**asdict(config.tree), "widths": list(config.tree.widths), "rule": config.tree.rule.value}
     return out
 
 

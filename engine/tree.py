@@ -214,7 +214,6 @@ class Confidence:
     def __init__(self, prior: float = 4.0) -> None:
         mids = [(a + b) / 2 for a, b in zip(self.EDGES, self.EDGES[1:])]
         cells = self.RANKS * len(self.DEPTHS)
-        self.trials = [[prior] * len(mids) for _ in range(cells)]
         self.hits = [[prior * m for m in mids] for _ in range(cells)]
         self.mass = [[prior * m for m in mids] for _ in range(cells)]
 
@@ -235,7 +234,6 @@ class Confidence:
             for rank, child in enumerate(tree.children[node]):
                 q = float(row[tree.tokens[child]])
                 r, b = self._cell(q, rank, tree.depths[child])
-                self.trials[r][b] += 1
                 self.mass[r][b] += q
                 self.hits[r][b] += float(tree.tokens[child] == chosen)
 

@@ -252,9 +252,9 @@ def test_the_pair_keeps_one_confidence_per_drafter_for_greedy_trees_only(builtin
     first = run(tree=TreeSpec(budget=8, depth=6))
     table = pair.confidences["model"]
     assert first.confidence is table
-    trials = sum(map(sum, table.trials))
+    mass = sum(map(sum, table.mass))
     second = run(tree=TreeSpec(budget=4, depth=3))
-    assert second.confidence is table and sum(map(sum, table.trials)) > trials
+    assert second.confidence is table and sum(map(sum, table.mass)) > mass
     assert run(tree=TreeSpec(budget=8, depth=6, calibrated=False)).confidence is None
     assert run(tree=TreeSpec(budget=8, depth=6), sampling=SamplingParams(temperature=0.8), seed=3).confidence is None
     assert run(k=4).confidence is None and list(pair.confidences) == ["model"]

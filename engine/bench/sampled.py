@@ -36,14 +36,14 @@ class SampledResult:
         return self.tokens_per_s / self.baseline_tokens_per_s
 
 
-def prompts_for(target, count: int) -> list:
-    from engine.bench.prompts import heldout_prompts
-    from engine.prompts import ChatPrompt, has_chat_template
+def prompts_for(target, count: int) -> list[list[int]]:
+    """The bench's held-out prompt set for `target` (engine.bench.prompts): chat turns for a chat target,
+    stdlib windows of 128 tokens for the built-in pair."""
+    from engine.bench.prompts import chat_prompts, heldout_prompts
+    from engine.prompts import has_chat_template
 
     if has_chat_template(target.tokenizer):
-        from engine.train.chat_prompts import chat_prompts
-
-        return [ChatPrompt(p) for p in chat_prompts("heldout")[:count]]
+        return [p.ids for p in chat_prompts(target.tokenizer, "heldout", count)]
     return [p.ids for p in heldout_prompts(target.tokenizer, count, 128, seed=0)]
 
 
