@@ -135,7 +135,7 @@ def reset(ctx: Context, session: Session, req: DecodeRequest, load: bool = True)
 
 def _start_run(ctx: Context, session: Session, req: DecodeRequest, load: bool) -> None:
     config = req.config(ctx.settings.max_new_tokens)
-    req.prompt_text(ctx.settings.max_prompt_chars)
+    req.prompt_text(ctx.settings.max_prompt_chars)   # a bad prompt is refused before any pair loads
     ids = (as_text(name, value, MAX_MODEL_ID_CHARS) for name, value in
            (("Custom draft", req.custom_draft), ("Custom target", req.custom_target)))
     pair = ctx.registry.pair(req.preset, *ids, load=load)
