@@ -148,7 +148,7 @@ class SpecConfig:
     hybrid_min_n: int = 2   # hybrid: copy when the last hybrid_min_n+ tokens occurred before, else draft
     block_size: int = 16
     fused_forward: bool = True  # the engine's own Llama-family forward; False runs the transformers one
-    tree: TreeSpec | None = None  # draft a tree instead of a chain (model and EAGLE drafters)
+    tree: TreeSpec | None = None  # draft a tree instead of a chain (every drafter but n-gram alone)
 
     def __post_init__(self) -> None:
         for name, enum in (("mode", Mode), ("drafter", DrafterKind), ("k_schedule", KSchedule)):
@@ -180,9 +180,9 @@ class SpecConfig:
         if self.tree is not None:
             if not isinstance(self.tree, TreeSpec):
                 raise ValueError("tree must be a TreeSpec (engine.tree), e.g. TreeSpec(widths=(4, 2, 2, 1))")
-            if self.drafter not in (DrafterKind.MODEL, DrafterKind.EAGLE):
-                raise ValueError(f"a tree is drafted by the draft model or the EAGLE head, not by the "
-                                 f"{self.drafter.value} drafter")
+            if self.drafter is DrafterKind.NGRAM:
+                raise ValueError("a tree is drafted by the draft model or the EAGLE head (alone or with prompt "
+                                 "lookup merged in: hybrid, eagle-hybrid), not by the ngram drafter alone")
             if self.k_schedule is not KSchedule.CONSTANT:
                 raise ValueError("a tree has its own shape: use the constant K schedule with it")
 

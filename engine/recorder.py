@@ -148,12 +148,14 @@ class RoundRecorder:
             text = self._text(readers[i], token)
             t = tests.get(i)
             q_row = tree.q_rows.get(parent)
+            copied = tree.copied(i)
+            q = t.q_draft if t else 1.0 if copied else float(q_row[token]) if q_row is not None else 0.0
             nodes.append(TreeNode(
-                i, parent, tree.depths[i], token, text.text, tree.scores[i],
-                t.q_draft if t else float(q_row[token]) if q_row is not None else 0.0,
+                i, parent, tree.depths[i], token, text.text, tree.scores[i], q,
                 t.p_target if t else None, t.alpha if t else None, t.u if t else None,
                 t.outcome if t else Outcome.UNCHECKED,
-                self.candidates(context, result.p_rows[parent], q_row, [token]) if t else [], _pending(text)))
+                self.candidates(context, result.p_rows[parent], q_row, [token]) if t else [], _pending(text),
+                copied))
         return TreeRecord(self.config.tree.label(), nodes, list(verdict.path), verdict.final_node)
 
     def tree_final(self, result: RoundResult) -> FinalRecord:

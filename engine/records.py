@@ -84,13 +84,15 @@ class TreeNode:
     token: int
     text: str
     score: float               # its path's estimated chance of acceptance (cumulative q, or calibrated)
-    q_draft: float             # q of its token in the row it was drawn from (renormalised without earlier siblings)
+    q_draft: float             # q of its token in the row it was drawn from (renormalised without earlier
+                               # siblings; 1 for a copy)
     p_target: float | None     # the target's (residual-updated) p of its token when tested; None if never tested
     alpha: float | None
     u: float | None
     outcome: Outcome           # ACCEPTED (on the path), REJECTED (tested), UNCHECKED (never reached)
     candidates: list[Candidate] = field(default_factory=list)   # p and q at its parent, for the bars
     pending: str = ""
+    copied: bool = False       # proposed by prompt lookup (a hybrid drafter's tree), not the model
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,8 @@ from engine.prompts import ChatPrompt
 from engine.records import Outcome, RoundRecord, RunSummary
 from engine.sampling import SamplingParams
 
-TRACE_VERSION = 2
-READABLE_VERSIONS = (1, 2)   # version 1 traces are upgraded as they are read (see `_upgrade_v1_round`)
+TRACE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)   # older traces are upgraded as they are read (see `_upgrade_round`)
 # A maximal trace must load and replay in a few seconds on a small CPU (see tests/test_trace.py):
 # about 16 MiB is some 2,500 rounds with candidates recorded, far more than a visitor's run.
 MAX_TRACE_BYTES = 16 * 2**20
@@ -242,6 +242,18 @@ def _counts_and_ids(r: RoundRecord) -> Iterator[tuple[str, int]]:
             yield from ((f"kv[{i}].{name}[{j}]", v) for j, v in enumerate(getattr(kv, name)))
         yield from ((f"kv[{i}].{name}", getattr(kv, name)) for name in ("block_size", "num_blocks", "length",
                                                                          "prompt_len", "pool_bytes"))
+
+
+def _upgrade_round(data: Any, version: int) -> Any:
+    """A round dict of an older version in this version's shape: version 2's tree nodes had no copies
+    (trees were drafted by the model alone)."""
+    if version == 1:
+        data = _upgrade_v1_round(data)
+    tree = data.get("tree") if isinstance(data, dict) else None
+    if version < 3 and isinstance(tree, dict) and isinstance(tree.get("nodes"), list):
+        nodes = [{"copied": False, **n} if isinstance(n, dict) else n for n in tree["nodes"]]
+        data = {**data, "tree": {**tree, "nodes": nodes}}
+    return data
 
 
 def _upgrade_v1_round(data: Any) -> Any:
@@ -525,7 +537,7 @@ def _read(lines: Iterator[tuple[int, dict | None]]) -> Trace:
             if len(rounds[stream]) >= MAX_ROUNDS:
                 raise TraceError(f"line {number}: more than {MAX_ROUNDS:,} {stream} rounds; this build replays "
                                  f"at most {MAX_ROUNDS:,} per stream")
-            rounds[stream].append(_at_line(number, round_from_dict, _upgrade_v1_round(data) if v1 else data))
+            rounds[stream].append(_at_line(number, round_from_dict, _upgrade_round(data, header.version)))
         elif stream in summaries:
             raise TraceError(f"line {number}: a second {stream} summary")
         else:

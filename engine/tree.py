@@ -12,12 +12,21 @@ available to its next child. Children of v are drawn in order: greedily the most
 sampling, without replacement from q_v (Gumbel top-k). Whether v gets its j-th child is decided
 before that child is drawn (it depends on earlier draws only), which is what keeps sampling lossless.
 
+A hybrid drafter also merges prompt lookup into the tree, as SpecInfer merges the trees of several
+speculators: when the context's end occurred earlier, what followed it (c_1..c_m) is a chain from the
+root, and the root and each copied node c_d get c_{d+1} as their first child, before the model's own
+children (which are then the model's choices without that token). The model's children below and
+beside the chain compete for the same budget.
+
 Verification at T > 0 is recursive rejection sampling without replacement (Jeon et al. 2024, after
 SpecInfer's multi-step speculative sampling, Miao et al. 2024). At node v with target row p and draft
 row q, children c_1, c_2, ... (drawn without replacement from q):
     accept c_i with probability min(1, p(c_i) / q_i(c_i)), where q_i is q renormalised without c_1..c_{i-1};
     on rejection p <- normalise(max(0, p - q_i)), and try c_{i+1};
     if every child is rejected, emit a correction drawn from the last p.
+A copied child (prompt lookup, always the first child of its node) was proposed with certainty: its
+q_1 is one-hot, so it is accepted with probability p(c_1) and a rejection removes c_1 from p; the model's
+children were drawn from q without c_1, which is q_2.
 Why it is lossless: each test is one step of ordinary speculative sampling with draft q_i and target
 p_i, whose output (the accepted c_i, or a draw from the residual) is distributed as p_i; a rejected
 c_i has p_i(c_i) < q_i(c_i), so the residual gives it no mass, and drawing the next child from q
@@ -47,7 +56,8 @@ class DraftTree:
     """A drafted tree. Node 0 is the root (the last committed token, not drafted); nodes 1..N are drafts.
 
     parents[i] < i for i >= 1; q_rows[v] is the distribution v's children were drawn from (every node
-    that has children has one), over the target's vocabulary.
+    that has children has one), over the target's vocabulary. ranks[i] is node i's place in its
+    parent's q order (0: the draft's first choice), or COPIED when prompt lookup proposed it.
     """
 
     tokens: list[int]
@@ -56,19 +66,26 @@ class DraftTree:
     children: list[list[int]]
     q_rows: dict[int, Tensor] = field(default_factory=dict)
     scores: list[float] = field(default_factory=list)   # cumulative draft probability of each node
+    ranks: list[int] = field(default_factory=list)
 
     @staticmethod
     def root(token: int) -> "DraftTree":
-        return DraftTree([token], [-1], [0], [[]], {}, [1.0])
+        return DraftTree([token], [-1], [0], [[]], {}, [1.0], [0])
 
-    def add(self, parent: int, token: int, score: float) -> int:
+    def add(self, parent: int, token: int, score: float, rank: int | None = None) -> int:
+        """Add a child of `parent`; its rank defaults to its place among the parent's children."""
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.children.append([])
         self.scores.append(score)
+        self.ranks.append(len(self.children[parent]) if rank is None else rank)
         self.children[parent].append(len(self.tokens) - 1)
         return len(self.tokens) - 1
+
+    def copied(self, node: int) -> bool:
+        """Whether prompt lookup proposed this node."""
+        return self.ranks[node] == COPIED
 
     @property
     def size(self) -> int:
@@ -107,7 +124,8 @@ def attention_mask(tree: DraftTree, past: int, nodes: list[int] | None = None,
 
 # -- construction -----------------------------------------------------------------------------------
 RowsAt = Callable[["DraftTree", list[int]], dict[int, Tensor]]   # (tree, nodes) -> their draft rows, one forward
-Weigh = Callable[[float, int, int], float]   # (a child's q, its rank among its siblings from 0, its depth) -> its chance
+Weigh = Callable[[float, int, int], float]   # (a child's q, its rank (DraftTree.ranks), its depth) -> its chance
+COPIED = -1   # the rank of a child proposed by prompt lookup
 
 
 @dataclass(order=True, slots=True)
@@ -115,32 +133,46 @@ class _Option:
     priority: float                       # negated for the min-heap
     node: int = field(compare=False)
     order: list[int] = field(compare=False, default_factory=list)  # v's children in draw order (ids)
+    ranks: list[int] = field(compare=False, default_factory=list)  # their ranks (DraftTree.ranks)
     taken: int = field(compare=False, default=0)
 
 
-def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int) -> list[int]:
-    """The first `limit` children of a node in draw order: by probability when greedy, else a sample
-    without replacement from q (Gumbel top-k: the order of log q + Gumbel noise)."""
+def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int,
+                copy: int | None = None) -> tuple[list[int], list[int]]:
+    """The first `limit` children of a node in draw order, and their ranks: by probability when greedy,
+    else a sample without replacement from q (Gumbel top-k: the order of log q + Gumbel noise). A
+    copied token comes first, and the model's children are then drawn from q without it."""
+    if copy is not None:
+        rest, ranks = _draw_order(q.clone().index_fill_(0, torch.tensor([copy], device=q.device), 0.0),
+                                  greedy, generator, limit - 1)
+        if greedy:   # a greedy child's rank is its place in the draft's own order, the copy left out
+            above = int((q > q[copy]).sum())
+            ranks = [r + (r >= above) for r in ranks]
+        return [copy, *rest], [COPIED, *ranks]
     support = int((q > 0).sum())
     limit = min(limit, support)
+    if limit <= 0:
+        return [], []
     if greedy:
-        return torch.topk(q, limit).indices.tolist()
+        return torch.topk(q, limit).indices.tolist(), list(range(limit))
     u = draw_uniform(q.shape[0], generator, q.device).clamp(min=1e-300)
     keys = torch.where(q > 0, q.double().log() - (-u.log()).log(), torch.tensor(-math.inf, dtype=torch.float64))
-    return torch.topk(keys, limit).indices.tolist()
+    return torch.topk(keys, limit).indices.tolist(), list(range(limit))
 
 
 def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generator: torch.Generator,
-         weigh: Weigh | None = None) -> DraftTree:
+         weigh: Weigh | None = None, copy: list[int] | None = None) -> DraftTree:
     """Build a tree best-first. rows_at(tree, nodes) runs the drafter on those nodes (one forward, a tree
     mask; node 0 alone: the drafter's forward up to the root) and returns their draft rows; it is called
     once per wave of nodes whose rows are needed. Greedy rows rank children; sampled rows are the
     distributions children are drawn from.
 
     A node's score is its parent's times the child's chance of acceptance: its draft probability, or
-    when greedy and `weigh` is given, weigh(q, rank, depth) (a Confidence table's estimate from earlier rounds)."""
+    when greedy and `weigh` is given, weigh(q, rank, depth) (a Confidence table's estimate from earlier rounds).
+    `copy`: prompt lookup's tokens after the root, merged in as the first child of the root and of
+    each copied node."""
     tree = DraftTree.root(root_token)
-    weigh = weigh if greedy and weigh is not None else (lambda q, rank, depth: q)
+    weigh = weigh if greedy and weigh is not None else raw_q
     caps = list(spec.widths) if spec.widths else None
     heap: list[_Option] = [_Option(-1.0, 0)]
     pending: list[_Option] = []           # options of nodes whose rows are not computed yet
@@ -150,7 +182,10 @@ def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generat
             for node, row in rows_at(tree, [o.node for o in pending]).items():
                 tree.q_rows[node] = row
             for o in pending:
-                o.order = _draw_order(tree.q_rows[o.node], greedy, generator, spec.nodes)
+                d = tree.depths[o.node]
+                on_chain = copy is not None and d < len(copy) and (o.node == 0 or tree.copied(o.node))
+                o.order, o.ranks = _draw_order(tree.q_rows[o.node], greedy, generator, spec.nodes,
+                                               copy[d] if on_chain else None)
                 o.priority = -_next_priority(tree, o, greedy, weigh)
                 if o.order:
                     heapq.heappush(heap, o)
@@ -167,7 +202,8 @@ def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generat
             continue                      # that depth is full: the option (and its later siblings) is dropped
         token = option.order[option.taken]
         q = tree.q_rows[option.node]
-        child = tree.add(option.node, token, tree.scores[option.node] * weigh(float(q[token]), option.taken, depth))
+        rank = option.ranks[option.taken]
+        child = tree.add(option.node, token, tree.scores[option.node] * weigh(float(q[token]), rank, depth), rank)
         filled[depth] += 1
         option.taken += 1
         if option.taken < len(option.order):
@@ -185,7 +221,7 @@ def _next_priority(tree: DraftTree, option: _Option, greedy: bool, weigh: Weigh)
     if option.taken >= len(option.order):
         return 0.0
     if greedy:
-        return tree.scores[option.node] * weigh(float(q[option.order[option.taken]]), option.taken,
+        return tree.scores[option.node] * weigh(float(q[option.order[option.taken]]), option.ranks[option.taken],
                                                  tree.depths[option.node] + 1)
     drawn = sum(float(q[t]) for t in option.order[: option.taken])
     return tree.scores[option.node] * max(0.0, 1.0 - drawn)
@@ -193,8 +229,8 @@ def _next_priority(tree: DraftTree, option: _Option, greedy: bool, weigh: Weigh)
 
 class Confidence:
     """How much a drafted child's q is worth: how often children turn out to be the target's greedy
-    token, against how often their q said they would, by q bin, rank (first child or a later sibling)
-    and depth band, learned from the rounds verified so far.
+    token, against how often their q said they would, by q bin, rank (first child, a later sibling,
+    or a copy from prompt lookup) and depth band, learned from the rounds verified so far.
 
     Best-first growth by cumulative q (EAGLE-2) assumes the draft is calibrated: that children with q
     = 0.3 are the target's token 30% of the time. A small draft is often right but unsure, and then
@@ -204,38 +240,49 @@ class Confidence:
     cell, rescaled by what the cell measured. A prior of `prior` trials at ratio 1 makes the first
     rounds grow as q does, and a calibrated draft keeps growing so. Depth matters because acceptance
     is correlated along a path: a round that reached depth 6 is in text the draft predicts well.
+    A copied child's q (the draft's opinion of it) only picks its cell: it weighs its cell's hit
+    rate, from a prior of `prior` trials at one half (a copy is drafted from the first round on, so
+    the table sees how good copies are).
     Greedy trees only; the tree's structure depends on draft rows and past rounds, never on this
     round's target, so verification stays exact."""
 
     EDGES = (0.0, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
     DEPTHS = (1, 2, 3, 5, 9)   # depth bands start here
-    RANKS = 2                  # the first child, and every later sibling
+    RANKS = 3                  # the first child, every later sibling, a copy
+    COPY_PRIOR = 0.5           # a copy's hit rate before any was verified
 
     def __init__(self, prior: float = 4.0) -> None:
         mids = [(a + b) / 2 for a, b in zip(self.EDGES, self.EDGES[1:])]
-        cells = self.RANKS * len(self.DEPTHS)
-        self.hits = [[prior * m for m in mids] for _ in range(cells)]
-        self.mass = [[prior * m for m in mids] for _ in range(cells)]
+        bands = len(self.DEPTHS)
+        self.hits = [[prior * m for m in mids] for _ in range(2 * bands)] + \
+                    [[prior * self.COPY_PRIOR] * len(mids) for _ in range(bands)]
+        self.mass = [[prior * m for m in mids] for _ in range(2 * bands)] + \
+                    [[prior] * len(mids) for _ in range(bands)]
 
     def _cell(self, q: float, rank: int, depth: int) -> tuple[int, int]:
         b = min(max(bisect.bisect_right(self.EDGES, q) - 1, 0), len(self.EDGES) - 2)
         band = bisect.bisect_right(self.DEPTHS, depth) - 1
-        return min(rank, self.RANKS - 1) * len(self.DEPTHS) + band, b
+        return (2 if rank == COPIED else min(rank, 1)) * len(self.DEPTHS) + band, b
 
     def weigh(self, q: float, rank: int, depth: int) -> float:
         r, b = self._cell(q, rank, depth)
-        return min(1.0, q * self.hits[r][b] / self.mass[r][b])
+        return min(1.0, (1.0 if rank == COPIED else q) * self.hits[r][b] / self.mass[r][b])
 
     def observe(self, tree: DraftTree, verdict: "TreeVerdict") -> None:
         """Count every child of every node the greedy walk reached: a hit iff it is the token the
         target chose there (the next accepted token, or the final one)."""
         for node, chosen in zip([0, *verdict.path], verdict.tokens):
             row = tree.q_rows.get(node)
-            for rank, child in enumerate(tree.children[node]):
-                q = float(row[tree.tokens[child]])
+            for child in tree.children[node]:
+                q, rank = float(row[tree.tokens[child]]), tree.ranks[child]
                 r, b = self._cell(q, rank, tree.depths[child])
-                self.mass[r][b] += q
+                self.mass[r][b] += 1.0 if rank == COPIED else q
                 self.hits[r][b] += float(tree.tokens[child] == chosen)
+
+
+def raw_q(q: float, rank: int, depth: int) -> float:
+    """EAGLE-2's weight: the probability the child was proposed with (a copy: certainty)."""
+    return 1.0 if rank == COPIED else q
 
 
 # -- verification ------------------------------------------------------------------------------------
@@ -311,7 +358,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
         accepted = None
         for c in kids:
             token = tree.tokens[c]
-            q_i = q / q.sum()
+            q_i = torch.zeros_like(q).index_fill_(0, torch.tensor([token]), 1.0) if tree.copied(c) else q / q.sum()
             alpha = min(1.0, float(p[token]) / float(q_i[token])) if q_i[token] > 0 else float(p[token] > 0)
             u = float(draw_uniform(1, generator, p.device)[0])
             ok = u < alpha

@@ -13,6 +13,7 @@ from engine.bench.clock import ForwardTime
 from engine.bench.methods import Method, build_methods
 from engine.bench.results import MethodResult, summarize
 from engine.bench.runs import Phases, RunSample
+from engine.config import DrafterKind
 
 NEW = 6
 
@@ -127,6 +128,19 @@ def test_a_method_written_with_its_k_runs_at_that_k_only():
     built = build_methods(["eagle:6", "v2", "eagle:2", "eagle:6", "tree-dynamic:16"], (1, 4))
     assert [(m.name, m.k) for m in built] == [("hf-generate", None), ("target", None), ("v2", 1), ("v2", 4),
                                               ("eagle", 2), ("eagle", 6), ("tree-dynamic", 16)]
+
+
+@pytest.mark.parametrize("name, drafter", [("hybrid-tree-dynamic", DrafterKind.HYBRID),
+                                           ("eagle-hybrid-tree-static", DrafterKind.EAGLE_HYBRID),
+                                           ("eagle-tree-dynamic", DrafterKind.EAGLE), ("tree-static-q", DrafterKind.MODEL),
+                                           ("hybrid", DrafterKind.HYBRID)])
+def test_tree_methods_name_their_drafter_and_tree(name, drafter):
+    config = Method(name, 16).spec_config(64)
+    assert config.drafter is drafter
+    assert (config.tree is not None) == ("tree" in name)
+    if config.tree is not None:
+        assert config.tree.calibrated == (not name.endswith("-q"))
+        assert config.tree.nodes == 16 and (not config.tree.widths or sum(config.tree.widths) == 16)
 
 
 @pytest.mark.parametrize("argv", [["--ks", "0"], ["--methods", "v3"], ["--repeats", "0"], ["--profile", "v2:x"],

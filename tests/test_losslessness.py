@@ -27,6 +27,10 @@ RUNS = 1000
 LEVEL = 1e-3
 SHARPEN = 50.0
 PROMPT = [5, 17, 230, 9, 17, 230, 9]   # a repeat, so that prompt lookup finds something to copy
+# When the target's first token is 496 (p = 0.27), the context ends "10 496" and prompt lookup copies
+# 2558: a token the target gives p = 0.25 there and the draft's top-k leaves out (q = 0), so a copy
+# verified as if the model had drafted it would always be accepted. (Found by searching the tiny pair.)
+COPY_PROMPT = [5, 10, 496, 2558, 9, 10]
 
 
 def next_probs(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
@@ -50,11 +54,11 @@ def exact_joint(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, int, 
     return out
 
 
-def run_counts(pair: ModelPair, runs: int, **config) -> dict[tuple[int, int, int], int]:
+def run_counts(pair: ModelPair, runs: int, prompt: list[int] = PROMPT, **config) -> dict[tuple[int, int, int], int]:
     """How often each first three tokens came out over `runs` seeds of the engine with `config`."""
     counts: dict[tuple[int, int, int], int] = {}
     for seed in range(runs):
-        engine = SpeculativeEngine(pair, PROMPT, SpecConfig(sampling=SAMPLING, seed=seed, max_new_tokens=3,
+        engine = SpeculativeEngine(pair, prompt, SpecConfig(sampling=SAMPLING, seed=seed, max_new_tokens=3,
                                                             stop_at_eos=False, record=False, **config))
         engine.run()
         engine.close()
@@ -107,8 +111,14 @@ def test_the_test_can_fail(tiny):
     assert chi_square({k: v / total for k, v in skewed.items()}, counts) < LEVEL
 
 
-def tree_counts(pair: ModelPair, drafter: DrafterKind, spec: TreeSpec, runs: int) -> dict[tuple[int, int, int], int]:
-    return run_counts(pair, runs, drafter=drafter, tree=spec)
+def tree_counts(pair: ModelPair, drafter: DrafterKind, spec: TreeSpec, runs: int,
+                prompt: list[int] = PROMPT) -> dict[tuple[int, int, int], int]:
+    return run_counts(pair, runs, prompt, drafter=drafter, tree=spec)
+
+
+@pytest.fixture(scope="module")
+def copy_exact(tiny) -> dict[tuple[int, int, int], float]:
+    return exact_joint(tiny[0].target, COPY_PROMPT)
 
 
 @pytest.mark.parametrize("drafter, spec", [
@@ -121,6 +131,29 @@ def test_tree_sampling_follows_the_target(tiny, drafter, spec):
     counts = tree_counts(pair, drafter, spec, RUNS)
     assert set(counts) <= set(exact)
     assert chi_square(exact, counts) >= LEVEL
+
+
+HYBRID_TREES = [(DrafterKind.HYBRID, TreeSpec(widths=(3, 2))), (DrafterKind.EAGLE_HYBRID, TreeSpec(budget=6, depth=2))]
+
+
+@pytest.mark.parametrize("drafter, spec", HYBRID_TREES, ids=["hybrid-static-3-2", "eagle-hybrid-dynamic-N6"])
+def test_hybrid_tree_sampling_with_a_copied_branch_follows_the_target(tiny, copy_exact, drafter, spec):
+    pair, _ = tiny
+    counts = tree_counts(pair, drafter, spec, RUNS, COPY_PROMPT)
+    assert set(counts) <= set(copy_exact)
+    assert chi_square(copy_exact, counts) >= LEVEL
+
+
+def test_a_copy_verified_as_if_the_model_drafted_it_fails_the_same_test(tiny, copy_exact, monkeypatch):
+    """Reading the copy's q from the model's row (q = 0 here, so alpha = 1) instead of one-hot accepts
+    it every time the target allows it at all: the chi-square test sees that."""
+    from engine import tree as tree_mod
+
+    pair, _ = tiny
+    # the root still gets the copy first; verification then reads its q from the model's row
+    monkeypatch.setattr(tree_mod.DraftTree, "copied", lambda self, node: False)
+    counts = tree_counts(pair, *HYBRID_TREES[0], RUNS, COPY_PROMPT)
+    assert chi_square(copy_exact, counts) < LEVEL
 
 
 def test_a_tree_rule_that_skips_the_residual_update_fails_the_same_test(tiny, builtin_tokenizer):

@@ -426,3 +426,26 @@ def test_tree_growth_round_trips_and_older_traces_read_as_raw_q():
     older = config_to_dict(SpecConfig(tree=TreeSpec(budget=16, depth=6)))
     del older["tree"]["calibrated"]   # written before growth by measured confidence existed
     assert config_from_dict(older).tree == TreeSpec(budget=16, depth=6, calibrated=False)
+
+
+def test_copied_tree_nodes_round_trip_and_version_2_trees_read_as_uncopied(builtin_pair, tmp_path):
+    from engine.config import DrafterKind, TreeSpec
+
+    draft, target = builtin_pair
+    path = tmp_path / "hybrid-tree.jsonl"
+    config = SpecConfig(drafter=DrafterKind.HYBRID, tree=TreeSpec(budget=8, depth=4), max_new_tokens=24)
+    run = ComparedRun(ModelPair(target, draft), PROMPT, config, trace_path=path, compare=False)
+    run.run_to_end()
+    run.close()
+    trace = load_trace(path)
+    assert trace.rounds == run.spec.rounds
+    assert any(n.copied for r in trace.rounds if r.tree for n in r.tree.nodes)
+    objs = lines_of(path)
+    objs[0]["data"]["version"] = 2
+    for o in objs:
+        if o["type"] == "round" and o["data"]["tree"]:
+            for n in o["data"]["tree"]["nodes"]:
+                del n["copied"]
+    old = load_trace(write_lines(tmp_path / "v2.jsonl", objs))
+    assert old.header.version == 2 and len(old.rounds) == len(trace.rounds)
+    assert not any(n.copied for r in old.rounds if r.tree for n in r.tree.nodes)

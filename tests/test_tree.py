@@ -13,7 +13,7 @@ from engine.records import Outcome
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine
-from engine.tree import Confidence, DraftTree, attention_mask, grow, verify_tree
+from engine.tree import COPIED, Confidence, DraftTree, attention_mask, grow, verify_tree
 from tests.test_speculative import CODE, assert_cache_holds, hf_greedy
 
 NEW = 32
@@ -35,6 +35,7 @@ def test_specs_validate_and_parse():
         TreeSpec.parse("four")
     with pytest.raises(ValueError, match="ngram drafter"):
         SpecConfig(drafter=DrafterKind.NGRAM, tree=TreeSpec(budget=4))
+    assert SpecConfig(drafter=DrafterKind.HYBRID, tree=TreeSpec(budget=4)).tree.nodes == 4
 
 
 def fixed_tree() -> DraftTree:
@@ -115,6 +116,27 @@ def test_greedy_trees_match_generate_and_keep_the_cache_exact(builtin_pair, prom
         pool.manager.check()
 
 
+@pytest.mark.parametrize("drafter", [DrafterKind.HYBRID, DrafterKind.EAGLE_HYBRID])
+def test_hybrid_trees_match_generate_and_copy_where_the_context_repeats(builtin_pair, prompt, reference, drafter):
+    from engine.drafters.eagle import load_eagle
+
+    draft, target = builtin_pair
+    pair = ModelPair(target, draft, load_eagle("builtin", target))   # the shipped head
+    for spec in (TreeSpec(budget=16, depth=6), TreeSpec(widths=(3, 2, 2, 1))):
+        engine = SpeculativeEngine(pair, prompt, SpecConfig(drafter=drafter, tree=spec, max_new_tokens=NEW, block_size=4))
+        pools = [engine.target_runner.pool] + [c.cache.pool for c in engine.drafter.caches()]
+        rounds = [r for r in engine.run() if r.tree is not None]
+        assert engine.target_cache.tokens == engine.tokens[:-1]
+        assert_cache_holds(target, engine.target_cache, engine.tokens[:-1])
+        engine.close()
+        assert engine.generated == reference
+        copied = [n for r in rounds for n in r.tree.nodes if n.copied]
+        assert copied and any(n.outcome is Outcome.ACCEPTED for n in copied)
+        assert all(n.q_draft == 1.0 for n in copied)
+        for pool in pools:
+            assert pool.manager.free_blocks == pool.num_blocks
+
+
 def test_a_larger_budget_never_accepts_less_from_the_same_context(builtin_pair, prompt):
     """Best-first growth adds nodes in one order whatever the budget, so the N=8 tree is a subtree of the
     N=16 one and that of the N=32 one; under greedy verification a subtree's accepted path can be no
@@ -190,6 +212,51 @@ def test_grow_respects_widths_budgets_and_depths():
                     assert probs == sorted(probs, reverse=True)
 
 
+def test_a_copy_from_prompt_lookup_is_merged_in_first_along_its_chain():
+    """The root and each copied node get the next copied token as their first child; the model's
+    children come after, without that token (greedy: ranked as in the draft's own order)."""
+    v = 50
+    rows = torch.softmax(torch.randn(200, v, generator=torch.Generator().manual_seed(4)), dim=-1)
+
+    def rows_at(tree, nodes):
+        return {n: rows[n] for n in nodes}
+    copy = [int(rows[0].argsort()[10]), int(rows[0].argmax()), 7]
+    for greedy in (True, False):
+        tree = grow(TreeSpec(budget=12, depth=4), 5, rows_at, greedy, torch.Generator().manual_seed(2), copy=copy)
+        node, chain = 0, []
+        while tree.children[node] and tree.copied(tree.children[node][0]):
+            node = tree.children[node][0]
+            chain.append(tree.tokens[node])
+        assert chain == copy[:len(chain)] and len(chain) >= 1
+        assert sum(map(tree.copied, range(1, len(tree.tokens)))) == len(chain)   # copies only along the chain
+        for parent, kids in enumerate(tree.children):
+            model_kids = [k for k in kids if not tree.copied(k)]
+            assert not any(tree.copied(k) for k in kids[1:])                  # a copy is always the first child
+            assert len({tree.tokens[k] for k in kids}) == len(kids)           # the model never repeats the copy
+            if greedy:
+                order = rows[parent].argsort(descending=True).tolist()
+                assert [tree.ranks[k] for k in model_kids] == [order.index(tree.tokens[k]) for k in model_kids]
+    assert tree.ranks[tree.children[0][0]] == COPIED
+
+
+def test_a_copied_child_is_verified_as_proposed_with_certainty():
+    """At T > 0 a copy's q is one-hot: accepted with probability p(c); after its rejection the model's
+    children are tested against p without c."""
+    tree = DraftTree.root(7)
+    tree.add(0, 3, 0.5, rank=COPIED)
+    tree.add(0, 4, 0.3, rank=0)
+    q = torch.tensor([0.0, 0.0, 0.0, 0.5, 0.5])
+    tree.q_rows[0] = q
+    p = torch.tensor([[0.0, 0.0, 0.0, 0.25, 0.75]] * 3)
+    accepted = [verify_tree(tree, p, torch.Generator().manual_seed(s), greedy=False) for s in range(400)]
+    first = [v.tested[0] for v in accepted]
+    assert all(t.q_draft == 1.0 and t.alpha == pytest.approx(0.25) for t in first)
+    seconds = [v.tested[1] for v in accepted if len(v.tested) > 1]
+    # p without c is one-hot on 4, q without c is one-hot on 4: the model's child is then always accepted
+    assert seconds and all(t.alpha == 1.0 and t.outcome is Outcome.ACCEPTED for t in seconds)
+    assert 0.15 < sum(t.outcome is Outcome.ACCEPTED for t in first) / 400 < 0.35
+
+
 def test_a_wrong_rule_is_only_selectable_by_name():
     assert TreeSpec(budget=4).rule is TreeRule.RECURSIVE
     assert TreeSpec(budget=4, rule="no-residual-update").rule is TreeRule.NO_RESIDUAL_UPDATE
@@ -219,6 +286,21 @@ def test_confidence_starts_at_q_and_learns_what_children_were_worth():
         conf.observe(tree, verify_tree(tree, p_rows(tree), torch.Generator(), greedy=True))
     assert conf.weigh(0.3, 0, 1) > 0.9 and conf.weigh(0.3, 0, 6) > 0.9    # first guesses: always right
     assert conf.weigh(0.2, 1, 1) < 0.1      # later siblings: never right (from a prior of 0.25; once learned, rarely drafted)
+
+
+def test_a_copy_starts_at_one_half_and_learns_its_hit_rate_by_bin():
+    conf = Confidence(prior=4.0)
+    assert conf.weigh(0.02, COPIED, 1) == pytest.approx(0.5) == conf.weigh(0.9, COPIED, 4)
+    tree = DraftTree.root(7)
+    tree.add(0, 3, 0.5, rank=COPIED)
+    tree.add(0, 4, 0.3, rank=0)
+    tree.q_rows[0] = torch.tensor([0.0, 0.0, 0.0, 0.02, 0.85])
+    p = torch.nn.functional.one_hot(torch.full((3,), 3), 5).float()   # the target takes the copy every time
+    for _ in range(30):
+        conf.observe(tree, verify_tree(tree, p, None, greedy=True))
+    assert conf.weigh(0.02, COPIED, 1) > 0.9              # a copy the draft gave 2% is right: it learned
+    assert conf.weigh(0.85, 0, 1) < 0.3                   # the draft's confident first guess was not
+    assert conf.weigh(0.85, COPIED, 1) == pytest.approx(0.5)  # another q bin: nothing learned yet
 
 
 def test_measured_confidence_grows_deeper_trees_that_accept_more():

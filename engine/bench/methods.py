@@ -13,8 +13,10 @@ REFERENCE = "hf-generate"
 METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "hf-prompt-lookup",
                 "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic",
                 "eagle", "eagle-heuristic", "eagle-hybrid", "tree-static", "tree-dynamic", "eagle-tree-static",
-                "eagle-tree-dynamic", "tree-static-q", "tree-dynamic-q", "eagle-tree-static-q", "eagle-tree-dynamic-q")
-# Tree methods grow by the draft's measured confidence (engine.tree.Confidence); "-q": by raw q, as EAGLE-2.
+                "eagle-tree-dynamic", "tree-static-q", "tree-dynamic-q", "eagle-tree-static-q", "eagle-tree-dynamic-q",
+                "hybrid-tree-static", "hybrid-tree-dynamic", "eagle-hybrid-tree-static", "eagle-hybrid-tree-dynamic")
+# Tree methods grow by the draft's measured confidence (engine.tree.Confidence); "-q": by raw q, as EAGLE-2;
+# "hybrid-": with prompt lookup merged into the tree.
 TREE_METHODS = tuple(m for m in METHOD_NAMES if "tree-" in m)
 # Tree methods take K as their node budget N: the verify forward covers N + 1 rows, like a chain at K = N.
 STATIC_TREES = {1: (1,), 2: (2,), 3: (2, 1), 4: (2, 1, 1), 6: (3, 2, 1), 8: (3, 2, 2, 1), 12: (4, 3, 2, 2, 1),
@@ -52,8 +54,9 @@ class Method:
         if self.k is None:
             return "none"
         base = self.name.removesuffix("-heuristic")
-        if base in ("hybrid", "eagle-hybrid"):
-            return base
+        for hybrid in ("eagle-hybrid", "hybrid"):
+            if base.startswith(hybrid):
+                return hybrid
         if base.startswith("eagle"):
             return "eagle"
         return "ngram" if base in ("ngram", "hf-prompt-lookup") else "model"

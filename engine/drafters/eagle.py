@@ -317,7 +317,8 @@ class EagleDrafter:
         return Proposal(tokens, q_draft, k, self.kind)
 
     @torch.inference_mode()
-    def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None) -> TreeProposal:
+    def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None,
+                     copy: list[int] | None = None) -> TreeProposal:
         """A draft tree: the first forward (real features) gives the root's prediction; each wave of nodes
         then reads its parents' predicted features, attending to the real positions and its ancestors."""
         n, cached = len(committed), self.cache.table.length
@@ -338,7 +339,7 @@ class EagleDrafter:
             predicted.update(zip(nodes, out))
             return dict(zip(nodes, self._rows(out)))
 
-        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh)
+        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh, copy)
         return TreeProposal(tree, forwards, self.kind)
 
     def _rows(self, feats: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """The hybrid drafter: prompt lookup when the context repeats, a model drafter (the draft model, or the
-EAGLE head) otherwise."""
+EAGLE head) otherwise; in a tree, both at once."""
 from __future__ import annotations
 
 import torch
 
-from engine.config import DrafterKind
-from engine.drafters.base import DraftCache, Drafter, Proposal
+from engine.config import DrafterKind, TreeSpec
+from engine.drafters.base import DraftCache, Drafter, Proposal, TreeProposal
 from engine.drafters.ngram import NgramDrafter
+from engine.tree import Weigh
 
 
 class HybridDrafter:
@@ -32,6 +33,12 @@ class HybridDrafter:
         if n >= self.min_n and copied:
             return self.ngram.proposal(copied)
         return self.model.propose(committed, k)
+
+    def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None) -> TreeProposal:
+        """The model's tree with prompt lookup merged in (engine.tree.grow): when the context repeats as
+        for a chain, what followed its earlier occurrence is a branch from the root, up to the tree's depth."""
+        n, copied = self.ngram.match(committed, spec.max_depth)
+        return self.model.propose_tree(committed, spec, weigh, copied if n >= self.min_n and copied else None)
 
     def commit(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         self.model.commit(committed, features)

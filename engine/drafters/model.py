@@ -81,7 +81,8 @@ class ModelDrafter:
     def _draftable(self, tokens: list[int]) -> list[int]:
         return draftable(tokens, self.runner.vocab_size, self.stand_in)
 
-    def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None) -> TreeProposal:
+    def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None,
+                     copy: list[int] | None = None) -> TreeProposal:
         """A draft tree: one forward up to the root, then one per wave of nodes (engine.tree.grow), each
         node attending to the committed context and its ancestors."""
         feed, root_position, forwards = self._draftable(committed[self.cache.table.length:]), len(committed) - 1, 0
@@ -100,7 +101,7 @@ class ModelDrafter:
                 positions=[root_position + tree.depths[i] for i in nodes], attn_mask=mask)
             return dict(zip(nodes, self._rows(logits)))
 
-        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh)
+        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh, copy)
         return TreeProposal(tree, forwards, self.kind)
 
     def _rows(self, logits: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ def _num(x: float | None) -> str:
 
 def node_title(node: TreeNode) -> str:
     """The hover text: p, q, alpha and u of the node's test, or why it has none."""
-    head = f"node {node.index} (depth {node.depth}, under {'the root' if node.parent == 0 else f'node {node.parent}'})"
+    head = f"node {node.index} (depth {node.depth}, under {'the root' if node.parent == 0 else f'node {node.parent}'}" \
+           f"{', copied from the context by prompt lookup' if node.copied else ''})"
     if node.outcome is Outcome.UNCHECKED:
         return f"{head}: q={_num(node.q_draft)} · never reached (its parent was not accepted, or a sibling was)"
     verdict = "accepted" if node.outcome is Outcome.ACCEPTED else "rejected"
@@ -80,7 +81,7 @@ def tree_html(record: RoundRecord, selected: int | None = None) -> str:
              'root</span>'.format(place[0][1] * ROW_PX + 4)]
     for n in record.tree.nodes:
         c, r = place[n.index]
-        bold = " on-path" if n.index in path else ""
+        bold = (" on-path" if n.index in path else "") + (" copied" if n.copied else "")
         sel = " selected" if selected == n.index else ""
         text = html.escape(visible(n.text)) + (f"‹{html.escape(n.pending)}›" if n.pending else "")
         chips.append(f'<span class="chip {chip_class(n.outcome)}{bold}{sel}" data-round="{record.index}" '
@@ -92,8 +93,9 @@ def tree_html(record: RoundRecord, selected: int | None = None) -> str:
                  f'data-outcome="{f.outcome.value}" style="left:{final_col * COLUMN_PX}px;top:{final_row * ROW_PX + 4}px"'
                  f' title="{html.escape(_final_title(record), quote=True)}">{html.escape(visible(f.text))}</span>')
     svg = f'<svg width="{width}" height="{height}" style="position:absolute;left:0;top:0">{"".join(lines)}</svg>'
+    copies = " ⎘: copied from the context by prompt lookup." if any(n.copied for n in record.tree.nodes) else ""
     legend = (f'<p class="tree-caption">Tree {html.escape(record.tree.shape)}: {record.k} drafted nodes, accepted path '
-              f'of {len(record.tree.path)} (bold), then the {f.outcome.value} token. Click a node for its p and q.</p>')
+              f'of {len(record.tree.path)} (bold), then the {f.outcome.value} token.{copies} Click a node for its p and q.</p>')
     return (f'{legend}<div class="tree-view" style="position:relative;width:{width}px;height:{height}px">'
             f'{svg}{"".join(chips)}</div>')
 
