@@ -13,10 +13,10 @@ sampling, without replacement from q_v (Gumbel top-k). Whether v gets its j-th c
 before that child is drawn (it depends on earlier draws only), which is what keeps sampling lossless.
 
 A hybrid drafter also merges prompt lookup into the tree, as SpecInfer merges the trees of several
-speculators: when the context's end occurred earlier, what followed it (c_1..c_m) is a chain from the
-root, and the root and each copied node c_d get c_{d+1} as their first child, before the model's own
-children (which are then the model's choices without that token). The model's children below and
-beside the chain compete for the same budget.
+speculators: wherever a node's context (the committed tokens and the node's path) ends in an n-gram
+that occurred earlier, the token that followed it becomes the node's first child, before the model's
+own children (which are then the model's choices without that token). Copies and model children
+compete for the same budget, so a copy can continue a model's branch and the model a copied one.
 
 Verification at T > 0 is recursive rejection sampling without replacement (Jeon et al. 2024, after
 SpecInfer's multi-step speculative sampling, Miao et al. 2024). At node v with target row p and draft
@@ -124,6 +124,7 @@ def attention_mask(tree: DraftTree, past: int, nodes: list[int] | None = None,
 
 # -- construction -----------------------------------------------------------------------------------
 RowsAt = Callable[["DraftTree", list[int]], dict[int, Tensor]]   # (tree, nodes) -> their draft rows, one forward
+CopyAt = Callable[["DraftTree", int], "int | None"]   # (tree, node) -> prompt lookup's token after the node, if any
 Weigh = Callable[[float, int, int], float]   # (a child's q, its rank (DraftTree.ranks), its depth) -> its chance
 COPIED = -1   # the rank of a child proposed by prompt lookup
 
@@ -161,7 +162,7 @@ def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int,
 
 
 def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generator: torch.Generator,
-         weigh: Weigh | None = None, copy: list[int] | None = None) -> DraftTree:
+         weigh: Weigh | None = None, copy_at: CopyAt | None = None) -> DraftTree:
     """Build a tree best-first. rows_at(tree, nodes) runs the drafter on those nodes (one forward, a tree
     mask; node 0 alone: the drafter's forward up to the root) and returns their draft rows; it is called
     once per wave of nodes whose rows are needed. Greedy rows rank children; sampled rows are the
@@ -169,8 +170,7 @@ def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generat
 
     A node's score is its parent's times the child's chance of acceptance: its draft probability, or
     when greedy and `weigh` is given, weigh(q, rank, depth) (a Confidence table's estimate from earlier rounds).
-    `copy`: prompt lookup's tokens after the root, merged in as the first child of the root and of
-    each copied node."""
+    `copy_at(tree, v)`: prompt lookup's token after node v (from v's context), merged in as v's first child."""
     tree = DraftTree.root(root_token)
     weigh = weigh if greedy and weigh is not None else raw_q
     caps = list(spec.widths) if spec.widths else None
@@ -182,10 +182,8 @@ def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generat
             for node, row in rows_at(tree, [o.node for o in pending]).items():
                 tree.q_rows[node] = row
             for o in pending:
-                d = tree.depths[o.node]
-                on_chain = copy is not None and d < len(copy) and (o.node == 0 or tree.copied(o.node))
                 o.order, o.ranks = _draw_order(tree.q_rows[o.node], greedy, generator, spec.nodes,
-                                               copy[d] if on_chain else None)
+                                               copy_at(tree, o.node) if copy_at else None)
                 o.priority = -_next_priority(tree, o, greedy, weigh)
                 if o.order:
                     heapq.heappush(heap, o)

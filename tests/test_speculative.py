@@ -199,6 +199,26 @@ def test_heuristic_k_schedule(tiny_pair, tiny_prompt, self_draft: bool) -> None:
 
 # ---------------------------------------------------------------------------- hybrid drafter
 
+def test_the_follower_index_finds_what_a_scan_would_copy_first() -> None:
+    """`follower` (a dict kept up to date as tokens commit) against `match` (a scan), on every prefix of
+    repetitive random sequences, for the context itself and for a context extended past it."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        seq = torch.randint(0, 6, (80,), generator=g).tolist()
+        lookup = NgramDrafter(4, 1, 10, torch.device("cpu"))
+        lookup.prefill(seq[:2])
+        for end in range(2, len(seq)):
+            lookup.index(seq[:end])
+            for min_n in (1, 2, 3):
+                n, copied = lookup.match(seq[:end], 1)
+                expected = copied[0] if n >= min_n and copied else None
+                assert lookup.follower(seq[max(0, end - 4):end], min_n) == expected, (trial, end, min_n)
+            x = seq[end]   # a node's path off the committed text: 7 never occurs, so only [x] can match
+            earlier = [j for j in range(end - 1) if seq[j] == x]
+            assert lookup.follower([*seq[max(0, end - 2):end], 7, x], 1) == (seq[earlier[-1] + 1] if earlier else None)
+            assert lookup.follower([*seq[max(0, end - 2):end], 7, x], 2) is None
+
+
 def test_hybrid_copies_repeats_and_drafts_the_rest(builtin_pair, builtin_tokenizer) -> None:
     """Each hybrid round either copies (no draft forward, up to 2K tokens, after a repeated
     n-gram of at least hybrid_min_n tokens) or runs the draft model for exactly K tokens."""

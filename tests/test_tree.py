@@ -221,14 +221,19 @@ def test_a_copy_from_prompt_lookup_is_merged_in_first_along_its_chain():
     def rows_at(tree, nodes):
         return {n: rows[n] for n in nodes}
     copy = [int(rows[0].argsort()[10]), int(rows[0].argmax()), 7]
+
+    def copy_at(tree, node):   # a copied chain from the root
+        depth = tree.depths[node]
+        return copy[depth] if depth < len(copy) and (node == 0 or tree.copied(node)) else None
     for greedy in (True, False):
-        tree = grow(TreeSpec(budget=12, depth=4), 5, rows_at, greedy, torch.Generator().manual_seed(2), copy=copy)
+        tree = grow(TreeSpec(budget=12, depth=4), 5, rows_at, greedy, torch.Generator().manual_seed(2),
+                    copy_at=copy_at)
         node, chain = 0, []
         while tree.children[node] and tree.copied(tree.children[node][0]):
             node = tree.children[node][0]
             chain.append(tree.tokens[node])
         assert chain == copy[:len(chain)] and len(chain) >= 1
-        assert sum(map(tree.copied, range(1, len(tree.tokens)))) == len(chain)   # copies only along the chain
+        assert sum(map(tree.copied, range(1, len(tree.tokens)))) == len(chain)   # copies only where copy_at said
         for parent, kids in enumerate(tree.children):
             model_kids = [k for k in kids if not tree.copied(k)]
             assert not any(tree.copied(k) for k in kids[1:])                  # a copy is always the first child

@@ -38,7 +38,7 @@ from engine.models import LoadedModel
 from engine.runner import pool_blocks
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
 from engine.sources import eagle_folder
-from engine.tree import DraftTree, TreeSpec, Weigh, attention_mask, grow
+from engine.tree import CopyAt, DraftTree, TreeSpec, Weigh, attention_mask, grow
 
 EAGLE_FORMAT = 1
 WEIGHTS, CONFIG = "head.safetensors", "eagle.json"
@@ -318,7 +318,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None,
-                     copy: list[int] | None = None) -> TreeProposal:
+                     copy_at: CopyAt | None = None) -> TreeProposal:
         """A draft tree: the first forward (real features) gives the root's prediction; each wave of nodes
         then reads its parents' predicted features, attending to the real positions and its ancestors."""
         n, cached = len(committed), self.cache.table.length
@@ -339,7 +339,7 @@ class EagleDrafter:
             predicted.update(zip(nodes, out))
             return dict(zip(nodes, self._rows(out)))
 
-        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh, copy)
+        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh, copy_at)
         return TreeProposal(tree, forwards, self.kind)
 
     def _rows(self, feats: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from engine.config import DrafterKind, TreeSpec
 from engine.drafters.base import DraftCache, Drafter, Proposal, TreeProposal
 from engine.drafters.ngram import NgramDrafter
-from engine.tree import Weigh
+from engine.tree import DraftTree, Weigh
 
 
 class HybridDrafter:
@@ -35,10 +35,16 @@ class HybridDrafter:
         return self.model.propose(committed, k)
 
     def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None) -> TreeProposal:
-        """The model's tree with prompt lookup merged in (engine.tree.grow): when the context repeats as
-        for a chain, what followed its earlier occurrence is a branch from the root, up to the tree's depth."""
-        n, copied = self.ngram.match(committed, spec.max_depth)
-        return self.model.propose_tree(committed, spec, weigh, copied if n >= self.min_n and copied else None)
+        """The model's tree with prompt lookup merged in (engine.tree.grow): a node whose context (the
+        committed tokens, then its path) ends in min_n or more tokens that occurred before gets what
+        followed them as its first child."""
+        self.ngram.index(committed)
+        width = self.ngram.ngram_max
+
+        def copy_at(tree: DraftTree, node: int) -> int | None:
+            tail = committed[-width:] + [tree.tokens[i] for i in tree.path_to(node)[-width:]]
+            return self.ngram.follower(tail[-width:], self.min_n)
+        return self.model.propose_tree(committed, spec, weigh, copy_at)
 
     def commit(self, committed: list[int], features: torch.Tensor | None = None) -> None:
         self.model.commit(committed, features)

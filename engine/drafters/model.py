@@ -9,7 +9,7 @@ from engine.kv_cache import PagedCache
 from engine.models import LoadedModel
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
-from engine.tree import DraftTree, TreeSpec, Weigh, attention_mask, grow
+from engine.tree import CopyAt, DraftTree, TreeSpec, Weigh, attention_mask, grow
 from engine.verify import align_vocab
 
 
@@ -82,7 +82,7 @@ class ModelDrafter:
         return draftable(tokens, self.runner.vocab_size, self.stand_in)
 
     def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None,
-                     copy: list[int] | None = None) -> TreeProposal:
+                     copy_at: CopyAt | None = None) -> TreeProposal:
         """A draft tree: one forward up to the root, then one per wave of nodes (engine.tree.grow), each
         node attending to the committed context and its ancestors."""
         feed, root_position, forwards = self._draftable(committed[self.cache.table.length:]), len(committed) - 1, 0
@@ -101,7 +101,7 @@ class ModelDrafter:
                 positions=[root_position + tree.depths[i] for i in nodes], attn_mask=mask)
             return dict(zip(nodes, self._rows(logits)))
 
-        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh, copy)
+        tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh, copy_at)
         return TreeProposal(tree, forwards, self.kind)
 
     def _rows(self, logits: torch.Tensor) -> torch.Tensor:
