@@ -130,6 +130,14 @@ def test_a_method_written_with_its_k_runs_at_that_k_only():
                                               ("eagle", 2), ("eagle", 6), ("tree-dynamic", 16)]
 
 
+def test_a_tree_is_compared_with_its_own_drafters_chains():
+    from engine.bench.report import same_drafter_chains
+
+    assert same_drafter_chains("tree-dynamic-q") == ["v2"] and same_drafter_chains("eagle-tree-static") == ["eagle"]
+    assert same_drafter_chains("hybrid-tree-dynamic") == ["v2", "hybrid"]
+    assert same_drafter_chains("eagle-hybrid-tree-static") == ["eagle", "eagle-hybrid"]
+
+
 @pytest.mark.parametrize("name, drafter", [("hybrid-tree-dynamic", DrafterKind.HYBRID),
                                            ("eagle-hybrid-tree-static", DrafterKind.EAGLE_HYBRID),
                                            ("eagle-tree-dynamic", DrafterKind.EAGLE), ("tree-static-q", DrafterKind.MODEL),

@@ -92,6 +92,13 @@ COLUMNS = (("method", 22, lambda r: r.label), ("tok/s", 8, lambda r: _fmt(r.toke
            ("same tokens", 11, lambda r: "yes" if r.identical_tokens else f"NO {r.mismatched_prompts}"))
 
 
+def same_drafter_chains(tree_method: str) -> list[str]:
+    """The chain methods a tree method is compared with: its model's chain, and for a hybrid tree
+    also the hybrid chain (prompt lookup or the model, per round)."""
+    drafters = tree_method.split("tree-")[0].rstrip("-")
+    return ["eagle" if drafters.startswith("eagle") else "v2"] + ([drafters] if drafters.endswith("hybrid") else [])
+
+
 def headlines(results: Sequence[MethodResult]) -> list[str]:
     """The comparisons the project's targets are stated in: best of each method, v2 against
     Hugging Face assisted generation and v1 at the same K, the engine's target-only against `generate`."""
@@ -103,11 +110,12 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
         if best:
             lines.append(f"best {name}: {best.label} at {best.speedup:.2f}x (predicted {best.predicted_speedup:.2f}x)")
     for tree in (r for r in results if r.method in TREE_METHODS):
-        chain = by_label.get(f"{'eagle' if tree.method.startswith('eagle') else 'v2'} K={tree.k}")
-        if chain and chain.mean_accepted_length:
-            lines.append(f"{tree.label} against a chain of the same width: "
-                         f"{tree.mean_accepted_length / chain.mean_accepted_length:.2f}x tokens per round, "
-                         f"{tree.tokens_per_s / chain.tokens_per_s:.2f}x tokens/s")
+        for name in same_drafter_chains(tree.method):
+            chain = by_label.get(f"{name} K={tree.k}")
+            if chain and chain.mean_accepted_length:
+                lines.append(f"{tree.label} against the {name} chain of the same width: "
+                             f"{tree.mean_accepted_length / chain.mean_accepted_length:.2f}x tokens per round, "
+                             f"{tree.tokens_per_s / chain.tokens_per_s:.2f}x tokens/s")
     for r in (r for r in results if r.method == "v2"):
         others = [(o, by_label.get(f"{o} K={r.k}")) for o in ("hf-assisted", "v1")]
         ratios = [f"{r.tokens_per_s / o.tokens_per_s:.2f}x {name}" for name, o in others if o]
