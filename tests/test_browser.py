@@ -243,3 +243,41 @@ def test_the_theory_figures_of_a_replayed_trace_fit_their_panels(page, calibrate
         assert "recommended K" in page.locator("#theory-recommendation").inner_text()
     finally:
         page.set_viewport_size({"width": 1500, "height": 1100})
+
+
+def test_a_deep_hybrid_tree_scrolls_inside_its_panel_with_no_chip_on_another(browser, url, tmp_path):
+    """A greedy hybrid tree on a repetitive prompt grows deep: the view scrolls sideways inside the
+    Round detail panel instead of spilling out of it, and no chip (the final token included) covers
+    another."""
+    page = open_page(browser, url, 1100, 1000)
+    page.locator("#drafter-radio label", has_text="else the draft model").click()
+    page.fill("#prompt-box textarea", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef")
+    page.fill("#tree-box textarea, #tree-box input", "N24d16")
+    temperature = page.get_by_label("Temperature (0 = greedy)").first
+    temperature.fill("0")
+    temperature.press("Enter")
+    page.click("#reset-btn")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Round 0 of')")
+    geometry = None
+    for n in range(1, 25):
+        click_step(page, n)
+        if not page.locator("#tree-view .tree-scroll").count():
+            continue   # the prefill round drafts nothing
+        geometry = page.evaluate("""() => {
+            const view = document.querySelector('#tree-view'), scroll = view.querySelector('.tree-scroll');
+            const chips = [...scroll.querySelectorAll('.chip')].map(c => c.getBoundingClientRect());
+            const overlaps = chips.some((a, i) => chips.some((b, j) => j > i && a.left < b.right - 1 &&
+                b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1));
+            const viewRight = view.getBoundingClientRect().right;
+            const clipped = ['auto', 'scroll'].includes(getComputedStyle(scroll).overflowX);
+            return {depth: new Set([...scroll.querySelectorAll('.chip')].map(c => c.style.left)).size - 1,
+                    beyond: chips.some(c => c.right > viewRight + 1), clipped, overlaps,
+                    scrollWidth: scroll.scrollWidth, clientWidth: scroll.clientWidth};
+        }""")
+        assert not geometry["overlaps"], (n, geometry)
+        if geometry["beyond"]:
+            break
+    assert geometry["beyond"], geometry                                  # wider than the panel...
+    assert geometry["clipped"] and geometry["scrollWidth"] > geometry["clientWidth"], geometry   # ...so it scrolls
+    page.locator("#tree-view").screenshot(path=str(tmp_path / "tree.png"))
+    page.close()

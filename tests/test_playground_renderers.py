@@ -362,3 +362,40 @@ def test_frame_for_a_pending_round_hides_its_verdict(sampled):
     assert pending.charts.acceptance.to_json() == verified.charts.acceptance.to_json()
     assert "pending" in pending.stream.status
     assert render_frame(view, Cursor(shown=len(view.rounds))).stream.rounds_total == len(view.rounds)
+
+
+def test_the_tree_view_gives_every_node_its_own_place_and_the_final_token_the_paths_row(builtin_pair):
+    """On real hybrid tree rounds (greedy and sampled): one chip per node at a distinct place, the final
+    token one column right of the path's end and in its row (not on top of a rejected child), the
+    accepted path bold, and copies marked."""
+    import re
+
+    from engine.config import TreeSpec
+    from playground.render.tree import tree_html
+
+    draft, target = builtin_pair
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+    seen = {"corrected": 0, "bonus": 0, "copied": 0}
+    for temperature in (0.0, 0.8):
+        config = SpecConfig(drafter=DrafterKind.HYBRID, tree=TreeSpec(budget=12, depth=5), max_new_tokens=40,
+                            sampling=SamplingParams(temperature=temperature), seed=1)
+        run = ComparedRun(ModelPair(target, draft), code, config, compare=False)
+        rounds = [r for r in run.run_to_end() if r.tree is not None]
+        run.close()
+        for r in rounds:
+            page = tree_html(r)
+            chips = {int(m["pos"]): (int(m["left"]), int(m["top"]), m["cls"]) for m in re.finditer(
+                r'class="chip (?P<cls>[^"]*)" data-round="\d+" data-pos="(?P<pos>\d+)" data-outcome="\w+" '
+                r'style="left:(?P<left>\d+)px;top:(?P<top>\d+)px;width:\d+px"', page)}
+            assert sorted(chips) == list(range(len(r.tree.nodes) + 1))          # node chips, and 0: the final
+            assert len({(x, y) for x, y, _ in chips.values()}) == len(chips)     # no chip on top of another
+            end = r.tree.path[-1] if r.tree.path else None
+            if end is not None:
+                (ex, ey, _), (fx, fy, _) = chips[end], chips[0]
+                assert fy == ey and fx > ex
+            for n in r.tree.nodes:
+                cls = chips[n.index][2].split()
+                assert ("on-path" in cls) == (n.index in r.tree.path) and ("copied" in cls) == n.copied
+            seen[r.final.outcome.value if r.final.outcome.value in seen else "bonus"] += 1
+            seen["copied"] += sum(n.copied for n in r.tree.nodes)
+    assert seen["corrected"] and seen["copied"], seen

@@ -111,7 +111,8 @@ def stylesheet() -> str:
 .chip.selected { outline: 3px solid #000; outline-offset: 1px; }
 .tree-view .chip { position: absolute; width: 110px; overflow: hidden; text-overflow: ellipsis; }
 .tree-view .chip.on-path { font-weight: 700; box-shadow: 0 0 0 2px #000; }
-.tree-view .chip.copied::before { content: "⎘"; margin-right: 2px; opacity: 0.7; }
+.tree-view .chip.copied { border-left-width: 7px; }
+.tree-scroll { overflow-x: auto; max-width: 100%; padding-bottom: 4px; }  /* deep trees scroll, never spill */
 .tree-view .tree-root { background: #eee; border: 2px solid #999; cursor: default; }
 .tree-caption { font-size: 13px; margin: 2px 0 6px; }
 .round-sep { display: inline-block; width: 1px; height: 1.2em; background: #bbb; margin: 0 3px;
