@@ -25,6 +25,7 @@ class HybridDrafter:
         self.needs_features = model.needs_features
 
     def prefill(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
+        self.ngram.prefill(prompt)
         self.model.prefill(prompt, features)
 
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
