@@ -105,8 +105,8 @@ def _decoding(max_new_tokens: int, drafter_default: str) -> dict:
     tree = gr.Textbox("", label="Tree (empty: a chain of K)", elem_id="tree-box", max_lines=1,
                       info="Widths per depth, e.g. 4-2-2-1 (static), or a node budget N16 / N16d6 (dynamic, up to "
                            "32 nodes); drafted by the draft model or the EAGLE head, and with a hybrid drafter by "
-                           "prompt lookup too (copied nodes have a thick left edge). Greedy trees grow by the draft's measured "
-                           "confidence; end in q (N16d6q) to grow by its raw q.")
+                           "prompt lookup too (copied nodes have a thick left edge). Greedy trees grow by the "
+                           "draft's measured confidence; end in q (N16d6q) to grow by its raw q.")
     with gr.Row():
         temperature = RawSlider(0.0, 2.0, value=1.0, step=0.05, label="Temperature (0 = greedy)")
         top_p = RawSlider(0.05, 1.0, value=1.0, step=0.05, label="Top-p (1 = off)")

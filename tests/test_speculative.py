@@ -199,9 +199,20 @@ def test_heuristic_k_schedule(tiny_pair, tiny_prompt, self_draft: bool) -> None:
 
 # ---------------------------------------------------------------------------- hybrid drafter
 
-def test_the_follower_index_finds_what_a_scan_would_copy_first() -> None:
-    """`follower` (a dict kept up to date as tokens commit) against `match` (a scan), on every prefix of
-    repetitive random sequences, for the context itself and for a context extended past it."""
+def scan(tokens: list[int], ngram_max: int, min_n: int, k: int) -> tuple[int, list[int]]:
+    """Prompt lookup by brute force: the longest suffix (ngram_max..min_n) with an earlier occurrence,
+    and up to k tokens after its latest one."""
+    for n in range(min(ngram_max, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return n, tokens[start + n:start + n + k]
+    return 0, []
+
+
+def test_prompt_lookup_finds_what_a_scan_would_copy() -> None:
+    """The n-gram drafter's index (read once per token as the run grows) against a brute-force scan,
+    on every prefix of repetitive random sequences: `match` for the context itself, `follower` for a
+    context that runs past the indexed tokens (a tree node's path)."""
     g = torch.Generator().manual_seed(5)
     for trial in range(20):
         seq = torch.randint(0, 6, (80,), generator=g).tolist()
@@ -210,13 +221,14 @@ def test_the_follower_index_finds_what_a_scan_would_copy_first() -> None:
         for end in range(2, len(seq)):
             lookup.index(seq[:end])
             for min_n in (1, 2, 3):
-                n, copied = lookup.match(seq[:end], 1)
-                expected = copied[0] if n >= min_n and copied else None
-                assert lookup.follower(seq[max(0, end - 4):end], min_n) == expected, (trial, end, min_n)
+                n, copied = scan(seq[:end], 4, min_n, 5)
+                assert lookup.follower(seq[max(0, end - 4):end], min_n) == (copied[0] if n else None)
+            assert lookup.match(seq[:end], 5) == scan(seq[:end], 4, 1, 5), (trial, end)
             x = seq[end]   # a node's path off the committed text: 7 never occurs, so only [x] can match
             earlier = [j for j in range(end - 1) if seq[j] == x]
             assert lookup.follower([*seq[max(0, end - 2):end], 7, x], 1) == (seq[earlier[-1] + 1] if earlier else None)
             assert lookup.follower([*seq[max(0, end - 2):end], 7, x], 2) is None
+        assert lookup.match(seq[5:40], 3) == scan(seq[5:40], 4, 1, 3)   # another sequence: indexed afresh
 
 
 def test_hybrid_copies_repeats_and_drafts_the_rest(builtin_pair, builtin_tokenizer) -> None:

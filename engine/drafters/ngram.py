@@ -18,29 +18,37 @@ class NgramDrafter:
     def __init__(self, ngram_max: int, ngram_min: int, target_vocab: int, target_device: torch.device) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.target_vocab, self.target_device = target_vocab, target_device
-        self._followers: dict[tuple[int, ...], int] = {}   # n-gram -> the token after its latest occurrence
-        self._indexed = 0                                  # committed tokens the index has read
+        self._tokens: list[int] = []                   # the tokens indexed so far
+        self._after: dict[tuple[int, ...], int] = {}   # n-gram -> position of the token after its latest occurrence
 
     def prefill(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
-        self._followers, self._indexed = {}, 0
+        self._tokens, self._after = [], {}
 
     def index(self, committed: list[int]) -> None:
-        """Bring the follower index up to date with the committed tokens (they only grow in a run)."""
-        if len(committed) < self._indexed:
-            self._followers, self._indexed = {}, 0
-        for i in range(max(self._indexed, 1), len(committed)):
+        """Bring the index up to date with `committed`: in a run it only grows, so each token is read
+        once; any other sequence starts the index again."""
+        seen = len(self._tokens)
+        if committed[:seen] != self._tokens:
+            self._tokens, self._after, seen = [], {}, 0
+        self._tokens.extend(committed[seen:])
+        for i in range(max(seen, 1), len(committed)):
             for n in range(self.ngram_min, min(self.ngram_max, i) + 1):
-                self._followers[tuple(committed[i - n:i])] = committed[i]
-        self._indexed = len(committed)
+                self._after[tuple(committed[i - n:i])] = i
+
+    def _find(self, tail: list[int], min_n: int) -> tuple[int, int]:
+        """(n, position): the longest suffix of `tail`, n tokens (ngram_max..min_n), that occurred in the
+        indexed tokens, and where the token after its latest occurrence sits; (0, 0) when none did."""
+        for n in range(min(self.ngram_max, len(tail)), max(min_n, self.ngram_min) - 1, -1):
+            at = self._after.get(tuple(tail[-n:]))
+            if at is not None:
+                return n, at
+        return 0, 0
 
     def follower(self, tail: list[int], min_n: int) -> int | None:
-        """The token that followed the latest earlier occurrence of the longest suffix of `tail` (at
-        least min_n tokens) in the indexed tokens; what `match` would copy first, found in O(1)."""
-        for n in range(min(self.ngram_max, len(tail)), max(min_n, self.ngram_min) - 1, -1):
-            token = self._followers.get(tuple(tail[-n:]))
-            if token is not None:
-                return token
-        return None
+        """The token that followed the latest occurrence of `tail`'s longest suffix (at least min_n
+        tokens) in the indexed tokens: `tail` may run past them (a tree node's path)."""
+        n, at = self._find(tail, min_n)
+        return self._tokens[at] if n else None
 
     def lookup(self, committed: list[int], k: int) -> list[int]:
         return self.match(committed, k)[1]
@@ -48,13 +56,9 @@ class NgramDrafter:
     def match(self, committed: list[int], k: int) -> tuple[int, list[int]]:
         """(n, up to k tokens): the longest suffix of n tokens (ngram_max..ngram_min) that occurred
         before, and what followed its latest earlier occurrence; (0, []) when none did."""
-        n_tokens = len(committed)
-        for n in range(min(self.ngram_max, n_tokens - 1), self.ngram_min - 1, -1):
-            pattern = committed[-n:]
-            for start in range(n_tokens - n - 1, -1, -1):
-                if committed[start : start + n] == pattern:
-                    return n, committed[start + n : start + n + k]
-        return 0, []
+        self.index(committed)
+        n, at = self._find(committed, self.ngram_min)
+        return (n, self._tokens[at:at + k]) if n else (0, [])
 
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
         return self.proposal(self.lookup(committed, k))
