@@ -26,6 +26,13 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
     ap.add_argument("--allow-custom-models", action=argparse.BooleanOptionalAction, default=None,
                     help=f"let visitors load any model id or path (default: ${ALLOW_CUSTOM_ENV}, else on "
                          "locally and off on a Hugging Face Space)")
+    ap.add_argument("--allow-local-paths", action="store_true",
+                    help="let custom model ids be folders on this machine (off: Hub ids only, and a visitor learns "
+                         "nothing of this machine's files)")
+    ap.add_argument("--hub-timeout", type=float, default=d.config_timeout_s, metavar="SECONDS",
+                    help="refuse a custom model whose config the Hub has not sent within this long")
+    ap.add_argument("--load-timeout", type=float, default=d.load_timeout_s, metavar="SECONDS",
+                    help="refuse a model whose tokenizer and weights have not loaded (downloaded) within this long")
     ap.add_argument("--max-sessions", type=int, default=d.max_sessions,
                     help="sessions (browser tabs, API clients) holding a run at once")
     ap.add_argument("--max-sessions-per-client", type=int, default=d.max_sessions_per_client,
@@ -44,6 +51,8 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
     hops = a.proxy_hops if a.proxy_hops is not None else proxy_hops_default(env)
     return AppSettings(host=a.host, port=a.port, draft=a.draft, target=a.target, draft_device=a.draft_device,
                        target_device=a.target_device, share=a.share, allow_custom_models=allow,
+                       allow_local_paths=a.allow_local_paths, config_timeout_s=a.hub_timeout,
+                       load_timeout_s=a.load_timeout,
                        max_sessions=a.max_sessions, max_sessions_per_client=a.max_sessions_per_client,
                        session_ttl_s=a.idle_timeout, session_lease_s=a.session_lease, proxy_hops=hops,
                        max_new_tokens=a.max_new_tokens, kv_budget_mib=a.kv_budget_mib)

@@ -162,7 +162,8 @@ class SpecConfig:
             raise ValueError("sampling must be a SamplingParams")
         check_seed(self.seed)
         if not (1 <= self.k_min <= self.k_max <= K_BOUND):
-            raise ValueError(f"need 1 <= k_min <= k_max <= {K_BOUND}, got k_min={self.k_min}, k_max={self.k_max}")
+            raise ValueError(f"K min and K max must satisfy 1 <= K min <= K max <= {K_BOUND}, got K min={self.k_min}, "
+                             f"K max={self.k_max}")
         if not isinstance(self.k, int) or not 1 <= self.k <= K_BOUND:
             raise ValueError(f"K must be an integer between 1 and {K_BOUND}, got {self.k!r}")
         if self.k_schedule is KSchedule.HEURISTIC and not self.k_min <= self.k <= self.k_max:

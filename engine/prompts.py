@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.typed_json import unicode_problem
+
 
 class PromptError(ValueError):
     """The prompt cannot be decoded with these settings (empty, too long, or not encodable)."""
@@ -28,14 +30,12 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 def check_text(name: str, text: str) -> str:
     """`text` when every character can be encoded as UTF-8, else ValueError naming the field and the first
-    bad character. A lone surrogate such as '\\ud800' (from a broken paste, a JSON escape or a command line
-    that is not UTF-8) is a str that no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} contains {text[exc.start]!r} at character {exc.start + 1}, which is not valid "
-                         "Unicode text (a lone surrogate); only valid Unicode text is allowed, so remove it or "
-                         "paste the text again.") from None
+    bad character (engine.typed_json.unicode_problem: a lone surrogate such as '\\ud800' is a str that no
+    tokenizer can encode)."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise ValueError(f"{name} {problem}; only valid Unicode text is allowed, so remove it or paste the text "
+                         "again.")
     return text
 
 

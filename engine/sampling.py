@@ -27,17 +27,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+            raise ValueError(f"Temperature must be a number, got {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError(f"Temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+            raise ValueError(f"Top-k must be an int, got {self.top_k!r}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ValueError(f"Top-k must be >= 0 (0 = off), got {self.top_k}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+            raise ValueError(f"Top-p must be a number, got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+            raise ValueError(f"Top-p must be in (0, 1] (1 = off), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -45,22 +45,46 @@ _hub_seen: list[tuple[float, bool]] = []   # (when, reachable): the last check, 
 
 def hub_reachable() -> bool:
     """Can this machine reach the Hub? False at once under HF_HUB_OFFLINE; otherwise one TCP connection
-    to the endpoint's port 443 (at most HUB_CHECK_SECONDS), remembered for a minute. Without it, a Hub
+    to the endpoint's host and port (at most HUB_CHECK_SECONDS), remembered for a minute. Without it, a Hub
     id on an offline machine waits through transformers' retries (tens of seconds) before failing."""
+    from urllib.parse import urlsplit
+
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return False
     if _hub_seen and time.monotonic() - _hub_seen[0][0] < 60.0:
         return _hub_seen[0][1]
-    host = constants.ENDPOINT.split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
+    endpoint = urlsplit(constants.ENDPOINT)
     try:
-        socket.create_connection((host, 443), timeout=HUB_CHECK_SECONDS).close()
+        port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+        socket.create_connection((endpoint.hostname or "", port), timeout=HUB_CHECK_SECONDS).close()
         reachable = True
-    except OSError:
+    except (OSError, ValueError):   # refused, unreachable, timed out; or an endpoint URL that is not one
         reachable = False
     _hub_seen[:] = [(time.monotonic(), reachable)]
     return reachable
+
+
+def bound_hub_requests(seconds: float) -> None:
+    """Make every Hub request of this process give up after `seconds` without progress: to connect, or
+    between two reads. huggingface_hub's own client waits forever on some calls (`model_info`, which
+    transformers makes while resolving an id, passes no timeout), so an endpoint that accepts and never
+    answers would hold the calling thread for good. A server (playground.serve) calls this once at start;
+    a download that keeps making progress is never cut short."""
+    import httpx2
+    from huggingface_hub import get_session, set_client_factory
+
+    hooks = get_session().event_hooks   # huggingface_hub's own (offline mode, headers): kept as they are
+
+    class Bounded(httpx2.HTTPTransport):
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            limits = request.extensions.get("timeout") or {}
+            request.extensions["timeout"] = {phase: min(limits.get(phase) or seconds, seconds)
+                                             for phase in ("connect", "read", "write", "pool")}
+            return super().handle_request(request)
+
+    set_client_factory(lambda: httpx2.Client(event_hooks=hooks, follow_redirects=True, transport=Bounded()))
 
 
 def hub_kwargs(path: str) -> dict:

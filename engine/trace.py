@@ -442,6 +442,9 @@ def _lines(f: IO[bytes]) -> Iterator[tuple[int, dict | None]]:
             if not line.endswith(b"\n"):
                 yield number, None
                 return
+            if isinstance(exc, UnicodeDecodeError):
+                raise TraceError(f"line {number}: byte {exc.start + 1} (0x{line[exc.start]:02x}) is not UTF-8; a "
+                                 "trace is UTF-8 text, so this file was damaged or is not a trace") from None
             raise TraceError(f"line {number}: not valid JSON ({exc})") from None
         if not isinstance(obj, dict):
             raise TraceError(f"line {number}: expected a JSON object, got {typed_json.type_name(obj)}")

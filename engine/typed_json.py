@@ -188,7 +188,22 @@ def _float(value: Any) -> float:
 def _str(value: Any) -> str:
     if type(value) is not str:
         raise Invalid(f"expected a string, got {type_name(value)}")
+    problem = unicode_problem(value)
+    if problem is not None:   # JSON can spell a lone surrogate ("\\ud800"); no renderer or encoder takes one
+        raise Invalid(f"the text {problem}")
     return value
+
+
+def unicode_problem(text: str) -> str | None:
+    """None when every character of `text` can be encoded as UTF-8; else what is wrong, naming the first bad
+    character and where it is ("contains '\\ud800' at character 3, which is not valid Unicode text (a lone
+    surrogate)"). A str holds such a character after a broken paste, a JSON escape or a non-UTF-8 command line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"contains {text[exc.start]!r} at character {exc.start + 1}, which is not valid Unicode text "
+                "(a lone surrogate)")
+    return None
 
 
 def _object(value: Any) -> dict:

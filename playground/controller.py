@@ -20,7 +20,7 @@ from engine.sampling import SamplingParams
 from engine.trace import TraceError, load_trace
 from playground.inputs import as_float, as_int, as_seed, as_text
 from playground.registry import ModelRegistry
-from playground.sessions import Session, SessionLimitReached, SessionPool
+from playground.sessions import Session, SessionBusy, SessionLimitReached, SessionPool
 from playground.settings import AppSettings
 from playground.teach.lesson import RoundRows, round_rows
 from playground.view import Cursor, Panel, RunView, info_for_run, view_from_trace
@@ -29,7 +29,7 @@ E = TypeVar("E", bound=Enum)
 MAX_MODEL_ID_CHARS = 512   # a Hub id or a local path
 
 # Everything a visitor can cause by typing or uploading: shown as a message, never a traceback.
-USER_ERRORS = (ValueError, ModelLoadError, KVPoolExhausted, SessionLimitReached)  # PromptError, TraceError: ValueErrors
+USER_ERRORS = (ValueError, ModelLoadError, KVPoolExhausted, SessionLimitReached, SessionBusy)  # PromptError, TraceError: ValueErrors
 
 
 @dataclass(frozen=True, slots=True)

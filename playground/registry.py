@@ -3,15 +3,26 @@
 A model is loaded the first time a session asks for it and kept for all sessions after that.
 Before a Hub or custom model is loaded, its config.json is read and its weight memory estimated;
 a model that would not fit in the free memory of its device is refused with a clear message.
+
+Every load runs on a thread of its own, and whoever asks for it waits with a deadline: a config read
+that the Hub does not answer fails within `Deadlines.config_s`, a load within `Deadlines.load_s`,
+and a closing registry wakes every waiter at once. A hung read therefore never holds a visitor's
+request for long, and never holds up shutdown (the thread is a daemon and is simply left behind);
+at most MAX_LOADS loads run at once, so hung reads cannot pile up threads.
 """
 from __future__ import annotations
 
 import atexit
+import contextvars
+import math
+import re
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -22,6 +33,37 @@ from engine.sources import BUILTIN, SMOLLM2, eagle_folder, hub_kwargs, smollm2_g
 
 CUSTOM = "custom"
 MEMORY_HEADROOM = 1.2   # weights plus activations, allocator slack and the KV pools
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")   # owner/name, or name
+MAX_LOADS = 4           # loads (with their config reads) running at once; a hung one counts until it ends
+WAKE_S = 0.2            # how often a waiter looks at the registry's stop flag
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """How long a visitor's request waits for each phase of a model load before it is refused."""
+
+    config_s: float = 20.0    # reading config.json (a Hub request with no timeout of its own)
+    load_s: float = 900.0     # tokenizer and weights (a Hub download of a few GB at ordinary speeds)
+
+    def __post_init__(self) -> None:
+        if not (self.config_s > 0 and self.load_s > 0):
+            raise ValueError(f"deadlines must be > 0 seconds, got {self.config_s} and {self.load_s}")
+
+
+class _Load:
+    """One model load on its own thread: its result, and the phase it is in with that phase's deadline."""
+
+    def __init__(self, what: str) -> None:
+        self.future: Future[LoadedModel] = Future()
+        self.what = what
+        self.phase, self.bound, self.due = "starting", math.inf, math.inf
+
+    def enter(self, phase: str, seconds: float) -> None:
+        self.phase, self.bound, self.due = phase, seconds, time.monotonic() + seconds
+
+    def overdue(self) -> str:
+        return (f"Loading {self.what} took too long: {self.phase} did not finish within {self.bound:.0f} s "
+                "(the Hub or the disk is not answering). Try again later, or pick another pair.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +158,20 @@ def weight_bytes(source: str, role: str, device: torch.device) -> int:
 
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **hub_kwargs(source))
-    except Exception as exc:  # offline, unknown id, not a model folder, remote code required, ...
-        raise ModelLoadError(f"Could not read the config of {role} model {source!r}: {type(exc).__name__}. "
-                             "Hub ids need internet access (or a copy in the local HF cache); "
-                             "paths must hold a config.json.") from None
+    except Exception:  # offline, unknown id, not a model folder, remote code required, ...
+        raise ModelLoadError(unreadable_config(role, source)) from None
     try:
         return estimate_parameters(config) * torch.empty((), dtype=resolve_dtype("auto", device)).element_size()
     except ValueError as exc:
         raise ModelLoadError(f"Cannot estimate the size of {role} model {source!r} ({exc}); "
                              "refusing to load it.") from None
+
+
+def unreadable_config(role: str, source: str) -> str:
+    """The one sentence for a config that cannot be read, whatever the reason (it says nothing of this
+    machine's files: see ModelRegistry.check_custom)."""
+    return (f"Could not read the config of the {role} model {source!r}: no such model, or no config.json in it. "
+            "Hub ids need internet access (or a copy in the local HF cache).")
 
 
 def check_room(source: str, role: str, device: torch.device, need: int, have: int) -> None:
@@ -142,6 +189,10 @@ def check_fits(source: str, role: str, device: torch.device, free: Callable[[tor
 
 
 ModelKey = tuple[str, str, str]   # (source, role for the built-in pair else "", device)
+
+
+def _succeeded(future: Future) -> bool:
+    return future.done() and future.exception() is None
 
 
 def _key(source: str, role: str, device: torch.device) -> ModelKey:
@@ -172,11 +223,13 @@ class ModelRegistry:
 
     def __init__(self, default_draft: str | None = BUILTIN, default_target: str = BUILTIN, *,
                  draft_device: str | None = None, target_device: str | None = None, allow_custom: bool = False,
+                 allow_local_paths: bool = False,
                  loader: Callable[..., LoadedModel] = load_model,
                  free: Callable[[torch.device], int] = free_memory,
                  inspect: Callable[[str, str, torch.device], int] = weight_bytes,
                  eagle_loader: Callable[[str, LoadedModel], EagleRuntime] = load_eagle,
-                 calibrate_fn: Callable[[LoadedModel], RCurve] | None = None) -> None:
+                 calibrate_fn: Callable[[LoadedModel], RCurve] | None = None,
+                 deadlines: Deadlines = Deadlines()) -> None:
         local = local_presets()
         known = {(p.draft, p.target): p for p in local}
         first = known.get((default_draft, default_target))
@@ -194,16 +247,18 @@ class ModelRegistry:
         self._stop = threading.Event()                 # set by close(): background calibrations end
         self._measuring: list[threading.Thread] = []
         _OPEN.add(self)
-        self.allow_custom = allow_custom
+        self.allow_custom, self.allow_local_paths = allow_custom, allow_local_paths
         self._loader, self._free, self._inspect = loader, free, inspect
-        self._models: dict[ModelKey, Future[LoadedModel]] = {}
+        self.deadlines = deadlines
+        self._models: dict[ModelKey, _Load] = {}
         self._claimed: dict[ModelKey, tuple[str, int]] = {}   # loads under way: (device, estimated bytes)
         self._pairs: dict[tuple[int, int, int], ModelPair] = {}   # tokenizers checked once per pair
         self._lock = threading.Lock()   # guards the three dicts above, and only for dict operations
 
     def choices(self) -> list[tuple[str, str]]:
         """(label, key) for the preset picker; "custom" only when custom ids are allowed."""
-        extra = [("Custom ids or paths", CUSTOM)] if self.allow_custom else []
+        extra = [("Custom ids or paths" if self.allow_local_paths else "Custom Hub ids", CUSTOM)] \
+            if self.allow_custom else []
         return [(p.label, p.key) for p in self.presets] + extra
 
     def resolve(self, key: str, custom_draft: str = "", custom_target: str = "") -> PairPreset:
@@ -213,12 +268,30 @@ class ModelRegistry:
                                      "or SPECPLAY_ALLOW_CUSTOM_MODELS=1).")
             draft, target = custom_draft.strip(), custom_target.strip()
             if not draft or not target:
-                raise ModelLoadError("Enter both a draft and a target model id or path.")
+                raise ModelLoadError("Enter both a draft and a target model id" +
+                                     (" or path." if self.allow_local_paths else "."))
+            for role, source in (("draft", draft), ("target", target)):
+                self.check_custom(role, source)
             return PairPreset(CUSTOM, "custom", draft, target)
         for preset in self.presets:
             if preset.key == key:
                 return preset
         raise ModelLoadError(f"Unknown model pair {key!r}.")
+
+    def check_custom(self, role: str, source: str) -> None:
+        """Refuse a visitor's model id that is not a Hub id, unless the operator allows local paths.
+
+        The answer never depends on what exists on this machine: a path is refused for its form alone,
+        and a Hub-shaped id that happens to name a local folder (which transformers would read instead
+        of the Hub) gets the very sentence an unknown Hub id gets."""
+        if self.allow_local_paths:
+            return
+        if not HUB_ID.fullmatch(source) or ".." in source or "--" in source:
+            raise ModelLoadError(f"The custom {role} {source!r} is not a Hub id: this server loads custom models "
+                                 "from the Hub only, as owner/name (start it with --allow-local-paths to load "
+                                 "local folders).")
+        if Path(source).exists():
+            raise ModelLoadError(unreadable_config(role, source))
 
     def pair(self, key: str, custom_draft: str = "", custom_target: str = "", load: bool = True) -> ModelPair:
         """The loaded (draft, target) for a preset; loads whatever is not loaded yet (see the class).
@@ -275,7 +348,8 @@ class ModelRegistry:
             future.set_exception(exc)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the background calibrations and wait for them (each stops before its next forward)."""
+        """Stop the background calibrations and wait for them (each stops before its next forward); every
+        request waiting for a load is refused at once (the load's thread is left to the exit)."""
         self._stop.set()
         with self._lock:
             threads = list(self._measuring)
@@ -298,33 +372,55 @@ class ModelRegistry:
 
     def loaded(self) -> list[str]:
         with self._lock:
-            done = [f.result() for f in self._models.values() if f.done() and f.exception() is None]
+            done = [job.future.result() for job in self._models.values() if _succeeded(job.future)]
         return [f"{m.name} on {m.device}" for m in done]
 
     def _has(self, source: str, role: str, device: torch.device) -> bool:
         with self._lock:
-            future = self._models.get(_key(source, role, device))
-        return future is not None and future.done() and future.exception() is None
+            job = self._models.get(_key(source, role, device))
+        return job is not None and _succeeded(job.future)
 
     def _get(self, source: str, role: str, device: torch.device) -> LoadedModel:
+        """The model, loaded once: the first request starts its load on a thread; it and every request that
+        comes meanwhile wait for that same load, each within the load's deadlines (see the module)."""
         key = _key(source, role, device)
         with self._lock:
-            future = self._models.get(key)
-            first = future is None
-            if first:
-                future = self._models[key] = Future()
-        if first:
-            try:
-                future.set_result(self._load(key, source, role, device))
-            except BaseException as exc:
-                with self._lock:
-                    del self._models[key]   # forget the failure: the next request tries again
-                future.set_exception(exc)
-        return future.result()   # those who came while it loaded wait here for the same model
+            job = self._models.get(key)
+            if job is None:
+                if sum(not j.future.done() for j in self._models.values()) >= MAX_LOADS:
+                    raise ModelLoadError(f"The server is already loading {MAX_LOADS} models; try again in a minute.")
+                job = self._models[key] = _Load(f"the {role} model {source!r}")
+                # the thread runs in the requester's context, so that a progress bar it shows (Gradio's
+                # tqdm tracking of a first SmolLM2 conversion) still reaches that requester
+                threading.Thread(target=contextvars.copy_context().run, daemon=True, name=f"load {source}",
+                                 args=(self._run_load, job, key, source, role, device)).start()
+        return self._wait(job)
 
-    def _load(self, key: ModelKey, source: str, role: str, device: torch.device) -> LoadedModel:
+    def _wait(self, job: _Load) -> LoadedModel:
+        while True:
+            try:
+                return job.future.result(timeout=WAKE_S)
+            except TimeoutError:
+                pass
+            if self._stop.is_set():
+                raise ModelLoadError("The server is shutting down; models are not loaded any more.")
+            if time.monotonic() > job.due:
+                raise ModelLoadError(job.overdue())
+
+    def _run_load(self, job: _Load, key: ModelKey, source: str, role: str, device: torch.device) -> None:
+        try:
+            job.future.set_result(self._load(job, key, source, role, device))
+        except BaseException as exc:  # handed to every waiter; the failure is forgotten, so a later request retries
+            with self._lock:
+                if self._models.get(key) is job:
+                    del self._models[key]
+            job.future.set_exception(exc)
+
+    def _load(self, job: _Load, key: ModelKey, source: str, role: str, device: torch.device) -> LoadedModel:
         if source not in (BUILTIN, SMOLLM2):   # local pairs of known size need no config read
+            job.enter("reading its config", self.deadlines.config_s)
             self._claim(key, source, role, device, self._inspect(source, role, device))
+        job.enter("loading its tokenizer and weights", self.deadlines.load_s)
         try:
             model = self._loader(source, role, device=device)
         finally:

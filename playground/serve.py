@@ -8,12 +8,14 @@ a sweeper reclaims sessions that no connection renews. A clean stop (SIGTERM, Ct
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
 
 import gradio as gr
 
+from engine.sources import bound_hub_requests
 from playground.controller import Context
 from playground.sessions import Sweeper
 from playground.settings import AppSettings
@@ -32,8 +34,11 @@ class Served:
     url: str
 
     def close(self) -> None:
+        """Stop serving, then wake every request still waiting for a model load (a hung Hub read), so
+        that its session can be closed, then close the sessions. Bounded even with a hung load."""
         self.demo.close()
         self.sweeper.stop()
+        self.ctx.registry.close(timeout=2.0)
         self.ctx.pool.shutdown()
 
 
@@ -62,8 +67,18 @@ def _warm(ctx: Context) -> None:
 
 
 def serve_forever(settings: AppSettings) -> None:
-    """`python app.py`: serve until SIGTERM or SIGINT, then shut down cleanly."""
-    served = start(make_context(settings))
+    """`python app.py`: serve until SIGTERM or SIGINT, then shut down cleanly. The playground's own log (one
+    line per refused input, sessions reclaimed, shutdown) goes to stderr."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s specplay %(levelname)s: %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    bound_hub_requests(settings.config_timeout_s)   # a hung Hub read ends, and its load thread with it
+    ctx = make_context(settings)
+    # Gradio keeps uploads (and its multipart scratch files) in GRADIO_TEMP_DIR, read when the app is made:
+    # inside the pool's folder they go with it at shutdown, and a killed server's are swept with its sessions
+    os.environ["GRADIO_TEMP_DIR"] = str(ctx.pool.root / "uploads")
+    served = start(ctx)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

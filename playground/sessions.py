@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -43,6 +44,13 @@ class SessionLimitReached(RuntimeError):
     """The server is at its bound on sessions or KV memory; the message says what to do."""
 
 
+class SessionBusy(RuntimeError):
+    """Another event of the same session still runs (a Reset loading models, a long run); the message says which."""
+
+
+SHUTDOWN_WAIT_S = 2.0   # how long closing a session at shutdown waits for a handler that still holds it
+
+
 @dataclass(eq=False)
 class Session:
     """One browser tab's engine state: a live run or a replayed trace, and where the viewer stands."""
@@ -59,7 +67,24 @@ class Session:
     trace_path: Path | None = None
     kv_bytes: int = 0
     last_used: float = field(default_factory=time.monotonic)   # on the pool's clock
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one event at a time per session
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one event at a time per session (see `hold`)
+    holder: str | None = None         # what holds the lock now ("Reset", "Step", ...), for the busy message
+
+    @contextmanager
+    def hold(self, action: str, wait_s: float) -> Iterator[Session]:
+        """Run `action` as the session's one event: wait at most `wait_s` for the event before it, else raise
+        SessionBusy naming it. A Step passes 0 while a slow event holds the session, so that it never waits
+        in the shared decoding slot for a Reset that is still loading (see playground.ui.Handlers.guarded)."""
+        got = self.lock.acquire(timeout=wait_s) if wait_s > 0 else self.lock.acquire(blocking=False)
+        if not got:
+            raise SessionBusy(f"This session is busy: {self.holder or 'another action'} is still running. "
+                              f"Try {action} again when it has finished.")
+        self.holder = action
+        try:
+            yield self
+        finally:
+            self.holder = None
+            self.lock.release()
 
     def view(self) -> RunView | None:
         if self.previous is not None:
@@ -232,15 +257,23 @@ class SessionPool:
                     "shorter prompt.")
             session.kv_bytes = nbytes
 
-    def close(self, session: Session | None) -> None:
-        """End a session: close its run and delete its files. Safe to call twice (unload, then expiry)."""
+    def close(self, session: Session | None, wait_s: float | None = None) -> None:
+        """End a session: close its run and delete its files. Safe to call twice (unload, then expiry).
+        With `wait_s` (shutdown), a handler that still holds the session after that long (a hung load) is
+        left to the process's exit: its folder goes, its run is not touched under the handler's feet."""
         if session is None:
             return
         with self._lock:
             if self._sessions.get(session.key) is session:
                 del self._sessions[session.key]
-        with session.lock:
-            session.drop_run()
+        if session.lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            try:
+                session.drop_run()
+            finally:
+                session.lock.release()
+        else:
+            log.warning("session %s is still busy with %s at shutdown; its run is left to the exit",
+                        session.key[:8], session.holder or "an event")
         shutil.rmtree(session.workdir, ignore_errors=True)
         return_freed_memory()
 
@@ -249,13 +282,14 @@ class SessionPool:
             session = self._sessions.get(key)
         self.close(session)
 
-    def close_all(self) -> None:
+    def close_all(self, wait_s: float | None = None) -> None:
         for session in self.sessions():
-            self.close(session)
+            self.close(session, wait_s)
 
-    def shutdown(self) -> None:
-        """Close every session and remove the pool's folder (clean shutdown leaves nothing on disk)."""
-        self.close_all()
+    def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Close every session and remove the pool's folder (clean shutdown leaves nothing on disk). A session
+        still held by a handler is waited for `wait_s` at most, so a hung handler cannot hold up exit."""
+        self.close_all(wait_s)
         shutil.rmtree(self.root, ignore_errors=True)
         if self._owner is not None:
             self._owner.close()

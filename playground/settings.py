@@ -22,6 +22,9 @@ class AppSettings:
     target_device: str | None = None
     share: bool = False
     allow_custom_models: bool = True
+    allow_local_paths: bool = False      # custom models may be local folders (else Hub ids only: see the registry)
+    config_timeout_s: float = 20.0       # a custom model's config read (a Hub request) is refused after this
+    load_timeout_s: float = 900.0        # a model's load (tokenizer and weights, maybe a download) likewise
     max_sessions: int = 8                # concurrent sessions holding engine state
     session_ttl_s: float = 1800.0        # a session a connection holds but does not use is dropped after this
     session_lease_s: float = 60.0        # a session no heartbeat holds is dropped this long after its last event
@@ -39,7 +42,7 @@ class AppSettings:
                      "max_sessions_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("session_ttl_s", "session_lease_s"):
+        for name in ("session_ttl_s", "session_lease_s", "config_timeout_s", "load_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.proxy_hops < 0:

@@ -30,11 +30,11 @@ from playground.pages import lesson as page_lesson
 from playground.pages import stream as page_stream
 from playground.pages import theory as page_theory
 from playground.pages import traces as page_traces
-from playground.registry import ModelRegistry
+from playground.registry import Deadlines, ModelRegistry
 from playground.render.fit import FIT_SHOWN_PLOTS_JS
-from playground.render.frame import render_frame
+from playground.render.frame import failure_status, render_frame
 from playground.render.palette import stylesheet
-from playground.sessions import Session, SessionPool
+from playground.sessions import Session, SessionBusy, SessionPool
 from playground.settings import AppSettings, default_pair
 from playground.spaces_shim import gpu
 from playground.teach.lab import MAX_TRIALS, run_lab, token_texts
@@ -42,6 +42,26 @@ from playground.view import Cursor, Panel
 
 log = logging.getLogger("specplay")
 TITLE = "specplay: speculative decoding, one round at a time"
+FRAME_OUTPUTS = 16        # len(Pages.frame_outputs())
+# Events that decode in the shared slot ("decode" group) never wait there for their session's lock while a slow
+# event (a Reset loading models, a long run) holds it: they are refused at once. Behind a quick event (a scrub,
+# a tab) they wait QUICK_WAIT_S at most; other events wait EVENT_WAIT_S for the event before them.
+DECODING = ("Step", "Run to end", "Play")
+SLOW = ("Reset", "Run to end", "Step", "Play", "Lab")
+QUICK_WAIT_S, EVENT_WAIT_S = 1.0, 10.0
+
+
+def lock_wait(name: str, session: Session) -> float:
+    """How long event `name` may wait for `session`'s lock (see DECODING)."""
+    if name in DECODING:
+        return 0.0 if session.holder in SLOW else QUICK_WAIT_S
+    return EVENT_WAIT_S
+
+
+def refused(name: str, exc: BaseException) -> None:
+    """A visitor's input refused: a warning for them, and one log line (never a traceback) for the operator."""
+    log.info("refused %s: %s", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    gr.Warning(str(exc))
 
 
 @dataclass(frozen=True)
@@ -92,40 +112,46 @@ class Handlers:
         return self.ctx.pool.open(key, client_address(request, self.ctx.settings.proxy_hops))
 
     def guarded(self, state: Session | None, request: gr.Request, action: Callable[[Session], str | None],
-                failed: str | None = None) -> tuple:
-        """(state, *frame) after running `action`; errors become warnings and leave the session usable.
-        `failed` ("Reset failed") heads the status line when the action fails, so that the run still on
-        screen is not taken for its result."""
+                failed: str | None = None, *, name: str = "this action") -> tuple:
+        """(state, *frame) after running `action` (`name`: "Step", "Reset", ...); errors become warnings,
+        logged in one line each, and leave the session usable. The status line heads with `failed` ("Reset
+        failed"), else "<name> refused", when the action fails, so that the run still on screen is not taken
+        for its result (an API caller reads only that line)."""
+        failed = failed or f"{name} refused"
         try:
             session = self._session(state, request)
         except USER_ERRORS as exc:
-            gr.Warning(str(exc))
+            refused(name, exc)
             return (state, *self.render(state, _failure(failed, str(exc))))
-        with session.lock:
-            failure = None
-            try:
-                note = action(session)
-                if note:
-                    gr.Info(note)
-            except USER_ERRORS as exc:
-                gr.Warning(str(exc))
-                failure = _failure(failed, str(exc))
-            except Exception as exc:  # a bug, not bad input: log it, tell the visitor briefly, keep going
-                log.exception("unexpected error in a playground action")
-                gr.Warning(f"Unexpected error ({type(exc).__name__}: {exc}). Press Reset to start again.")
-                failure = _failure(failed, f"unexpected error ({type(exc).__name__})")
-            return (session, *self.render(session, failure))
+        try:
+            with session.hold(name, lock_wait(name, session)):
+                failure = None
+                try:
+                    note = action(session)
+                    if note:
+                        gr.Info(note)
+                except USER_ERRORS as exc:
+                    refused(name, exc)
+                    failure = _failure(failed, str(exc))
+                except Exception as exc:  # a bug, not bad input: log it, tell the visitor briefly, keep going
+                    log.exception("unexpected error in a playground action")
+                    gr.Warning(f"Unexpected error ({type(exc).__name__}: {exc}). Press Reset to start again.")
+                    failure = _failure(failed, f"unexpected error ({type(exc).__name__})")
+                return (session, *self.render(session, failure))
+        except SessionBusy as exc:   # the session's own earlier event still runs: what it shows stays as it is
+            refused(name, exc)
+            return (session, failure_status(f"{failed}: {exc}"), *_skip(FRAME_OUTPUTS - 1))
 
     def read(self, state: Session | None, request: gr.Request, action: Callable[[Session], tuple],
-             fallback: Callable[[str], tuple]) -> tuple:
+             fallback: Callable[[str], tuple], name: str = "this page") -> tuple:
         """(state, *outputs) of a page that reads the session (Theory, Lab): `action` runs under the
         session's lock like every event; a user error shows as a warning and `fallback(message)`."""
         try:
             session = self._session(state, request)
-            with session.lock:
+            with session.hold(name, lock_wait(name, session)):
                 return (session, *action(session))
         except USER_ERRORS as exc:
-            gr.Warning(str(exc))
+            refused(name, exc)
             return (state, *fallback(str(exc)))
         except Exception as exc:  # a bug: log it, keep the page usable
             log.exception("unexpected error in a playground page")
@@ -136,13 +162,13 @@ class Handlers:
         def show(session: Session) -> tuple:
             controller.show(session, Panel.OTHER)
             return page_theory.render(controller.theory_view(self.ctx, session))
-        return self.read(state, request, show, lambda message: page_theory.render(None))
+        return self.read(state, request, show, lambda message: page_theory.render(None), "Theory")
 
     def on_remeasure(self, request: gr.Request, state: Session | None) -> tuple:
         def start(session: Session) -> tuple:
             gr.Info(controller.remeasure(self.ctx, session))
             return page_theory.render(controller.theory_view(self.ctx, session))
-        return self.read(state, request, start, lambda message: page_theory.render(None))
+        return self.read(state, request, start, lambda message: page_theory.render(None), "Re-measure")
 
     def on_show(self, panel: Panel) -> Callable[..., tuple]:
         """The select event of a tab: render `panel` now and on every event until another tab is shown.
@@ -151,7 +177,7 @@ class Handlers:
         def show(request: gr.Request, state: Session | None) -> tuple:
             if panel is Panel.OTHER and state is None:
                 return (state, *self.render(None))
-            return self.guarded(state, request, lambda s: controller.show(s, panel))
+            return self.guarded(state, request, lambda s: controller.show(s, panel), name="showing a tab")
         return show
 
     def on_lab(self, request: gr.Request, state: Session | None, rule: str, trials: float, seed: float,
@@ -161,7 +187,7 @@ class Handlers:
             window = (None, None) if auto else (as_int("First draft", start, 1) - 1, as_int("Drafts", length, 1))
             result = run_lab(rows, rule, as_int("N", trials, 1, MAX_TRIALS), as_seed(seed), *window)
             return page_lab.render(result, token_texts(result, decode))
-        return self.read(state, request, run, page_lab.blank)
+        return self.read(state, request, run, page_lab.blank, "Lab")
 
     def decode_request(self, values: tuple) -> DecodeRequest:
         return DecodeRequest(*values)
@@ -175,12 +201,13 @@ class Handlers:
                  *values) -> tuple:
         """Reset; a first load of SmolLM2 converts its GGUF once, and its progress bar shows here."""
         return self.guarded(state, request, lambda s: controller.reset(self.ctx, s, self.decode_request(values)),
-                            failed="Reset failed")
+                            failed="Reset failed", name="Reset")
 
     @gpu()
     def on_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
         return self.guarded(state, request,
-                            lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal)))
+                            lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal)),
+                            name="Step")
 
     @gpu(duration=120)
     def on_run_to_end(self, request: gr.Request, progress=gr.Progress(), state: Session | None = None,
@@ -189,13 +216,14 @@ class Handlers:
             progress((done, total), desc="decoding", unit="tokens")
 
         return self.guarded(state, request,
-                            lambda s: controller.run_to_end(self.ctx, s, self.decode_request(values), report))
+                            lambda s: controller.run_to_end(self.ctx, s, self.decode_request(values), report),
+                            name="Run to end")
 
     def on_back(self, request: gr.Request, state: Session | None) -> tuple:
-        return self.guarded(state, request, controller.back)
+        return self.guarded(state, request, controller.back, name="Back")
 
     def on_scrub(self, request: gr.Request, state: Session | None, shown: float) -> tuple:
-        return self.guarded(state, request, lambda s: controller.scrub(s, shown))
+        return self.guarded(state, request, lambda s: controller.scrub(s, shown), name="Scrub")
 
     def on_position(self, request: gr.Request, state: Session | None, position: int | None) -> tuple:
         def pick(s: Session) -> None:
@@ -203,29 +231,30 @@ class Handlers:
             selection = s.cursor.selection(view) if view is not None else None
             if selection is not None and position is not None:
                 controller.select(s, selection[0], as_int("Position", position, 0))
-        return self.guarded(state, request, pick)
+        return self.guarded(state, request, pick, name="Position")
 
     def on_chip(self, request: gr.Request, evt: gr.EventData, state: Session | None) -> tuple:
         round_index, position = getattr(evt, "round", None), getattr(evt, "position", None)
         if not isinstance(round_index, int) or not isinstance(position, int):
             return (state, *self.render(state))
-        return self.guarded(state, request, lambda s: controller.select(s, round_index, position))
+        return self.guarded(state, request, lambda s: controller.select(s, round_index, position), name="Select")
 
     def on_trace(self, request: gr.Request, state: Session | None, path: str | None) -> tuple:
         if not path:
             return (state, *self.render(state))
         name = path.rsplit("/", 1)[-1]
-        return self.guarded(state, request, lambda s: controller.load_replay(s, path, name))
+        return self.guarded(state, request, lambda s: controller.load_replay(s, path, name), name="Replay")
 
     def on_export(self, state: Session | None) -> list[str] | None:
         try:
             if state is None or state.view() is None:
                 raise ValueError("Nothing to export yet: step a few rounds first.")
-            with state.lock:
+            with state.hold("Export", EVENT_WAIT_S):
                 csv = controller.export_rounds_csv(state)
-            return [str(p) for p in (state.trace_path, csv) if p is not None]
+            # a replayed upload may have been deleted from Gradio's cache meanwhile (UPLOAD_AGE_S)
+            return [str(p) for p in (state.trace_path, csv) if p is not None and p.exists()]
         except USER_ERRORS as exc:
-            gr.Warning(str(exc))
+            refused("Export", exc)
             return None
 
     @gpu()
@@ -235,7 +264,8 @@ class Handlers:
             return (state, *self.render(state), *play_controls(False))
         notes: list[str | None] = []
         out = self.guarded(state, request,
-                           lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))))
+                           lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))),
+                           name="Play")
         session = out[0]
         view = session.view() if session is not None else None
         done = view is None or session.previous is not None or bool(notes and notes[0]) or (
@@ -323,7 +353,9 @@ def make_context(settings: AppSettings) -> Context:
     """The server's shared objects: the model registry (models load lazily) and the session pool."""
     draft, target = default_pair(settings.draft, settings.target)
     registry = ModelRegistry(draft, target, draft_device=settings.draft_device,
-                             target_device=settings.target_device, allow_custom=settings.allow_custom_models)
+                             target_device=settings.target_device, allow_custom=settings.allow_custom_models,
+                             allow_local_paths=settings.allow_local_paths,
+                             deadlines=Deadlines(settings.config_timeout_s, settings.load_timeout_s))
     return Context(registry, make_pool(settings), settings)
 
 
@@ -333,11 +365,35 @@ def make_pool(settings: AppSettings, root: Path | None = None) -> SessionPool:
                        lease_s=settings.session_lease_s, per_client=settings.max_sessions_per_client)
 
 
+class PlaygroundBlocks(gr.Blocks):
+    """gr.Blocks whose refusals of malformed input are one log line, not a traceback.
+
+    Gradio checks some input before any handler runs: a value outside a Dropdown's or Radio's choices,
+    too few input values in an API call. It raises there, and prints a traceback of some 25 lines for
+    each: a few hundred bad calls would flood the log. Here such a refusal keeps its message for the
+    caller, is logged once, and prints no traceback; errors past preprocessing (bugs) still print theirs.
+    """
+
+    async def preprocess_data(self, block_fn, inputs, state, explicit_call: bool = False):
+        try:
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+        except (gr.Error, ValueError) as exc:
+            message = exc.message if isinstance(exc, gr.Error) else str(exc).splitlines()[0]
+            log.info("refused a call to %s: %s", block_fn.api_name or block_fn.name, message)
+            raise gr.Error(message, print_exception=False) from None
+
+
+UPLOAD_BYTES = 2 * MAX_TRACE_BYTES      # Gradio stops an upload past this (a trace just over its limit is still read)
+UPLOAD_QUOTA_BYTES = 256 * 2**20        # all uploads kept at once; each is deleted UPLOAD_AGE_S after it came
+UPLOAD_AGE_S, UPLOAD_SWEEP_S = 600, 60
+
+
 def build_app(ctx: Context) -> gr.Blocks:
     """The whole playground, built but not launched: `playground.serve.start` launches it (with `launch_kwargs`)."""
     examples = page_traces.example_traces()
     handlers = Handlers(ctx)
-    with gr.Blocks(title=TITLE) as demo:
+    # Gradio's analytics would reach outside servers at launch; uploads are deleted on a schedule and at exit
+    with PlaygroundBlocks(title=TITLE, analytics_enabled=False, delete_cache=(UPLOAD_SWEEP_S, UPLOAD_AGE_S)) as demo:
         gr.Markdown(f"## {TITLE}")
         state = gr.State(None, time_to_live=ctx.settings.session_ttl_s, delete_callback=ctx.pool.close)
         with gr.Tabs() as top_tabs:
@@ -382,8 +438,9 @@ def build_app(ctx: Context) -> gr.Blocks:
 
 def launch_kwargs(ctx: Context) -> dict:
     """What `demo.launch` needs beside the address: Gradio 6 takes CSS at launch, not in gr.Blocks; the
-    example traces may be served for download; the heartbeat watch keeps sessions tied to connections;
-    and uploads far over the trace limit are refused before they reach the disk (those just over it get
-    the trace reader's own message)."""
+    example traces may be served for download; the heartbeat watch keeps sessions tied to connections
+    and guards uploads (playground.connections); and uploads far over the trace limit are refused before
+    they reach the disk (those just over it get the trace reader's own message)."""
+    watch = heartbeat_middleware(ctx.pool, ctx.settings.proxy_hops, UPLOAD_BYTES, UPLOAD_QUOTA_BYTES)
     return {"css": stylesheet(), "allowed_paths": [str(page_traces.EXAMPLES_DIR)],
-            "app_kwargs": {"middleware": [heartbeat_middleware(ctx.pool)]}, "max_file_size": 4 * MAX_TRACE_BYTES}
+            "app_kwargs": {"middleware": [watch]}, "max_file_size": UPLOAD_BYTES}

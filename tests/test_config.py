@@ -16,7 +16,7 @@ def test_values_become_enums_and_bad_ones_are_named():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "K must be an integer between 1 and 32"), (dict(k=K_BOUND + 1), "between 1 and 32"),
-    (dict(k=2.5), "K must be an integer"), (dict(k_min=3, k_max=2), "k_min <= k_max"),
+    (dict(k=2.5), "K must be an integer"), (dict(k_min=3, k_max=2), "K min <= K max"),
     (dict(k=9, k_schedule="heuristic", k_max=8), "outside the heuristic schedule"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(top_n=0), "top_n"), (dict(ngram_min=0), "ngram_min"),
     (dict(hybrid_min_n=9), "hybrid_min_n"), (dict(block_size=0), "block_size"),

@@ -93,8 +93,8 @@ def test_every_mode_and_drafter_runs_and_renders(ctx, changes):
     (dict(k=0.0), ValueError, "K must be"),
     (dict(k=2.5), ValueError, "whole number"),
     (dict(temperature=None), ValueError, "Temperature is empty"),
-    (dict(top_p=0.0), ValueError, "top_p"),
-    (dict(k_min=6.0, k_max=3.0), ValueError, "k_min"),
+    (dict(top_p=0.0), ValueError, "Top-p must be in"),
+    (dict(k_min=6.0, k_max=3.0), ValueError, "K min and K max must satisfy"),
     (dict(max_new_tokens=65.0), ValueError, "Max new tokens must be a whole number from 1 to 64, got 65"),
     (dict(preset="custom", custom_draft="x", custom_target="y"), ModelLoadError, "disabled"),
     (dict(preset="nope"), ModelLoadError, "Unknown model pair"),
@@ -285,14 +285,15 @@ def test_a_model_too_big_for_free_memory_is_refused_before_loading(tmp_path):
         check_fits(str(tmp_path), "target", torch.device("cpu"), free=lambda d: 2**30)
     assert check_fits(str(tmp_path), "target", torch.device("cpu"), free=lambda d: 2**40) > 28 * 2**30
     loads: list[str] = []
-    registry = ModelRegistry(allow_custom=True, free=lambda d: 2**30, loader=lambda *a, **k: loads.append(a[0]))
+    registry = ModelRegistry(allow_custom=True, allow_local_paths=True, free=lambda d: 2**30,
+                             loader=lambda *a, **k: loads.append(a[0]))
     with pytest.raises(ModelLoadError, match="needs about"):
         registry.pair(CUSTOM, str(tmp_path), str(tmp_path))
     assert loads == []
 
 
 def test_missing_model_and_two_gpu_preset_fail_clearly(tmp_path):
-    registry = ModelRegistry(allow_custom=True)
+    registry = ModelRegistry(allow_custom=True, allow_local_paths=True)
     with pytest.raises(ModelLoadError, match="Could not read the config"):
         registry.pair(CUSTOM, str(tmp_path / "nothing"), str(tmp_path / "nothing"))
     import torch

@@ -42,3 +42,18 @@ def test_a_small_run_passes_every_check(capsys):
     assert rc == 0, out
     assert "errors: 0" in out and "isolation:" in out and ": OK" in out and "no session folder left: OK" in out
     assert "p50" in out and "server RSS" in out
+
+
+def test_the_hostile_verdict_fails_on_any_answer_that_is_not_its_refusal(tmp_path):
+    attacks = loadtest.Attacks("http://127.0.0.1:1/", None, tmp_path)
+    attacks.reset_s, attacks.traces = [5.2], 3
+    attacks.uploads = {"from 127.0.0.2: 403": 4, "from 127.0.0.1: 200": 2, "from 127.0.0.1: 507": 1}
+    assert attacks.held()
+    attacks.uploads["from 127.0.0.2: 200"] = 1            # an upload with no page open got through
+    assert not attacks.held()
+    del attacks.uploads["from 127.0.0.2: 200"]
+    attacks.wrong.append("hung model's Step: Round 1 of 1")  # a Step that waited out the hung Reset
+    assert not attacks.held()
+    attacks.wrong.clear()
+    attacks.traces = 0                                      # no surrogate trace was refused with its sentence
+    assert not attacks.held()

@@ -6,11 +6,13 @@ and has not happened while it waits, never on durations. (`WAIT` only turns a de
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+import torch
 
 from engine.models import ModelLoadError
-from playground.registry import CUSTOM, ModelRegistry
+from playground.registry import CUSTOM, MAX_LOADS, Deadlines, ModelRegistry, unreadable_config, weight_bytes
 
 WAIT = 60.0
 
@@ -134,3 +136,93 @@ def test_step_never_starts_a_download(slow):
         registry.pair(CUSTOM, "slow", "slow", load=False)
     assert slow.calls == []
     assert registry.pair("default", load=False).target is slow.target   # the server's own pair may load
+
+
+def hanging(started: threading.Event, release: threading.Event):
+    """An inspect or loader that blocks like a Hub endpoint that accepts and never answers."""
+    def call(source, role, device):
+        started.set()
+        release.wait(WAIT)
+        raise ModelLoadError("released")
+    return call
+
+
+def test_a_config_read_that_never_answers_is_refused_within_its_deadline(slow):
+    started, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+    inspect = hanging(started, release)
+    registry = ModelRegistry(allow_custom=True, loader=slow, deadlines=Deadlines(config_s=1, load_s=WAIT),
+                             inspect=lambda *a: calls.append(a[0]) or inspect(*a))
+    try:
+        with pytest.raises(ModelLoadError, match="the draft model 'hub/hung' took too long: reading its config "
+                                                 "did not finish within 1 s"):
+            registry.pair(CUSTOM, "hub/hung", "hub/hung")
+        assert started.is_set() and not release.is_set()
+        with pytest.raises(ModelLoadError, match="reading its config did not finish"):   # still hung: no new read
+            registry.pair(CUSTOM, "hub/hung", "hub/hung")
+        assert calls == ["hub/hung"]
+        assert registry.pair("default").target is slow.target     # everyone else's pair loads meanwhile
+    finally:
+        release.set()
+
+
+def test_closing_the_registry_wakes_every_request_waiting_for_a_load(slow):
+    started, release = threading.Event(), threading.Event()
+    registry = ModelRegistry(allow_custom=True, loader=hanging(started, release), inspect=lambda *a: 1)
+    try:
+        thread, box = in_thread(lambda: registry.pair(CUSTOM, "hub/hung", "hub/hung"))
+        assert started.wait(WAIT)
+        registry.close()
+        thread.join(WAIT)
+        assert "shutting down" in str(box["error"]) and not release.is_set()
+    finally:
+        release.set()
+
+
+def test_hung_loads_cannot_pile_up(slow):
+    started, release = threading.Event(), threading.Event()
+    registry = ModelRegistry(allow_custom=True, loader=slow, inspect=hanging(started, release))
+    try:
+        threads = [in_thread(lambda i=i: registry.pair(CUSTOM, f"hub/m{i}", f"hub/m{i}"))[0]
+                   for i in range(MAX_LOADS)]
+        deadline = time.monotonic() + WAIT
+        while sum(t.name.startswith("load ") for t in threading.enumerate()) < MAX_LOADS:
+            assert time.monotonic() < deadline, "the loads never started"
+            time.sleep(0.01)
+        with pytest.raises(ModelLoadError, match=f"already loading {MAX_LOADS} models"):
+            registry.pair(CUSTOM, "hub/one-more", "hub/one-more")
+    finally:
+        release.set()
+    for t in threads:
+        t.join(WAIT)
+
+
+PATHS = ("/etc", "/no/such/folder", "../../../../etc/shadow", "../nope", "~/models", "C:\\models", "a/b/c")
+
+
+def test_custom_paths_get_one_sentence_whether_or_not_they_exist(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "owner" / "name").mkdir(parents=True)     # Hub-shaped, and a folder here
+    registry = ModelRegistry(allow_custom=True, loader=lambda *a, **k: pytest.fail("nothing may load"))
+    said = set()
+    for path in PATHS:
+        with pytest.raises(ModelLoadError) as refused:
+            registry.pair(CUSTOM, "owner/draft", path)
+        said.add(str(refused.value).replace(repr(path), "ID"))
+    assert len(said) == 1 and "is not a Hub id" in said.pop()
+    answers = set()
+    for hub_id in ("owner/name", "owner/absent"):          # a local folder answers as an unknown Hub id does
+        with pytest.raises(ModelLoadError) as refused:
+            registry.check_custom("target", hub_id) if hub_id == "owner/name" else \
+                weight_bytes(hub_id, "target", torch.device("cpu"))
+        answers.add(str(refused.value).replace(repr(hub_id), "ID"))
+    assert answers == {unreadable_config("target", "ID").replace("'ID'", "ID")}
+
+
+def test_an_operator_may_allow_local_paths():
+    registry = ModelRegistry(allow_custom=True, allow_local_paths=True)
+    for path in PATHS:
+        registry.check_custom("target", path)       # refused later by what is (not) there, not by its form
+    assert registry.choices()[-1] == ("Custom ids or paths", CUSTOM)
+    assert ModelRegistry(allow_custom=True).choices()[-1] == ("Custom Hub ids", CUSTOM)

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from playground.sessions import OWNER_LOCK, ROOT_PREFIX, SessionLimitReached, SessionPool, Sweeper
+from playground.sessions import OWNER_LOCK, ROOT_PREFIX, SessionBusy, SessionLimitReached, SessionPool, Sweeper
 
 
 class Clock:
@@ -156,3 +156,19 @@ def test_start_up_sweeps_the_folders_of_a_killed_server_only(tmp_path, clock):
     fresh = pool_of(tmp_path, clock)
     assert [str(p) for p in fresh.sweep_abandoned()] == [dead_root]
     assert live.root.exists() and (live.root / OWNER_LOCK).exists() and unowned.exists() and fresh.root.exists()
+
+
+def test_shutdown_does_not_wait_forever_for_a_hung_handler(tmp_path, clock):
+    """A handler stuck in a hung call still holds its session: shutdown waits a bounded time, then removes
+    the folders anyway and leaves that run to the process's exit."""
+    pool = pool_of(tmp_path, clock)
+    stuck, free = pool.open("stuck"), pool.open("free")
+    with stuck.hold("Reset", 0):
+        with pytest.raises(SessionBusy, match="busy: Reset is still running. Try Step again"):
+            with stuck.hold("Step", 0):
+                pass
+        pool.shutdown(wait_s=0.05)
+    assert not pool.root.exists() and not stuck.workdir.exists() and not free.workdir.exists()
+    with stuck.hold("Step", 0):      # released: the next event gets it
+        assert stuck.holder == "Step"
+    assert stuck.holder is None

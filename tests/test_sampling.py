@@ -31,17 +31,17 @@ def test_defaults_are_greedy():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": math.nan}, "temperature"),
-        ({"temperature": math.inf}, "temperature"),
-        ({"temperature": "1"}, "temperature"),
-        ({"top_k": -1}, "top_k"),
-        ({"top_k": 2.5}, "top_k"),
-        ({"top_k": True}, "top_k"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_p": -0.2}, "top_p"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"top_p": math.nan}, "top_p"),
+        ({"temperature": -0.1}, "Temperature must be"),
+        ({"temperature": math.nan}, "Temperature must be"),
+        ({"temperature": math.inf}, "Temperature must be"),
+        ({"temperature": "1"}, "Temperature must be"),
+        ({"top_k": -1}, "Top-k must be"),
+        ({"top_k": 2.5}, "Top-k must be"),
+        ({"top_k": True}, "Top-k must be"),
+        ({"top_p": 0.0}, "Top-p must be"),
+        ({"top_p": -0.2}, "Top-p must be"),
+        ({"top_p": 1.5}, "Top-p must be"),
+        ({"top_p": math.nan}, "Top-p must be"),
     ],
 )
 def test_params_validation(kwargs, match):

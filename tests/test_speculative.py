@@ -321,11 +321,11 @@ def test_k_out_of_bounds(k: int) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.5}, "temperature must be finite and >= 0"),
-    ({"temperature": float("nan")}, "temperature must be finite"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"temperature": -0.5}, "Temperature must be finite and >= 0"),
+    ({"temperature": float("nan")}, "Temperature must be finite"),
+    ({"top_p": 0.0}, r"Top-p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"Top-p must be in \(0, 1\]"),
+    ({"top_k": -1}, "Top-k must be >= 0"),
 ])
 def test_bad_sampling_settings(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -449,3 +450,31 @@ def test_copied_tree_nodes_round_trip_and_version_2_trees_read_as_uncopied(built
     old = load_trace(write_lines(tmp_path / "v2.jsonl", objs))
     assert old.header.version == 2 and len(old.rounds) == len(trace.rounds)
     assert not any(n.copied for r in old.rounds if r.tree for n in r.tree.nodes)
+
+
+@pytest.mark.parametrize("where, edit", [
+    ("header.prompt", lambda objs: objs[0]["data"].update(prompt="ok \ud800 then")),
+    ("round.final.text", lambda objs: first_round(objs)["data"]["final"].update(text="\udfff")),
+    ("round.final.candidates[0].text",
+     lambda objs: first_round(objs)["data"]["final"]["candidates"][0].update(text="a\ud83d")),
+])
+def test_a_lone_surrogate_in_any_text_field_is_refused_naming_the_field(traced, tmp_path, where, edit) -> None:
+    """JSON can spell a lone surrogate as an escape; such text breaks every renderer downstream (Gradio's
+    stream could not send it), so a trace holding one is refused like a prompt holding one."""
+    path = edited(traced, tmp_path, edit)
+    assert b"\\ud8" in path.read_bytes() or b"\\udf" in path.read_bytes()   # written as a JSON escape
+    with pytest.raises(TraceError, match=rf"line \d+: {re.escape(where)}: the text contains '\\ud[89a-f][0-9a-f]{{2}}' "
+                                         r"at character \d+, which is not valid Unicode text \(a lone surrogate\)"):
+        load_trace(path)
+    pair = edited(traced, tmp_path, lambda objs: first_round(objs)["data"]["final"].update(text="🙂 é"))
+    assert load_trace(pair).rounds[0].final.text == "🙂 é"        # real characters, escaped or not, are fine
+
+
+def test_bytes_that_are_not_utf8_get_their_own_sentence(traced) -> None:
+    data = traced[0].read_bytes().split(b"\n")
+    data[1] = data[1].replace(b'"text": "', b'"text": "\xff', 1)
+    with pytest.raises(TraceError, match=r"line 2: byte \d+ \(0xff\) is not UTF-8; a trace is UTF-8 text"):
+        load_trace(b"\n".join(data))
+    whole = load_trace(traced[0])
+    cut = traced[0].read_bytes() + '{"type": "round", "text": "é'.encode()[:-1]   # a writer killed mid-character
+    assert load_trace(cut).rounds == whole.rounds                       # that last line is dropped

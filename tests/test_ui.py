@@ -1,6 +1,7 @@
 """The event handlers without a server: what each event renders, and what a failed Reset shows."""
 from __future__ import annotations
 
+import threading
 from dataclasses import astuple, replace
 
 import gradio as gr
@@ -89,3 +90,40 @@ def test_a_failed_reset_says_so_above_the_run_it_leaves_on_screen(handlers):
     assert "**Round 2 of 2**" in stepped and "⚠ Reset failed" not in stepped
     out = handlers.on_reset(None, NO_PROGRESS, session, *values())
     assert out[STATUS].startswith("**Round 0 of 0**")
+
+
+def test_a_step_never_waits_in_the_decoding_slot_for_its_sessions_slow_reset(handlers):
+    """A Reset still loading (a hung Hub read) holds the session: a Step is refused at once, saying so, and
+    leaves every view as drawn; behind a quick event (a scrub) it waits for the lock instead."""
+    session = handlers.on_step(None, None, False, *values())[0]
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(name: str) -> None:
+        with session.hold(name, 0):
+            holding.set()
+            release.wait(60)
+
+    worker = threading.Thread(target=hold, args=("Reset",), daemon=True)
+    worker.start()
+    assert holding.wait(60)
+    with pytest.warns(UserWarning, match="This session is busy"):
+        out = handlers.on_step(None, session, False, *values())
+    release.set()
+    worker.join(60)
+    assert out[STATUS] == ("**⚠ Step refused: This session is busy: Reset is still running. Try Step again when it "
+                           "has finished.**")
+    assert all(v == SKIPPED for v in out[STATUS + 1:])
+    holding.clear(), release.clear()
+    worker = threading.Thread(target=hold, args=("Scrub",), daemon=True)
+    worker.start()
+    assert holding.wait(60)
+    threading.Timer(0.2, release.set).start()
+    assert "Round 2 of 2" in handlers.on_step(None, session, False, *values())[STATUS]
+    worker.join(60)
+
+
+def test_a_refused_step_says_so_in_the_status_line(handlers):
+    """An API caller reads no warning toast: the status line itself says what was refused and why."""
+    with pytest.warns(UserWarning, match="K must be"):
+        out = handlers.on_step(None, None, False, *values(k=0.0))
+    assert out[STATUS].startswith("**⚠ Step refused: K must be")

@@ -68,7 +68,12 @@ def _status(view: RunView | None, cursor: Cursor, failure: str | None) -> str:
     if failure is None:
         return where
     shown = "" if view is None or view.previous is not None else "Showing the previous run: "   # a previous run says so
-    return f"**⚠ {failure.rstrip('.')}.** {shown}{where}"
+    return f"{failure_status(failure)} {shown}{where}"
+
+
+def failure_status(failure: str) -> str:
+    """The status line's head after a failed action (alone, when the session is busy and nothing is redrawn)."""
+    return f"**⚠ {failure.rstrip('.')}.**"
 
 
 def _where(view: RunView | None, cursor: Cursor) -> str:
