@@ -18,7 +18,8 @@ import torch
 from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig, check_seed
 from engine.metrics import describe
-from engine.models import ModelLoadError, ModelPair, default_devices, load_model
+from engine.models import ModelLoadError, default_devices, load_model
+from engine.pair import ModelPair
 from engine.prompts import ChatPrompt, PromptError
 from engine.records import RunSummary
 from engine.sampling import SamplingParams

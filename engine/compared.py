@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.calibration import RCurve
 from engine.config import Mode, SpecConfig
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.prompts import ChatPrompt, encode_chat, encode_prompt
 from engine.records import RoundRecord, RunSummary
 from engine.speculative import SpeculativeEngine, kv_bytes

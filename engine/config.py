@@ -197,6 +197,13 @@ class SpecConfig:
         """Whether a run with this config runs the target's EAGLE head (and so needs one loaded)."""
         return self.mode is not Mode.TARGET and self.drafter.uses_eagle
 
+    @property
+    def grows_by_confidence(self) -> bool:
+        """Greedy trees grow by the draft's calibrated confidence (engine.tree.Confidence), learned as the
+        run goes; sampled trees, raw-q trees and chains grow by q or not at all."""
+        return (self.tree is not None and self.tree.calibrated and self.sampling.greedy
+                and self.mode is not Mode.TARGET)
+
     def next_k(self, k: int, fully_accepted: bool) -> int:
         if self.k_schedule is KSchedule.CONSTANT:
             return k

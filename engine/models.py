@@ -1,19 +1,14 @@
-"""Model loading: sources to loaded models, placement and dtype, the fused forward built at load time,
-and the draft/target pair whose tokenizers are checked once."""
+"""Model loading: sources to loaded models, placement and dtype, and the fused forward built at load time
+(the draft/target pair is engine.pair)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.fused_llama import FusedLlama
 from engine.kv_cache import KVShape
-
-if TYPE_CHECKING:
-    from engine.drafters.eagle import EagleRuntime
-    from engine.tree import Confidence
 from engine.sources import Progress, SourceError, hub_kwargs, missing_hint, resolve
 
 
@@ -114,55 +109,3 @@ def load_model(source: str, role: str = "target", *, device: torch.device | str 
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else ""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelPair:
-    """A target, the draft model that proposes for it (None: none) and its EAGLE head (None: none), checked once.
-
-    Building a pair checks that the two tokenizers give shared tokens the same ids (vocabulary
-    sizes may differ) and raises ModelLoadError otherwise; every engine over the pair relies on
-    that check instead of repeating it (reading two 150k vocabularies costs tens of milliseconds).
-    """
-
-    target: LoadedModel
-    draft: LoadedModel | None = None
-    eagle: "EagleRuntime | None" = None   # the target's EAGLE head, when one is loaded
-    # what greedy tree rounds over this pair have learned of each drafter's confidence, by drafter name
-    confidences: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.draft is not None and self.draft.tokenizer is not self.target.tokenizer:
-            _compare_tokenizers(self.draft, self.target, probes=2000)
-        if self.eagle is not None and self.eagle.target is not self.target:
-            raise ModelLoadError(f"The EAGLE head given was bound to {self.eagle.target.name!r}, not to the "
-                                 f"target {self.target.name!r}.")
-
-    def confidence(self, drafter: str) -> "Confidence":
-        """The pair's engine.tree.Confidence for `drafter` ("model" or "eagle"): shared by every engine
-        over this pair, so each run's tree rounds start from what earlier runs measured."""
-        from engine.tree import Confidence
-
-        return self.confidences.setdefault(drafter, Confidence())
-
-
-def check_same_tokenizer(draft: LoadedModel, target: LoadedModel, probes: int = 2000) -> None:
-    """Raise ModelLoadError unless the draft's tokenizer gives shared tokens the target's ids."""
-    _compare_tokenizers(draft, target, probes)
-
-
-def _compare_tokenizers(draft: LoadedModel, target: LoadedModel, probes: int) -> None:
-    td, tt = draft.tokenizer, target.tokenizer
-    vd, vt = td.get_vocab(), tt.get_vocab()
-    shared = min(len(vd), len(vt))
-    # Compare the ids of the common part of the vocabulary, by token string.
-    by_id_t = {i: s for s, i in vt.items() if i < shared}
-    step = max(1, shared // probes)
-    bad = [i for i in range(0, shared, step) if i in by_id_t and vd.get(by_id_t[i]) != i]
-    sample = "def main(argv):\n    return 0  # ok\n"
-    if bad or td.encode(sample, add_special_tokens=False) != tt.encode(sample, add_special_tokens=False):
-        raise ModelLoadError(
-            f"Draft and target tokenizers do not match: draft {draft.name!r} "
-            f"({type(td).__name__}, {len(vd)} tokens) and target {target.name!r} ({type(tt).__name__}, "
-            f"{len(vt)} tokens) give different ids to the same tokens. Speculative decoding needs a shared "
-            f"tokenizer; pick a draft from the target's model family.")

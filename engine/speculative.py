@@ -23,14 +23,14 @@ from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, 
 from engine.drafters.base import TreeProposal
 from engine.drafters.eagle import EagleDrafter
 from engine.metrics import summarize
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.prompts import PromptError
 from engine.recorder import RoundRecorder, RoundResult, RunState, drafter_of, kv_state
 from engine.records import Outcome, RoundRecord, RoundTimings, RunSummary
 from engine.runner import ModelRunner, pool_blocks, pool_bytes
 from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.sequence import Sequence
-from engine.tree import TreeVerdict, attention_mask, verify_tree
+from engine.tree import Confidence, TreeVerdict, attention_mask, verify_tree
 from engine.verify import VerifyResult, verify, verify_greedy
 
 
@@ -57,11 +57,12 @@ class SpeculativeEngine:
     Owns its KV pools (one per model), so each session can have its own; the models are shared
     and read-only. Randomness comes from two generators seeded from `config.seed` (verification
     and drafting), so a seed reproduces a run exactly, and v1 and v2 consume draws identically.
+    A greedy tree's confidence table is the run's own unless the caller passes one (`confidence`).
     Times come from `now` (see engine.clock).
     """
 
     def __init__(self, pair: ModelPair, prompt_ids: list[int], config: SpecConfig, kv_blocks: int | None = None,
-                 eos_id: int | None = None, now: Now = time.perf_counter) -> None:
+                 eos_id: int | None = None, now: Now = time.perf_counter, confidence: Confidence | None = None) -> None:
         if not prompt_ids:
             raise PromptError("The prompt is empty.")
         target = pair.target
@@ -86,12 +87,11 @@ class SpeculativeEngine:
         self._features: torch.Tensor | None = None   # the last target forward's features, for the drafter
         self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config), self.sequence.prompt)
         self.k = config.k
-        tree = config.tree
-        # greedy trees grow by the draft's calibrated confidence (engine.tree.Confidence), which the
-        # pair keeps across runs
-        self.confidence = pair.confidence("eagle" if config.drafter.uses_eagle else "model") \
-            if tree is not None and tree.calibrated and config.sampling.greedy and config.mode is not Mode.TARGET \
-            else None
+        # greedy trees grow by the draft's calibrated confidence, learned round by round: from `confidence`
+        # when the caller keeps one across its runs (engine.tree.Confidences), else from a fresh table, so
+        # that a seed reproduces a run whatever ran before it
+        self.confidence = (confidence if confidence is not None else Confidence()) \
+            if config.grows_by_confidence else None
         self.rounds: list[RoundRecord] = []
         self._started = False
         self._busy_s = 0.0  # time spent inside step(): a stepping UI's idle time never counts

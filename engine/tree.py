@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.config import TREE_BOUND, TreeRule, TreeSpec  # noqa: F401  (TREE_BOUND: the bound, for callers)
+from engine.config import SpecConfig, TreeRule, TreeSpec
 from engine.records import Outcome
 from engine.sampling import draw_uniform, sample_from
 
@@ -276,6 +276,21 @@ class Confidence:
                 r, b = self._cell(q, rank, tree.depths[child])
                 self.mass[r][b] += 1.0 if rank == COPIED else q
                 self.hits[r][b] += float(tree.tokens[child] == chosen)
+
+
+class Confidences:
+    """Confidence tables by drafter, for an owner that keeps what its runs learn across runs (a bench
+    method over its prompts): each engine is handed `for_run(config)`. Nothing shares one by default."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, Confidence] = {}
+
+    def for_run(self, config: SpecConfig) -> Confidence | None:
+        """The table a run with `config` learns in (one per drafter: the draft model's, the EAGLE head's),
+        or None when its trees do not grow by confidence."""
+        if not config.grows_by_confidence:
+            return None
+        return self._tables.setdefault("eagle" if config.drafter.uses_eagle else "model", Confidence())
 
 
 def raw_q(q: float, rank: int, depth: int) -> float:

@@ -14,7 +14,8 @@ from typing import TypeVar
 from engine.block_manager import KVPoolExhausted
 from engine.compared import ComparedRun, kv_bytes_needed
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig, TreeSpec
-from engine.models import ModelLoadError, ModelPair
+from engine.models import ModelLoadError
+from engine.pair import ModelPair
 from engine.prompts import ChatPrompt, PromptError, encode_chat, encode_prompt, has_chat_template
 from engine.sampling import SamplingParams
 from engine.trace import TraceError, load_trace

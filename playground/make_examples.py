@@ -12,7 +12,8 @@ from pathlib import Path
 
 from engine.compared import ComparedRun
 from engine.config import Mode, SpecConfig
-from engine.models import ModelPair, load_model
+from engine.models import load_model
+from engine.pair import ModelPair
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN
 from playground.pages.traces import EXAMPLES_DIR

@@ -28,7 +28,8 @@ import torch
 
 from engine.calibration import RCurve, calibrate
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
-from engine.models import LoadedModel, ModelLoadError, ModelPair, default_devices, load_model, resolve_dtype
+from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
+from engine.pair import ModelPair
 from engine.sources import BUILTIN, SMOLLM2, eagle_folder, hub_kwargs, smollm2_gguf
 
 CUSTOM = "custom"

@@ -184,7 +184,7 @@ def test_sampled_bench_counts_every_prompt_and_rejects_greedy(builtin_pair, caps
     and alpha is accepted over verified positions of the speculative runs."""
     from engine.bench.sampled import main, measure, prompts_for
     from engine.config import DrafterKind, SpecConfig
-    from engine.models import ModelPair
+    from engine.pair import ModelPair
     from engine.sampling import SamplingParams
 
     draft, target = builtin_pair

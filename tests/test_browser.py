@@ -212,7 +212,7 @@ def calibrated_trace(builtin_pair, tmp_path_factory) -> Path:
     from engine.calibration import curve_from_times
     from engine.compared import ComparedRun
     from engine.config import SpecConfig
-    from engine.models import ModelPair
+    from engine.pair import ModelPair
 
     draft, target = builtin_pair
     path = tmp_path_factory.mktemp("traces") / "calibrated.jsonl"

@@ -9,7 +9,7 @@ import pytest
 from engine.calibration import CalibrationStopped, RCurve, calibrate, curve_from_times, non_decreasing
 from engine.compared import ComparedRun
 from engine.config import SpecConfig
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.trace import TraceError, load_trace
 
 

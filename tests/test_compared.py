@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.compared import ComparedRun, kv_bytes_needed
 from engine.config import SpecConfig
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.prompts import ChatPrompt
 from engine.trace import load_trace
 

@@ -8,7 +8,8 @@ import torch
 
 from engine.config import DrafterKind, Mode, SpecConfig
 from engine.drafters.eagle import EagleConfig, EagleHead, EagleLoadError, EagleRuntime, load_runtime, save_head
-from engine.models import LoadedModel, ModelPair
+from engine.models import LoadedModel
+from engine.pair import ModelPair
 from engine.prompts import encode_prompt
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams

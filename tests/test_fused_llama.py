@@ -8,7 +8,8 @@ import torch
 
 from engine.config import Mode, SpecConfig
 from engine.fused_llama import FusedLlama
-from engine.models import LoadedModel, ModelPair
+from engine.models import LoadedModel
+from engine.pair import ModelPair
 from engine.runner import ModelRunner
 from engine.speculative import SpeculativeEngine
 

@@ -8,7 +8,7 @@ import torch
 
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, SpecConfig
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.prompts import encode_prompt
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine

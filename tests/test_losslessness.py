@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine.config import DrafterKind, SpecConfig, TreeRule, TreeSpec
-from engine.models import LoadedModel, ModelPair
+from engine.models import LoadedModel
+from engine.pair import ModelPair
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.speculative import SpeculativeEngine

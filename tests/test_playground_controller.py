@@ -68,6 +68,24 @@ def test_run_to_end_reports_progress_and_finishes(ctx):
     assert "finished" in controller.step(ctx, s, request())
 
 
+def test_a_visitors_tree_run_is_the_same_whatever_another_visitor_ran_meanwhile(ctx):
+    """Sessions share the models and nothing else: the same greedy tree run, reset again after another
+    visitor ran trees of their own over the same pair, draws the same trees in every round."""
+    tree = request(tree="N16d6", temperature=0.0, max_new_tokens=24.0)
+    a, b = ctx.pool.open("a"), ctx.pool.open("b")
+
+    def trees(session) -> list:
+        return [(r.tree.nodes, r.emitted) for r in session.run.spec.rounds if r.tree is not None]
+    controller.run_to_end(ctx, a, tree)
+    first = trees(a)
+    for shape in ("N8d4", "4-2-2-1", "N24d8"):
+        controller.reset(ctx, b, request(tree=shape, temperature=0.0, max_new_tokens=32.0))
+        controller.run_to_end(ctx, b, request(tree=shape, temperature=0.0, max_new_tokens=32.0))
+    controller.reset(ctx, a, tree)
+    controller.run_to_end(ctx, a, tree)
+    assert len(first) > 3 and trees(a) == first
+
+
 @pytest.mark.parametrize("changes", [dict(mode="v1"), dict(drafter="ngram"), dict(mode="target"),
                                      dict(k_schedule="heuristic", k=2.0, k_min=1.0, k_max=6.0, temperature=0.0)],
                          ids=["v1", "ngram", "target-only", "heuristic-greedy"])

@@ -10,7 +10,7 @@ from engine import metrics
 from engine.calibration import RCurve
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, Mode, SpecConfig
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.records import Outcome, RoundRecord
 from engine.sampling import SamplingParams
 from engine.trace import load_trace

@@ -13,7 +13,8 @@ import torch
 
 from engine.config import DrafterKind, Mode, SpecConfig, TreeSpec
 from engine.drafters.eagle import load_eagle
-from engine.models import ModelLoadError, ModelPair, load_model
+from engine.models import ModelLoadError, load_model
+from engine.pair import ModelPair
 from engine.prompts import ChatPrompt, encode_chat
 from engine.runner import ModelRunner
 from engine.sources import (

@@ -11,7 +11,7 @@ from engine.calibration import RCurve
 from engine.compared import ComparedRun
 from engine.config import K_BOUND, Mode, SpecConfig
 from engine.metrics import NotMeasured
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.sampling import SamplingParams
 from playground import controller
 from playground.pages import theory as page_theory

@@ -13,7 +13,7 @@ import pytest
 from engine import trace as trace_mod
 from engine.compared import ComparedRun
 from engine.config import SpecConfig
-from engine.models import ModelPair
+from engine.pair import ModelPair
 from engine.records import Outcome, RoundRecord
 from engine.trace import (
     ROUND_COLUMNS,
@@ -399,7 +399,8 @@ def test_a_trace_is_readable_after_its_writer_is_killed(tmp_path) -> None:
         import sys, time
         from engine.compared import ComparedRun
         from engine.config import SpecConfig
-        from engine.models import ModelPair, load_model
+        from engine.models import load_model
+        from engine.pair import ModelPair
         pair = ModelPair(load_model("builtin", "target"), load_model("builtin", "draft"))
         run = ComparedRun(pair, "def f(x):\\n", SpecConfig(k=3, max_new_tokens=200), trace_path=sys.argv[1])
         for _ in range(3):

@@ -18,6 +18,7 @@ from engine.bench.methods import TREE_METHODS, UNDRAFTED, BenchSettings, Method
 from engine.bench.prompts import Prompt
 from engine.bench.results import MethodResult, phases_per_token
 from engine.bench.runs import BenchModels, Phases, run_once
+from engine.tree import Confidences
 from engine.calibration import RCurve
 from engine.models import LoadedModel
 
@@ -165,12 +166,13 @@ def profile(method: Method, settings: BenchSettings, models: BenchModels,
             prompts: Sequence[Prompt], top: int) -> str:
     """Where one method's time goes: per-phase ms/token (engine RoundTimings), time inside model
     forwards against the Python around them, and cProfile's top functions by own time."""
-    run_once(method, models, prompts[0], 0, min(settings.new_tokens, 16))  # warm-up
+    learned = Confidences()   # the method's own, as in run_bench
+    run_once(method, models, prompts[0], 0, min(settings.new_tokens, 16), learned)  # warm-up
     prof = cProfile.Profile()
     samples = []
     prof.enable()
     for _ in range(settings.repeats):
-        samples.extend(run_once(method, models, p, i, settings.new_tokens) for i, p in enumerate(prompts))
+        samples.extend(run_once(method, models, p, i, settings.new_tokens, learned) for i, p in enumerate(prompts))
     prof.disable()
     tokens = sum(len(s.tokens) for s in samples)
     wall_ms = sum(s.wall_s for s in samples) * 1000

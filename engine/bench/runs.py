@@ -13,8 +13,10 @@ from engine.bench.clock import ForwardClock, ForwardTime
 from engine.bench.methods import NGRAM_MAX, BenchSettings, Method, build_methods
 from engine.bench.prompts import Prompt
 from engine.drafters.eagle import EagleRuntime
-from engine.models import LoadedModel, ModelPair
+from engine.models import LoadedModel
+from engine.pair import ModelPair
 from engine.speculative import SpeculativeEngine
+from engine.tree import Confidences
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +102,13 @@ def _forward_times(rounds: list, prompt_len: int) -> tuple[list[ForwardTime], li
     return target, draft
 
 
-def run_engine(method: Method, models: BenchModels, prompt: list[int], new_tokens: int) -> RunSample:
-    """Decode with SpeculativeEngine; the clock starts before the engine (and its KV pools) exist."""
+def run_engine(method: Method, models: BenchModels, prompt: list[int], new_tokens: int,
+               learned: Confidences | None = None) -> RunSample:
+    """Decode with SpeculativeEngine; the clock starts before the engine (and its KV pools) exist. A greedy
+    tree grows by the confidence table in `learned` (the method's own, kept across its runs), else a fresh one."""
     t0 = time.perf_counter()
-    engine = SpeculativeEngine(models.pair, prompt, method.spec_config(new_tokens))
+    config = method.spec_config(new_tokens)
+    engine = SpeculativeEngine(models.pair, prompt, config, confidence=learned.for_run(config) if learned else None)
     engine.step()
     ttft = time.perf_counter() - t0
     engine.run()
@@ -159,9 +164,11 @@ def run_hf(method: Method, models: BenchModels, prompt: list[int], new_tokens: i
     return RunSample(-1, tokens, wall, ttft, rounds_k, len(tokens) - len(tc.times), None, tc.times, dc.times, None)
 
 
-def run_once(method: Method, models: BenchModels, prompt: Prompt, index: int, new_tokens: int) -> RunSample:
-    run = run_hf if method.family == "hf" else run_engine
-    return replace(run(method, models, prompt.ids, new_tokens), prompt=index)
+def run_once(method: Method, models: BenchModels, prompt: Prompt, index: int, new_tokens: int,
+             learned: Confidences | None = None) -> RunSample:
+    sample = run_hf(method, models, prompt.ids, new_tokens) if method.family == "hf" else \
+        run_engine(method, models, prompt.ids, new_tokens, learned)
+    return replace(sample, prompt=index)
 
 
 def _progress(total: int, enabled: bool):
@@ -172,19 +179,22 @@ def _progress(total: int, enabled: bool):
 
 def run_bench(settings: BenchSettings, models: BenchModels, prompts: Sequence[Prompt],
               progress: bool = True) -> dict[Method, list[RunSample]]:
-    """Every method on every prompt, `repeats` times: repeat -> prompt -> methods in a rotating order."""
+    """Every method on every prompt, `repeats` times: repeat -> prompt -> methods in a rotating order. Each
+    method keeps its own confidence tables across its runs (warm-up included), so no method's trees
+    depend on which methods ran before it."""
     methods = build_methods(settings.methods, settings.ks)
     samples: dict[Method, list[RunSample]] = {m: [] for m in methods}
+    learned = {m: Confidences() for m in methods}
     total = len(methods) * (settings.warmup + settings.repeats * len(prompts))
     with _progress(total, progress) as bar:
         for _ in range(settings.warmup):
             for m in methods:
-                run_once(m, models, prompts[0], 0, min(settings.new_tokens, 16))
+                run_once(m, models, prompts[0], 0, min(settings.new_tokens, 16), learned[m])
                 bar.update()
         for rep in range(settings.repeats):
             for i, prompt in enumerate(prompts):
                 shift = (rep * len(prompts) + i) % len(methods)
                 for m in methods[shift:] + methods[:shift]:
-                    samples[m].append(run_once(m, models, prompt, i, settings.new_tokens))
+                    samples[m].append(run_once(m, models, prompt, i, settings.new_tokens, learned[m]))
                     bar.update()
     return samples

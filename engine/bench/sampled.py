@@ -69,7 +69,8 @@ def measure(pair, prompts: list, config: SpecConfig) -> SampledResult:
 def main(argv: list[str] | None = None) -> int:
     from engine.cli import quiet_transformers
     from engine.drafters.eagle import load_eagle
-    from engine.models import ModelPair, load_model
+    from engine.models import load_model
+    from engine.pair import ModelPair
 
     ap = argparse.ArgumentParser(prog="python -m engine sampled-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=BUILTIN, help="'builtin' (default), 'smollm2', or another source")

@@ -153,7 +153,8 @@ def _alpha(target, draft, tokenizer, prompts: torch.Tensor) -> float:
     transformers forward: the fused one would re-lay the weights the optimiser is updating)."""
     from transformers import PreTrainedTokenizerFast
 
-    from engine.models import LoadedModel, ModelPair
+    from engine.models import LoadedModel
+    from engine.pair import ModelPair
     from engine.train.builtin_eval import greedy_acceptance
 
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=corpus.EOS_TOKEN)

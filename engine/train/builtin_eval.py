@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models import ModelPair, load_model
+from engine.models import load_model
+from engine.pair import ModelPair
 from engine.sources import BUILTIN, BUILTIN_DIR
 from engine.train import corpus
 

@@ -80,7 +80,7 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64) -> DraftEva
     from engine import metrics
     from engine.config import DrafterKind, Mode, SpecConfig
     from engine.drafters.eagle import load_runtime
-    from engine.models import ModelPair
+    from engine.pair import ModelPair
     from engine.speculative import SpeculativeEngine
 
     pair = ModelPair(target, None, load_runtime(folder, target))

@@ -23,7 +23,8 @@ from engine import metrics
 from engine.compared import ComparedRun
 from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeSpec
 from engine.drafters.model import draftable, stand_in_id
-from engine.models import LoadedModel, ModelPair
+from engine.models import LoadedModel
+from engine.pair import ModelPair
 from engine.prompts import encode_prompt
 from engine.records import Outcome, PositionRecord, RoundRecord
 from engine.runner import ModelRunner
