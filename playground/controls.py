@@ -8,7 +8,7 @@ import gradio as gr
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode
 from playground.components import RawNumber, RawSlider
 from playground.controller import CHAT, RAW
-from playground.registry import ModelRegistry
+from playground.registry import ModelRegistry, PairPreset, Recommended
 
 MODES = (("v2: one target forward, rejected slots rolled back", Mode.V2.value),
          ("v1: verify read-only, then a second forward commits", Mode.V1.value),
@@ -62,7 +62,7 @@ class Controls:
 
     def preset_outputs(self) -> list[gr.components.Component]:
         """What a change of model pair resets (`preset_defaults`)."""
-        return [self.prompt, self.prompt_as, self.drafter, self.examples]
+        return [self.prompt, self.prompt_as, self.drafter, self.k, self.temperature, self.top_p, self.examples]
 
 
 def _transport() -> dict:
@@ -93,11 +93,13 @@ def _models(registry: ModelRegistry) -> dict:
     return dict(preset=preset, custom_draft=custom_draft, custom_target=custom_target)
 
 
-def _decoding(max_new_tokens: int, drafter_default: str) -> dict:
+def _decoding(max_new_tokens: int, preset: PairPreset) -> dict:
+    rec = preset.recommended
     mode = gr.Radio(list(MODES), value=Mode.V2.value, label="Mode")
-    drafter = gr.Radio(list(DRAFTERS), value=drafter_default, label="Drafter", elem_id="drafter-radio")
+    drafter = gr.Radio(list(DRAFTERS), value=default_drafter(preset), label="Drafter", elem_id="drafter-radio",
+                       info=_fastest_info(preset))
     with gr.Row():
-        k = RawSlider(1, K_BOUND, value=4, step=1, label="K (drafts per round)")
+        k = RawSlider(1, K_BOUND, value=rec.k, step=1, label="K (drafts per round)")
         k_schedule = gr.Radio(list(SCHEDULES), value=KSchedule.CONSTANT.value, label="K schedule")
     with gr.Row():
         k_min = RawSlider(1, K_BOUND, value=1, step=1, label="K min (heuristic)")
@@ -108,8 +110,10 @@ def _decoding(max_new_tokens: int, drafter_default: str) -> dict:
                            "prompt lookup too (copied nodes have a thick left edge). Greedy trees grow by the "
                            "draft's measured confidence; end in q (N16d6q) to grow by its raw q.")
     with gr.Row():
-        temperature = RawSlider(0.0, 2.0, value=1.0, step=0.05, label="Temperature (0 = greedy)")
-        top_p = RawSlider(0.05, 1.0, value=1.0, step=0.05, label="Top-p (1 = off)")
+        temperature = RawSlider(0.0, 2.0, value=rec.temperature, step=0.05, label="Temperature (0 = greedy)",
+                                info=_card_info(rec.temperature, rec), elem_id="temperature-slider")
+        top_p = RawSlider(0.05, 1.0, value=rec.top_p, step=0.05, label="Top-p (1 = off)",
+                          info=_card_info(rec.top_p, rec), elem_id="top-p-slider")
     with gr.Row():
         top_k = RawNumber(0, precision=0, label="Top-k (0 = off)", minimum=0)
         seed = RawNumber(0, precision=0, label="Seed")
@@ -119,21 +123,39 @@ def _decoding(max_new_tokens: int, drafter_default: str) -> dict:
 
 
 def preset_defaults(registry: ModelRegistry, key: str) -> tuple:
-    """(prompt, prompt-as, drafter, examples) that suit a model pair: its first example, chat for a chat
-    model, its EAGLE head (else prompt lookup) when it has no draft model."""
+    """(prompt, prompt-as, drafter, K, temperature, top-p, examples) that suit a model pair (`preset_outputs`):
+    its first example, chat for a chat model, and its recommended settings (PairPreset.recommended), each
+    saying where it comes from."""
     try:
         preset = registry.resolve(key)
     except ValueError:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return tuple(gr.skip() for _ in range(7))
     examples = list(preset.examples) or [""]
-    return (examples[0], CHAT if preset.chat else RAW, default_drafter(preset),
-            gr.Dropdown(choices=[(_short(e), e) for e in examples], value=None))
+    rec = preset.recommended
+    return (examples[0], CHAT if preset.chat else RAW,
+            gr.update(value=default_drafter(preset), info=_fastest_info(preset)), rec.k,
+            gr.update(value=rec.temperature, info=_card_info(rec.temperature, rec)),
+            gr.update(value=rec.top_p, info=_card_info(rec.top_p, rec)),
+            gr.Dropdown(choices=[(_short(e), e) for e in examples], value=examples[0]))
 
 
-def default_drafter(preset) -> str:
-    """A pair's own draft model, else its EAGLE head, else prompt lookup."""
+def default_drafter(preset: PairPreset) -> str:
+    """The drafter measured fastest for the pair; without a measurement its own draft model, else its EAGLE
+    head, else prompt lookup."""
+    if preset.recommended.drafter is not None:
+        return preset.recommended.drafter.value
     return DrafterKind.MODEL.value if preset.draft else (
         DrafterKind.EAGLE.value if preset.eagle else DrafterKind.NGRAM.value)
+
+
+def _card_info(value: float, rec: Recommended) -> str | None:
+    return f"Recommended for this model: {value:g} ({rec.source}); change it freely." if rec.source else None
+
+
+def _fastest_info(preset: PairPreset) -> str | None:
+    rec = preset.recommended
+    return None if rec.drafter is None else \
+        f"Recommended for this pair: {rec.drafter.value}, K={rec.k} (the fastest chain measured here)."
 
 
 def _short(text: str) -> str:
@@ -146,8 +168,9 @@ def build_controls(registry: ModelRegistry, max_new_tokens: int) -> Controls:
     first = registry.presets[0]
     examples = list(first.examples) or [""]
     prompt = gr.Textbox(examples[0], lines=4, label="Prompt", elem_id="prompt-box")
-    example_box = gr.Dropdown([(_short(e), e) for e in examples], value=None, label="Example prompts for this pair",
-                              elem_id="examples-box")
+    # the first example is selected, so the box never shows empty before it is opened
+    example_box = gr.Dropdown([(_short(e), e) for e in examples], value=examples[0],
+                              label="Example prompts for this pair", elem_id="examples-box")
     with gr.Row():
         prompt_as = gr.Radio(list(PROMPT_AS), value=CHAT if first.chat else RAW, label="Prompt as",
                              elem_id="prompt-as")
@@ -158,7 +181,7 @@ def build_controls(registry: ModelRegistry, max_new_tokens: int) -> Controls:
     with gr.Accordion("Models", open=False):
         models = _models(registry)
     with gr.Accordion("Decoding", open=True):
-        decoding = _decoding(max_new_tokens, default_drafter(first))
+        decoding = _decoding(max_new_tokens, first)
     example_box.input(lambda text: text, [example_box], [prompt], api_name=False)
     return Controls(prompt=prompt, **models, **decoding, prompt_as=prompt_as, system=system, examples=example_box,
                     **transport)

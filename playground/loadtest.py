@@ -166,13 +166,17 @@ def session_folders(tmp: Path) -> list[Path]:
 
 
 # -- the visitors -----------------------------------------------------------------------------------------------
+# Set whatever the pair recommends (SmolLM2: T 0.2), so that seeds make streams differ (see the module).
+LOAD_SETTINGS = {"Temperature (0 = greedy)": 1.0, "Top-p (1 = off)": 1.0}
+
+
 def reset_values(client, seed: int, new_tokens: int, endpoint: str = "/reset") -> dict:
-    """Keyword arguments for /reset (or /step): the defaults, with this visitor's seed and length."""
+    """Keyword arguments for /reset (or /step): the defaults, with LOAD_SETTINGS, this visitor's seed and length."""
     params = client.view_api(print_info=False, return_format="dict")["named_endpoints"][endpoint]["parameters"]
     values = {p["parameter_name"]: p["parameter_default"] for p in params}
     names = {p["label"]: p["parameter_name"] for p in params}
-    values[names["Seed"]] = seed
-    values[names["Max new tokens"]] = new_tokens
+    for label, value in {**LOAD_SETTINGS, "Seed": seed, "Max new tokens": new_tokens}.items():
+        values[names[label]] = value
     return values
 
 
@@ -225,8 +229,9 @@ def drain(job) -> list:
 
 
 def with_length(params: list[dict], new_tokens: int) -> list:
-    """/reset's positional values: every default, with "Max new tokens" set to new_tokens."""
-    return [new_tokens if p["label"] == "Max new tokens" else p["parameter_default"] for p in params]
+    """/reset's positional values: every default, with LOAD_SETTINGS and "Max new tokens" set to new_tokens."""
+    chosen = {**LOAD_SETTINGS, "Max new tokens": new_tokens}
+    return [chosen.get(p["label"], p["parameter_default"]) for p in params]
 
 
 def run_api_caller(url: str, visitor: Visitor, steps: int, new_tokens: int, deadline: float,

