@@ -31,6 +31,15 @@ def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: 
     return LoadedModel.of(f"tiny-{layers}x{hidden}-seed{seed}", model, tokenizer)
 
 
+def hf_greedy(target: LoadedModel, prompt_ids: list[int], new_tokens: int, eos_id: int | None = None) -> list[int]:
+    """Hugging Face `generate`'s greedy continuation: the reference every parity test compares with."""
+    eos = target.tokenizer.eos_token_id if eos_id is None else eos_id
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=new_tokens,
+                                    eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt_ids):].tolist()
+
+
 @pytest.fixture(scope="session")
 def builtin_tokenizer():
     from transformers import AutoTokenizer

@@ -14,7 +14,7 @@ from engine.prompts import encode_prompt
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine
-from tests.conftest import tiny_model
+from tests.conftest import hf_greedy, tiny_model
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
@@ -33,48 +33,21 @@ def random_head(target: LoadedModel, kept: int, seed: int = 0, trained_like: boo
     return EagleRuntime(head, ids, target)
 
 
-def quickly_trained_head(target: LoadedModel, kept: int = 3000, steps: int = 80) -> EagleRuntime:
-    """A head trained for a few seconds (teacher-forced, one unrolled step) on the target's features over
-    real stdlib code: good enough that some drafts are accepted and some rejected, which is what the
-    engine's tests need."""
-    from engine.train.corpus import list_sources
-    from engine.train.draft_data import Sequence
-    from engine.train.eagle import EaglePlan, prepare, rope_tables, unrolled_loss
+@pytest.fixture(scope="module")
+def builtin_eagle(builtin_pair) -> ModelPair:
+    """The built-in target's head as `python -m engine train-draft --target builtin` shipped it: a real
+    trained head, so some of its drafts are accepted and some rejected."""
+    from engine.drafters.eagle import load_eagle
 
-    text = "".join(f.text for f in list_sources("train")[:6])
-    ids = target.tokenizer(text, add_special_tokens=False)["input_ids"][:12 * 160]
-    windows = [ids[i: i + 160] for i in range(0, len(ids) - 159, 160)]
-    seqs = [Sequence(torch.tensor(w, dtype=torch.int32), 1, fresh_features(target, w)[:-1].half()) for w in windows]
-    runtime = random_head(target, kept, trained_like=False)
-    head, plan = runtime.head.float().train().requires_grad_(True), EaglePlan(depth=1, accumulate=1, noise=0.0)
-    head.init_for_training(torch.Generator().manual_seed(0))
-    embed = target.model.get_input_embeddings().weight.detach().float()
-    head_kept = target.model.get_output_embeddings().weight.detach().float().index_select(0, runtime.kept_ids)
-    cos, sin = rope_tables(head.config.head_dim, 10000.0, torch.arange(200))
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    for step in range(steps):
-        batch = prepare(seqs[step % len(seqs)], head_kept, 200)
-        n = len(batch.ids) - 1
-        loss, _ = unrolled_loss(head, batch, embed, head_kept, plan, cos[1:n + 1], sin[1:n + 1], gen)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return EagleRuntime(head, runtime.kept_ids, target)
+    _, target = builtin_pair
+    return ModelPair(target, None, load_eagle("builtin", target))
 
 
 @pytest.fixture(scope="module")
-def builtin_eagle(builtin_pair) -> ModelPair:
+def random_builtin_eagle(builtin_pair) -> ModelPair:
+    """An untrained head, initialised from the target's last layer and perturbed: mostly rejected."""
     _, target = builtin_pair
-    return ModelPair(target, None, quickly_trained_head(target))
-
-
-def hf_greedy(target: LoadedModel, prompt: list[int], new: int) -> list[int]:
-    eos = target.tokenizer.eos_token_id
-    with torch.inference_mode():
-        out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new, eos_token_id=eos,
-                                    pad_token_id=eos)
-    return out[0, len(prompt):].tolist()
+    return ModelPair(target, None, random_head(target, 3000, seed=1))
 
 
 def run(pair: ModelPair, prompt: list[int], **config) -> SpeculativeEngine:
@@ -102,20 +75,11 @@ def test_q_rows_sum_to_one_and_are_exactly_zero_outside_the_kept_set(builtin_eag
         engine.close()
 
 
-@pytest.fixture(scope="module")
-def shipped_builtin_eagle(builtin_pair) -> ModelPair:
-    """The built-in target's head as `python -m engine train-draft --target builtin` shipped it."""
-    from engine.drafters.eagle import load_eagle
-
-    _, target = builtin_pair
-    return ModelPair(target, None, load_eagle("builtin", target))
-
-
-@pytest.mark.parametrize("head", ["quick", "shipped"])
+@pytest.mark.parametrize("head", ["random", "shipped"])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_parity_with_generate_on_the_builtin_target(request, builtin_pair, k, head):
     _, target = builtin_pair
-    builtin_eagle = request.getfixturevalue("builtin_eagle" if head == "quick" else "shipped_builtin_eagle")
+    builtin_eagle = request.getfixturevalue("random_builtin_eagle" if head == "random" else "builtin_eagle")
     prompt = encode_prompt(target.tokenizer, CODE)
     expected = hf_greedy(target, prompt, 40)
     for mode in (Mode.V2, Mode.V1):

@@ -36,7 +36,7 @@ def test_the_isolation_check_catches_crosstalk_and_vacuous_runs():
 
 def test_a_small_run_passes_every_check(capsys):
     # a bare caller has no heartbeat: its lease (6 s) must outlast a queued Step on a busy machine
-    rc = loadtest.main(["--clients", "2", "--api-callers", "1", "--steps", "2", "--session-lease", "6",
+    rc = loadtest.main(["--clients", "2", "--api-callers", "1", "--steps", "1", "--session-lease", "6",
                         "--time-limit", "300"])
     out = capsys.readouterr().out
     assert rc == 0, out

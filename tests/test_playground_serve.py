@@ -1,4 +1,5 @@
-"""playground.serve: `python app.py` as a process: start-up sweeps a killed server's folders, SIGTERM leaves none."""
+"""playground.serve: `python app.py` as a process, tried as a hostile visitor would: start-up sweeps a killed
+server's folders, a hung Hub endpoint freezes nobody, refusals are one log line each, SIGTERM leaves nothing."""
 from __future__ import annotations
 
 import os
@@ -25,40 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_removes_the_session_folders_and_start_up_sweeps_a_killed_servers(tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    killed = tmp / (ROOT_PREFIX + "killed")       # what kill -9 leaves: a folder whose owner lock nobody holds
-    (killed / "s-x").mkdir(parents=True)
-    (killed / OWNER_LOCK).touch()
-    port = free_port()
-    env = {**os.environ, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
-    server = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}/"
-        wait_until_up(url, server, time.monotonic() + 180)   # a bound against a hang, not a timing
-        assert not killed.exists()
-        client = Client(url, verbose=False)
-        assert "Round 1 of" in client.predict(api_name="/step")[0]
-        [root] = tmp.glob(ROOT_PREFIX + "*")
-        assert list(root.glob("s-*/trace-*.jsonl"))       # the session's folder and its trace exist
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=120) == 0
-        client.close()
-    finally:
-        if server.poll() is None:
-            server.kill()
-    assert list(tmp.glob(ROOT_PREFIX + "*")) == []
-
-
 def test_a_hung_hub_endpoint_freezes_nobody_and_refusals_are_one_line_each(tmp_path):
     """A custom id whose Hub endpoint accepts and never answers: the visitor who asked is refused within the
     deadline, their own Step is refused as busy at once, another visitor steps meanwhile, and SIGTERM still
-    ends the server while a hung load is under way. Malformed calls, a trace with a lone surrogate and an
-    upload without a page open are each refused with a sentence and one log line, never a traceback."""
+    ends the server while a hung load is under way, leaving no folder (a killed server's are swept at
+    start-up). Malformed calls, a trace with a lone surrogate and an upload without a page open are each
+    refused with a sentence and one log line, never a traceback."""
     tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    killed = tmp / (ROOT_PREFIX + "killed")       # what kill -9 leaves: a folder whose owner lock nobody holds
+    (killed / "s-x").mkdir(parents=True)
+    (killed / OWNER_LOCK).touch()
     hub = HungEndpoint()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "GRADIO_ANALYTICS_ENABLED")}
@@ -69,6 +46,7 @@ def test_a_hung_hub_endpoint_freezes_nobody_and_refusals_are_one_line_each(tmp_p
     url = f"http://127.0.0.1:{port}/"
     try:
         wait_until_up(url, server, time.monotonic() + 180)   # a bound against a hang, not a timing
+        assert not killed.exists()
         upload = httpx.post(url + "gradio_api/upload", files={"files": ("t.jsonl", b"{}\n")}, timeout=30)
         assert upload.status_code == 403 and "open playground page" in upload.text   # no page open yet
         a, b = Client(url, verbose=False), Client(url, verbose=False)
@@ -76,6 +54,8 @@ def test_a_hung_hub_endpoint_freezes_nobody_and_refusals_are_one_line_each(tmp_p
         assert hub.accepted.acquire(timeout=60), "the app never reached the endpoint"
         assert a.predict(api_name="/step")[0].startswith("**⚠ Step refused: This session is busy: Reset is still")
         assert "Round 1 of" in b.predict(api_name="/step")[0]           # the other visitor is not held up
+        [root] = tmp.glob(ROOT_PREFIX + "*")
+        assert list(root.glob("s-*/trace-*.jsonl"))                     # its session's folder and trace
         status = hung.result(timeout=60)[0]
         assert "Reset failed" in status and "did not finish within 3 s" in status, status
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from engine.config import DrafterKind, Mode, SpecConfig, TreeSpec
 from engine.drafters.eagle import load_eagle
@@ -27,6 +26,7 @@ from engine.sources import (
     smollm2_gguf,
 )
 from engine.speculative import SpeculativeEngine
+from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
 QUESTIONS = ("Why is the sky blue?", "Name three uses of copper.", "What does a compiler do?")
@@ -65,16 +65,9 @@ def test_fused_logits_match_the_transformers_forward(smol):
         assert (a - b).abs().max() < 1e-4, feed
 
 
-def hf_greedy(smol, ids: list[int], new: int) -> list[int]:
-    with torch.inference_mode():
-        out = smol.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new, eos_token_id=2,
-                                  pad_token_id=2)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def references(smol):
-    return {q: hf_greedy(smol, encode_chat(smol.tokenizer, ChatPrompt(q)), NEW) for q in QUESTIONS}
+    return {q: hf_greedy(smol, encode_chat(smol.tokenizer, ChatPrompt(q)), NEW, eos_id=2) for q in QUESTIONS}
 
 
 @pytest.mark.parametrize("mode, drafter", [(Mode.V2, DrafterKind.NGRAM), (Mode.V1, DrafterKind.NGRAM),

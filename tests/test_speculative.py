@@ -18,7 +18,7 @@ from engine.prompts import PromptError, encode_prompt
 from engine.records import Outcome
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine
-from tests.conftest import tiny_model
+from tests.conftest import hf_greedy, tiny_model
 
 CODE = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
         "for i in range(10):\n    print(i, fibonacci(i))\n")
@@ -37,14 +37,6 @@ def decode(target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[int]
         return engine.generated
     finally:
         engine.close()
-
-
-def hf_greedy(target: LoadedModel, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    eos = target.tokenizer.eos_token_id
-    with torch.inference_mode():
-        out = target.model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=new_tokens,
-                                    eos_token_id=eos, pad_token_id=eos)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def assert_cache_holds(loaded: LoadedModel, cache: PagedCache, tokens: list[int]) -> None:

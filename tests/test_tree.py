@@ -14,7 +14,8 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine
 from engine.tree import COPIED, Confidence, Confidences, DraftTree, attention_mask, grow, verify_tree
-from tests.test_speculative import CODE, assert_cache_holds, hf_greedy
+from tests.conftest import hf_greedy
+from tests.test_speculative import CODE, assert_cache_holds
 
 NEW = 32
 
