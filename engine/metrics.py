@@ -174,11 +174,6 @@ def _speedup(tokens: float, draft_forwards: float, c: float, r: float) -> float:
     return tokens / (c * draft_forwards + r)
 
 
-def speedup_from_rates(rates: Sequence[float], k: int, c: float, r: float) -> float:
-    """The same prediction from measured per-position rates instead of one i.i.d. alpha."""
-    return _speedup(expected_tokens_from_rates(rates, k), k, c, r)
-
-
 def speedup_curve(alpha: float, c: float, r_of_n: Callable[[int], float], k_max: int) -> list[float]:
     """predicted_speedup for K = 1..k_max, the verify cost at K being r_of_n(K + 1)."""
     return [predicted_speedup(alpha, k, c, r_of_n(k + 1)) for k in range(1, k_max + 1)]

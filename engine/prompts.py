@@ -67,8 +67,3 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: ChatPrompt) -> list[
     out = tokenizer.apply_chat_template(prompt.messages(), add_generation_prompt=True, tokenize=True,
                                         return_dict=True)
     return list(out["input_ids"])
-
-
-def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The id that ends the assistant's turn in a chat: the tokenizer's EOS (SmolLM2's `<|im_end|>`)."""
-    return tokenizer.eos_token_id

@@ -208,13 +208,6 @@ def check_room(source: str, role: str, device: torch.device, need: int, have: in
                              f"{have / 2**30:.1f} GiB is free there. Pick a smaller pair.")
 
 
-def check_fits(source: str, role: str, device: torch.device, free: Callable[[torch.device], int] = free_memory) -> int:
-    """Estimated weight bytes of `source` on `device`; raises ModelLoadError if it cannot fit there."""
-    need = weight_bytes(source, role, device)
-    check_room(source, role, device, need, free(device))
-    return need
-
-
 ModelKey = tuple[str, str, str]   # (source, role for the built-in pair else "", device)
 
 

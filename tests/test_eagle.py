@@ -19,13 +19,31 @@ from tests.conftest import hf_greedy, tiny_model
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
 
+@torch.no_grad()
+def start_from_last_layer(head: EagleHead, target: torch.nn.Module) -> None:
+    """The target's last decoder layer and final norm, with fc passing the feature through: the untrained
+    head computes the target's last layer over the current feature."""
+    last = target.model.layers[-1]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        getattr(head, name).weight.copy_(getattr(last.self_attn, name).weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(head, name).weight.copy_(getattr(last.mlp, name).weight)
+    head.norm_in.copy_(last.input_layernorm.weight)
+    head.norm_post.copy_(last.post_attention_layernorm.weight)
+    head.norm_out.copy_(target.model.norm.weight)
+    d = head.config.hidden
+    head.fc.weight.zero_()
+    head.fc.weight[:, d:].copy_(torch.eye(d))
+    head.fc.bias.zero_()
+
+
 def random_head(target: LoadedModel, kept: int, seed: int = 0, trained_like: bool = True) -> EagleRuntime:
     """A head initialised from the target's last layer, with `kept` random token ids kept (always the EOS)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(target.vocab_size, generator=g)[:kept]
     ids = torch.unique(torch.cat([ids, torch.tensor([target.tokenizer.eos_token_id])]))
     head = EagleHead(EagleConfig.for_target(target, len(ids)))
-    head.init_from_target(target.model)
+    start_from_last_layer(head, target.model)
     if trained_like:  # perturb it so that its drafts are neither always right nor always wrong
         with torch.no_grad():
             for p in head.parameters():

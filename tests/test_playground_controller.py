@@ -14,7 +14,7 @@ from engine.sources import BUILTIN
 from engine.trace import TraceError
 from playground import controller
 from playground.controller import Context, DecodeRequest
-from playground.registry import CUSTOM, ModelRegistry, check_fits, estimate_parameters
+from playground.registry import CUSTOM, ModelRegistry, check_room, estimate_parameters, weight_bytes
 from playground.render.frame import render_frame
 from playground.sessions import SessionLimitReached, SessionPool
 from playground.settings import AppSettings, allow_custom_default
@@ -299,9 +299,11 @@ def test_a_model_too_big_for_free_memory_is_refused_before_loading(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))
     import torch
 
+    need = weight_bytes(str(tmp_path), "target", torch.device("cpu"))
+    assert need > 28 * 2**30
     with pytest.raises(ModelLoadError, match=r"needs about 28\.\d GiB on cpu, but only 1\.0 GiB"):
-        check_fits(str(tmp_path), "target", torch.device("cpu"), free=lambda d: 2**30)
-    assert check_fits(str(tmp_path), "target", torch.device("cpu"), free=lambda d: 2**40) > 28 * 2**30
+        check_room(str(tmp_path), "target", torch.device("cpu"), need, 2**30)
+    check_room(str(tmp_path), "target", torch.device("cpu"), need, 2**40)
     loads: list[str] = []
     registry = ModelRegistry(allow_custom=True, allow_local_paths=True, free=lambda d: 2**30,
                              loader=lambda *a, **k: loads.append(a[0]))

@@ -18,9 +18,9 @@ from engine.bench.methods import TREE_METHODS, UNDRAFTED, BenchSettings, Method
 from engine.bench.prompts import Prompt
 from engine.bench.results import MethodResult, phases_per_token
 from engine.bench.runs import BenchModels, Phases, run_once
-from engine.tree import Confidences
 from engine.calibration import RCurve
 from engine.models import LoadedModel
+from engine.tree import Confidences
 
 
 @dataclass(frozen=True, slots=True)

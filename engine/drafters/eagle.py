@@ -126,23 +126,6 @@ class EagleHead(nn.Module):
         d = self.config.hidden
         self.fc.weight[:, d:] += torch.eye(d)
 
-    @torch.no_grad()
-    def init_from_target(self, target: torch.nn.Module) -> None:
-        """Start from the target's last decoder layer and final norm, with fc passing the feature through
-        (so the untrained head computes the target's last layer over the current feature)."""
-        last = target.model.layers[-1]
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(self, name).weight.copy_(getattr(last.self_attn, name).weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(self, name).weight.copy_(getattr(last.mlp, name).weight)
-        self.norm_in.copy_(last.input_layernorm.weight)
-        self.norm_post.copy_(last.post_attention_layernorm.weight)
-        self.norm_out.copy_(target.model.norm.weight)
-        d = self.config.hidden
-        self.fc.weight.zero_()
-        self.fc.weight[:, d:].copy_(torch.eye(d))
-        self.fc.bias.zero_()
-
     def layer(self) -> LayerView:
         """The layer's weights as `decoder_block` takes them (differentiable: q, k, v concatenated)."""
         c = self.config

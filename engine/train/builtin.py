@@ -164,25 +164,6 @@ def _alpha(target, draft, tokenizer, prompts: torch.Tensor) -> float:
     return greedy_acceptance(pair, prompts, k=4, new_tokens=48, fused=False).alpha
 
 
-@torch.inference_mode()
-def decode_ms(model, context: int = 256, reps: int = 40, query: int = 1) -> float:
-    """Median time of one decode forward of `query` tokens on a `context`-token KV cache, fp32."""
-    from transformers import DynamicCache
-
-    model.eval()
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(reps):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids, cache=cache, use_cache=True)
-        x = torch.randint(0, vocab, (1, query))
-        t0 = time.perf_counter()
-        model(input_ids=x, cache=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
-
-
 # ---------------------------------------------------------------------------- export
 
 def hf_tokenizer(tok):
