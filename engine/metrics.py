@@ -71,6 +71,15 @@ def alpha(rounds: Rounds) -> float | None:
     return alpha_rate(sum(r.accepted for r in rounds), verified) if verified else None
 
 
+def tokens_per_round(rounds: Rounds) -> float | None:
+    """Tokens emitted per drafted round (the correction or bonus included): the quantity Leviathan's
+    E(alpha, K) predicts, the literature's tau. The prefill, and rounds that drafted nothing (a target-only
+    step when prompt lookup found no match), are left out. None when no round drafted. Every screen
+    that shows "tokens per round" shows this."""
+    drafted = drafted_rounds(rounds)
+    return sum(len(r.emitted) for r in drafted) / len(drafted) if drafted else None
+
+
 def mean_accepted_length(tokens_per_round: Sequence[int]) -> float:
     """Mean tokens emitted per round, counting the correction or bonus (so >= 1 for real rounds).
 
@@ -383,7 +392,7 @@ def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | N
         draft_acceptance=draft_acceptance(drafted), alpha=a, rates=rates, c=c, k=mean_k(drafted),
         r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(iid(r.depth) for r in drafted) / len(drafted),
         tokens_rates=sum(by_rates(r.depth) for r in drafted) / len(drafted),
-        tokens_measured=sum(len(r.emitted) for r in drafted) / len(drafted),
+        tokens_measured=tokens_per_round(drafted),
         speedup_iid=tally.speedup_iid(r_of_n), speedup_rates=tally.predicted_speedup(by_rates, c, r_of_n),
         best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1)))
 

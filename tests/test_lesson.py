@@ -210,3 +210,22 @@ def test_the_lesson_page_builds_and_its_handlers_run_headlessly(builtin_pair):
         assert checked[-1].startswith("✓")
     finally:
         driver.close()
+
+
+def test_the_cost_claims_agree_with_the_bars_beside_them(driver):
+    """The memory-bound step's chart title and its text state the ratio of the bars they stand beside, and
+    say "about one step" only where the run measured about one step."""
+    import re
+
+    step = _step(driver, StepId.MEMORY_BOUND)
+    shown = page_lesson.render_step(driver, step)
+    step_bar, verify_bar = shown.figure.data[0].y[:2]
+    ratio = verify_bar / step_bar
+    title = shown.figure.layout.title.text
+    stated = float(re.search(r"costs ([\d.]+)× one step", title).group(1))
+    assert stated == pytest.approx(ratio, abs=0.051)
+    assert f"costs {stated:.1f}× one step" in shown.body                         # the text says the same
+    assert ("about one step" in title) == (ratio <= 1.3)
+    assert ("compute-bound" in title) == (ratio > 1.3) and ("not about 1×" in shown.body) == (ratio > 1.3)
+    from playground.teach.lesson import cost_claim
+    assert "about one step" in cost_claim(5, 1.1) and "compute-bound" in cost_claim(5, 2.9)

@@ -133,7 +133,7 @@ def summary_html(view: RunView | None) -> str:
         ("tokens / rounds", f"{last.tokens_total} / {len(view.rounds)}" + (" (finished)" if last.finished else "")),
         ("draft acceptance rate: accepted / drafted", _fmt(metrics.draft_acceptance(view.rounds), ".3f")),
         ("α: accepted / verified positions", _fmt(metrics.alpha(view.rounds), ".3f")),
-        ("tokens per round", _fmt(last.tokens_total / len(view.rounds))),
+        ("tokens per drafted round (τ)", _fmt(metrics.tokens_per_round(view.rounds))),
         ("c, measured from this run", _cost_text(view)),
         ("r(K+1), calibrated", "—" if isinstance(pred, NotMeasured) else f"{pred.r:.2f} at mean K = {pred.k}"),
         ("speed-up: measured / predicted", f"{_fmt(metrics.measured_speedup(view.rounds, view.baseline), suffix='×')} / "

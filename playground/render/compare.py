@@ -26,7 +26,7 @@ def _row(view: RunView) -> list[str]:
     return [view.source, view.info.label(), view.info.target, view.info.draft or "—",
             ", ".join(f"{k}: {v}" for k, v in view.info.devices.items()), str(len(view.rounds)), str(tokens),
             _fmt(metrics.draft_acceptance(view.rounds)), _fmt(metrics.alpha(view.rounds)),
-            _fmt(tokens / len(view.rounds) if view.rounds else None, ".2f"),
+            _fmt(metrics.tokens_per_round(view.rounds), ".2f"),
             _fmt(metrics.cost_ratio(view.rounds, view.baseline)),
             _fmt(None if isinstance(pred, NotMeasured) else pred.r, ".2f"),
             _fmt(metrics.measured_speedup(view.rounds, view.baseline), ".2f"),
@@ -35,7 +35,7 @@ def _row(view: RunView) -> list[str]:
 
 
 ROW_NAMES = ("trace", "settings", "target", "draft", "devices", "rounds", "tokens",
-             "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per round", "c (measured)",
+             "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per drafted round (τ)", "c (measured)",
              "r(K+1) (calibrated)", "speed-up measured ×", "speed-up predicted ×", "target forwards")
 
 

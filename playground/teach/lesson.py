@@ -95,7 +95,7 @@ def _spec(view: View, question: QuestionKind | None, facts: str, secrets: str = 
 
 _POSITION_FACTS = "round pos token p q alpha"
 STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
-    StepId.MEMORY_BOUND: _spec(View.COST, None, "target_mib draft_mib step_ms verify_ms verify_ratio k k1"),
+    StepId.MEMORY_BOUND: _spec(View.COST, None, "target_mib draft_mib step_ms verify_ms verify_ratio cost_claim k k1"),
     StepId.DRAFT: _spec(View.CHIPS, QuestionKind.NUMBER, "round k drafted q_list", "draft_forwards"),
     StepId.VERIFY: _spec(View.PQ_BARS, QuestionKind.NUMBER, "round k k1 token p q", "target_forwards"),
     StepId.ACCEPT: _spec(View.PQ_BARS, QuestionKind.YES_NO, _POSITION_FACTS, "u outcome"),
@@ -487,7 +487,8 @@ class LessonDriver:
         return _Content(dict(target_mib=_num(self.target.weight_bytes / 2**20, 1),
                              draft_mib=_num(self.draft.weight_bytes / 2**20, 1), step_ms=_num(step_ms, 2),
                              verify_ms=_num(verify_ms, 2), verify_ratio=_num(verify_ms / step_ms, 1),
-                             k=str(self.k), k1=str(self.k + 1)), r.index)
+                             cost_claim=cost_claim(self.k + 1, verify_ms / step_ms), k=str(self.k),
+                             k1=str(self.k + 1)), r.index)
 
     def _costs(self, upto: int) -> tuple[float, float]:
         """(median target-only step, median verify forward of K + 1 tokens) in ms, from the engine's own
@@ -575,8 +576,8 @@ class LessonDriver:
         tokens = rounds[-1].tokens_total
         facts = dict(alpha=_num(alpha), draft_rate=_num(metrics.draft_acceptance(drafted)), k=str(self.k),
                      k2=str(2 * self.k), e_k=_num(e_k, 2), e_2k=_num(e_2k, 2), tokens=str(tokens),
-                     rounds=str(len(rounds)), tokens_per_round=_num(tokens / len(rounds), 2), c=_num(c), r=_num(r, 2),
-                     speedup=_num(e_k / (c * self.k + r), 2))
+                     rounds=str(len(drafted)), tokens_per_round=_num(metrics.tokens_per_round(drafted), 2), c=_num(c),
+                     r=_num(r, 2), speedup=_num(metrics.predicted_speedup(alpha, self.k, c, r), 2))
         return _Content(facts, rounds[-1].index, None, YES if e_2k >= 2 * e_k else NO)
 
 
@@ -704,6 +705,19 @@ def rule_output(q_draft: Tensor, p_target: Tensor, rule: Rule) -> RuleOutput:
     elif rule is Rule.BONUS_FROM_ROW_K_MINUS_1:
         dist[k] = p[k - 1]
     return RuleOutput(reach, dist)
+
+
+def cost_claim(tokens: int, ratio: float) -> str:
+    """What the measured verify/step ratio says, as a sentence (the lesson's text and its cost chart both
+    read it, so neither claims what the bars beside it contradict)."""
+    if not ratio == ratio:   # NaN: no target-only step measured yet
+        return f"Verifying {tokens} tokens has not been compared with one step yet"
+    if ratio <= 1.3:
+        return (f"Verifying {tokens} tokens costs {ratio:.1f}× one step: about one step, since the weights "
+                "are read once for all of them")
+    return (f"Verifying {tokens} tokens costs {ratio:.1f}× one step, not about 1×: on this CPU the small matrix "
+            f"products are compute-bound, so every round pays {ratio:.1f} steps for its verify and the speed-up "
+            "shrinks by as much")
 
 
 def separation(q_draft: Tensor, p_target: Tensor, rule: Rule) -> float:
