@@ -74,7 +74,8 @@ def cost_figure(view: RunView, upto_round: int) -> go.Figure:
     fig = styled_figure([go.Bar(x=[b[0] for b in bars], y=[b[1] for b in bars], marker_color=[b[2] for b in bars],
                             text=[f"{b[1]:.2f} ms" for b in bars], textposition="outside")])
     claim = cost_claim(k + 1, verify / step)
-    fig.update_layout(title=dict(text=f"Measured here (medians): {claim[0].lower() + claim[1:]}", font=dict(size=13)),
+    wrapped = (claim[0].lower() + claim[1:]).replace(": ", ":<br>", 1)   # plotly does not wrap a title
+    fig.update_layout(title=dict(text=f"Measured here (medians): {wrapped}", font=dict(size=13)),
                       height=360, yaxis=dict(title="milliseconds", rangemode="tozero"),
                       margin=dict(l=50, r=20, t=70, b=40))
     return fig
