@@ -1,7 +1,9 @@
-"""`python -m playground.make_examples`: record the example traces in assets/traces on the built-in pair.
+"""`python -m playground.make_examples`: record the example traces in assets/traces.
 
-The same prompt and seed under v2 and v1 (identical tokens, different KV traffic and cost) and a
-greedy run (which must match target-only token for token). Rerun after rebuilding the pair.
+On the built-in pair: the same prompt and seed under v2 and v1 (identical tokens, different KV
+traffic and cost) and a greedy run (which must match target-only token for token). On SmolLM2 (when
+its wheel is installed): the welcome run, recorded with the pair's recommended settings, which a new
+visitor sees before their first Step. Rerun after rebuilding a pair or retraining a head.
 """
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from pathlib import Path
 
 from engine.compared import ComparedRun
 from engine.config import Mode, SpecConfig
+from engine.drafters.eagle import load_eagle
 from engine.models import load_model
 from engine.pair import ModelPair
+from engine.prompts import ChatPrompt
 from engine.sampling import SamplingParams
-from engine.sources import BUILTIN
+from engine.sources import BUILTIN, SMOLLM2, smollm2_gguf
 from playground.pages.traces import EXAMPLES_DIR
-from playground.registry import CODE_EXAMPLES
+from playground.registry import CODE_EXAMPLES, SMOLLM2_RECOMMENDED
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,28 @@ EXAMPLES = (
 )
 
 
+WELCOME = "welcome_smollm2"     # the first page's example run (playground.ui shows it before a first Step)
+WELCOME_QUESTION = "Why is the sky blue?"
+
+
+def welcome_config() -> SpecConfig:
+    """SmolLM2's recommended settings (playground.registry.SMOLLM2_RECOMMENDED), 48 new tokens."""
+    rec = SMOLLM2_RECOMMENDED
+    return SpecConfig(drafter=rec.drafter, k=rec.k, sampling=SamplingParams(temperature=rec.temperature,
+                                                                            top_p=rec.top_p),
+                      seed=0, max_new_tokens=48)
+
+
+def record_welcome(out: Path) -> Path:
+    target = load_model(SMOLLM2)
+    path = out / f"{WELCOME}.jsonl"
+    run = ComparedRun(ModelPair(target, eagle=load_eagle(SMOLLM2, target)), ChatPrompt(WELCOME_QUESTION),
+                      welcome_config(), trace_path=path)
+    run.run_to_end()
+    run.close()
+    return path
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=EXAMPLES_DIR)
@@ -51,6 +77,8 @@ def main(argv: list[str]) -> int:
         spec, _ = run.summaries()
         print(f"{path.name}: {spec.rounds} rounds, {spec.tokens} tokens, draft acceptance {spec.draft_acceptance_rate:.2f}, α {spec.alpha:.2f}")
         run.close()
+    if smollm2_gguf() is not None:
+        print(f"{record_welcome(args.out).name}: SmolLM2's welcome run")
     return 0
 
 

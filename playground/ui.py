@@ -15,7 +15,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.trace import MAX_TRACE_BYTES
+from engine.sources import SMOLLM2
+from engine.trace import MAX_TRACE_BYTES, TraceError, load_trace
 from playground import controller
 from playground.connections import client_address, heartbeat_middleware
 from playground.controller import USER_ERRORS, Context, DecodeRequest
@@ -38,7 +39,7 @@ from playground.sessions import Session, SessionBusy, SessionPool
 from playground.settings import AppSettings, default_pair
 from playground.spaces_shim import gpu
 from playground.teach.lab import MAX_TRIALS, run_lab, token_texts
-from playground.view import Cursor, Panel
+from playground.view import Cursor, Panel, RunView, view_from_trace
 
 log = logging.getLogger("specplay")
 TITLE = "specplay: speculative decoding, one round at a time"
@@ -84,24 +85,32 @@ class Pages:
 class Handlers:
     """The event functions. One instance per app; per-visitor state lives only in gr.State."""
 
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: Context, welcome: RunView | None = None) -> None:
+        self.ctx, self.welcome = ctx, welcome
 
     # -- plumbing -----------------------------------------------------------------------------------
-    @staticmethod
-    def render(session: Session | None, failure: str | None = None) -> tuple:
+    def render(self, session: Session | None, failure: str | None = None) -> tuple:
         """Every frame output, in `Pages.frame_outputs` order: the stream panel and the shown tab's views.
-        The hidden tabs' outputs are skipped (left as drawn); selecting a tab renders it (`on_show`)."""
+        The hidden tabs' outputs are skipped (left as drawn); selecting a tab renders it (`on_show`). Until
+        a visitor's first run, the recorded welcome run is what they see (`welcome`)."""
         view = session.view() if session is not None else None
         panel = session.panel if session is not None else Panel.DETAIL
-        f = render_frame(view, session.cursor if session is not None else Cursor(), (panel,), failure)
+        if view is None and failure is None and self.welcome is not None:
+            return self.render_view(self.welcome, welcome_cursor(self.welcome), panel, note=WELCOME_NOTE)
+        return self.render_view(view, session.cursor if session is not None else Cursor(), panel, failure)
+
+    @staticmethod
+    def render_view(view: RunView | None, cursor: Cursor, panel: Panel, failure: str | None = None,
+                    note: str = "") -> tuple:
+        """`render` for a view and cursor; `note` heads the status line."""
+        f = render_frame(view, cursor, (panel,), failure)
         d, k, c = f.detail, f.kv, f.charts
         detail = (d.badge, d.summary, gr.Dropdown(choices=d.positions, value=d.position), d.detail, d.tree) if d \
             else _skip(5)
         kv = (k.target, k.draft, k.table) if k else _skip(3)
         charts = (c.acceptance, c.per_position, c.lengths, c.tokens_time, c.speedup) if c else _skip(5)
         s = f.stream
-        return (s.status, s.stream, *detail, *kv, *charts,
+        return (note + s.status, s.stream, *detail, *kv, *charts,
                 gr.Slider(minimum=0, maximum=max(1, s.rounds_total), value=s.shown, step=1))
 
     def _session(self, state: Session | None, request: gr.Request) -> Session:
@@ -173,9 +182,10 @@ class Handlers:
     def on_show(self, panel: Panel) -> Callable[..., tuple]:
         """The select event of a tab: render `panel` now and on every event until another tab is shown.
         A tab that draws nothing from a run opens no session (Compare works without one, even when the
-        server is full)."""
+        server is full), and neither does the first tab's select event, which Gradio fires as every page
+        loads: a page view alone takes no session."""
         def show(request: gr.Request, state: Session | None) -> tuple:
-            if panel is Panel.OTHER and state is None:
+            if state is None and panel in (Panel.OTHER, Panel.DETAIL):   # nothing to remember: DETAIL is the default
                 return (state, *self.render(None))
             return self.guarded(state, request, lambda s: controller.show(s, panel), name="showing a tab")
         return show
@@ -194,6 +204,7 @@ class Handlers:
 
     # -- events -------------------------------------------------------------------------------------
     def on_load(self, state: Session | None) -> tuple:
+        """A new page shows the welcome run at once, finished and drawn (no session is opened for it)."""
         return self.render(state)
 
     @gpu()
@@ -388,10 +399,38 @@ UPLOAD_QUOTA_BYTES = 256 * 2**20        # all uploads kept at once; each is dele
 UPLOAD_AGE_S, UPLOAD_SWEEP_S = 600, 60
 
 
+WELCOME_NOTE = ("**An example run, recorded on this machine** with this pair's recommended settings. Press "
+                "**Step ▶** to start your own, live. · ")
+
+
+def welcome_cursor(view: RunView) -> Cursor:
+    """The welcome run shown up to its first round whose every draft was accepted (a bonus token: by then
+    the chips show every outcome), else its first accepted draft, else four rounds."""
+    full = next((i for i, r in enumerate(view.rounds) if r.k and r.accepted == r.k), None)
+    some = next((i for i, r in enumerate(view.rounds) if r.accepted), None)
+    upto = full if full is not None else some if some is not None else 3
+    return Cursor(shown=min(upto + 1, len(view.rounds)))
+
+
+def welcome_view(ctx: Context) -> RunView | None:
+    """The recorded welcome run (playground.make_examples) when the server's first pair is the pair it was
+    recorded on; None otherwise, or when the file is missing or unreadable (the page then starts empty)."""
+    from playground.make_examples import WELCOME
+
+    path = page_traces.EXAMPLES_DIR / f"{WELCOME}.jsonl"
+    if ctx.registry.presets[0].target != SMOLLM2 or not path.is_file():
+        return None
+    try:
+        return view_from_trace(load_trace(path), path.name)
+    except TraceError as exc:
+        log.warning("the welcome run %s cannot be shown: %s", path, exc)
+        return None
+
+
 def build_app(ctx: Context) -> gr.Blocks:
     """The whole playground, built but not launched: `playground.serve.start` launches it (with `launch_kwargs`)."""
     examples = page_traces.example_traces()
-    handlers = Handlers(ctx)
+    handlers = Handlers(ctx, welcome_view(ctx))
     # Gradio's analytics would reach outside servers at launch; uploads are deleted on a schedule and at exit
     with PlaygroundBlocks(title=TITLE, analytics_enabled=False, delete_cache=(UPLOAD_SWEEP_S, UPLOAD_AGE_S)) as demo:
         gr.Markdown(f"## {TITLE}")

@@ -127,3 +127,28 @@ def test_a_refused_step_says_so_in_the_status_line(handlers):
     with pytest.warns(UserWarning, match="K must be"):
         out = handlers.on_step(None, None, False, *values(k=0.0))
     assert out[STATUS].startswith("**⚠ Step refused: K must be")
+
+
+def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers):
+    """The first page is a finished example, drawn at once with no session opened; the first Step starts the
+    visitor's own live run."""
+    from engine.trace import config_from_dict, load_trace
+    from playground.make_examples import WELCOME, welcome_config
+    from playground.pages.traces import EXAMPLES_DIR
+    from playground.ui import WELCOME_NOTE, welcome_cursor
+    from playground.view import view_from_trace
+
+    trace = load_trace(EXAMPLES_DIR / f"{WELCOME}.jsonl")
+    assert trace.complete and config_from_dict(trace.header.config) == welcome_config()   # recorded as the pair recommends
+    handlers.welcome = view_from_trace(trace, "welcome")
+    shown = welcome_cursor(handlers.welcome).shown
+    assert trace.rounds[shown - 1].accepted == trace.rounds[shown - 1].k > 0      # up to a fully accepted round
+    assert not any(r.k and r.accepted == r.k for r in trace.rounds[: shown - 1])
+    out = handlers.on_load(None)
+    assert out[0].startswith(WELCOME_NOTE) and f"Round {shown} of {len(trace.rounds)}" in out[0]
+    assert isinstance(out[DETAIL - 1], go.Figure) and out[STREAM - 1].count('class="round-sep"') == shown
+    assert handlers.on_show(Panel.DETAIL)(None, None)[STATUS].startswith(WELCOME_NOTE)   # fired as a page loads
+    assert len(handlers.ctx.pool) == 0
+    stepped = handlers.on_step(None, None, False, *values())
+    assert "Round 1 of 1" in stepped[STATUS] and WELCOME_NOTE not in stepped[STATUS]
+    assert not handlers.on_load(stepped[0])[0].startswith(WELCOME_NOTE)   # a page with a session shows that
