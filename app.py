@@ -5,7 +5,15 @@ import argparse
 import os
 import sys
 
-from playground.settings import ALLOW_CUSTOM_ENV, AppSettings, allow_custom_default, proxy_hops_default
+from engine.sources import SMOLLM2
+from playground.settings import (
+    ALLOW_CUSTOM_ENV,
+    AUTO,
+    AppSettings,
+    allow_custom_default,
+    proxy_hops_default,
+    running_on_space,
+)
 
 
 def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
@@ -48,8 +56,11 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
     ap.add_argument("--kv-budget-mib", type=int, default=d.kv_budget_mib, help="KV memory all sessions may reserve")
     a = ap.parse_args(argv)
     allow = a.allow_custom_models if a.allow_custom_models is not None else allow_custom_default(env)
+    # A Space installs requirements.txt only, so SmolLM2's wheel is absent there; it has internet access, so
+    # its default is SmolLM2 from the Hub (engine.sources resolves "smollm2" to the Hub id without the wheel)
+    target = SMOLLM2 if a.target == AUTO and running_on_space(env) else a.target
     hops = a.proxy_hops if a.proxy_hops is not None else proxy_hops_default(env)
-    return AppSettings(host=a.host, port=a.port, draft=a.draft, target=a.target, draft_device=a.draft_device,
+    return AppSettings(host=a.host, port=a.port, draft=a.draft, target=target, draft_device=a.draft_device,
                        target_device=a.target_device, share=a.share, allow_custom_models=allow,
                        allow_local_paths=a.allow_local_paths, config_timeout_s=a.hub_timeout,
                        load_timeout_s=a.load_timeout,

