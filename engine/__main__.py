@@ -1,5 +1,5 @@
 """`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin, train-draft,
-sampled-bench."""
+sampled-bench, watch."""
 import sys
 
 
@@ -12,6 +12,7 @@ def main() -> int:
         "train-draft": "engine.train.draft",
         "cache-bench": "engine.bench.cache_bench",
         "sampled-bench": "engine.bench.sampled",
+        "watch": "engine.watch",
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m engine {{{','.join(commands)}}} [options]  (--help on each)", file=sys.stderr)
