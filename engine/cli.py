@@ -18,8 +18,8 @@ import torch
 from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, DrafterKind, KSchedule, Mode, SpecConfig, check_seed
 from engine.metrics import describe
-from engine.models import ModelLoadError, default_devices, load_model
-from engine.pair import ModelPair
+from engine.models import ModelLoadError
+from engine.pair import ModelPair, load_pair
 from engine.prompts import ChatPrompt, PromptError
 from engine.records import RunSummary
 from engine.sampling import SamplingParams
@@ -147,21 +147,12 @@ def check_device(spec: str) -> torch.device:
 
 def load_models(args: argparse.Namespace, config: SpecConfig) -> ModelPair:
     """The pair a run needs: the draft model only for the model drafters, the EAGLE head only for EAGLE."""
-    from engine.drafters.eagle import EagleLoadError, load_eagle
-
     for spec in (args.draft_device, args.target_device):
         if spec is not None:
             check_device(spec)
-    draft_dev, target_dev = default_devices(args.draft_device, args.target_device)
-    target = load_model(args.target, "target", device=target_dev, dtype=args.dtype,
-                        trust_remote_code=args.trust_remote_code)
-    draft = load_model(args.draft, "draft", device=draft_dev, dtype=args.dtype,
-                       trust_remote_code=args.trust_remote_code) if config.uses_draft_model else None
-    try:
-        eagle = load_eagle(args.eagle or args.target, target) if config.uses_eagle else None
-    except EagleLoadError as exc:
-        raise UsageError(str(exc)) from None
-    return ModelPair(target, draft, eagle)
+    return load_pair(args.target, args.draft if config.uses_draft_model else None,
+                     (args.eagle or args.target) if config.uses_eagle else None, draft_device=args.draft_device,
+                     target_device=args.target_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
 
 
 def prompt_from_args(args: argparse.Namespace) -> str | ChatPrompt:

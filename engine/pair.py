@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.drafters.eagle import EagleRuntime
-from engine.models import LoadedModel, ModelLoadError
+import torch
+
+from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
+from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,23 @@ class ModelPair:
         if self.eagle is not None and self.eagle.target is not self.target:
             raise ModelLoadError(f"The EAGLE head given was bound to {self.eagle.target.name!r}, not to the "
                                  f"target {self.target.name!r}.")
+
+
+def load_pair(target: str, draft: str | None = None, eagle: str | None = None, *,
+              draft_device: str | torch.device | None = None, target_device: str | torch.device | None = None,
+              dtype: str | torch.dtype = "auto", trust_remote_code: bool = False) -> ModelPair:
+    """Load a pair from sources: the target, the draft model when `draft` names one, and the EAGLE head
+    `eagle` names (a source under assets/eagle, or a folder) bound to the target. Devices default as
+    engine.models.default_devices says. Every failure is a ModelLoadError naming the fix."""
+    draft_dev, target_dev = default_devices(draft_device, target_device)
+    loaded = load_model(target, "target", device=target_dev, dtype=dtype, trust_remote_code=trust_remote_code)
+    proposer = load_model(draft, "draft", device=draft_dev, dtype=dtype, trust_remote_code=trust_remote_code) \
+        if draft is not None else None
+    try:
+        head = load_eagle(eagle, loaded) if eagle is not None else None
+    except EagleLoadError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return ModelPair(loaded, proposer, head)
 
 
 def _compare_tokenizers(draft: LoadedModel, target: LoadedModel, probes: int) -> None:

@@ -28,8 +28,8 @@ from engine.bench.results import summarize_all
 from engine.bench.runs import BenchModels, run_bench
 from engine.calibration import calibrate
 from engine.cli import DTYPES, Parser, UsageError, check_device, quiet_transformers
-from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
-from engine.models import LoadedModel, ModelLoadError, default_devices, load_model
+from engine.models import ModelLoadError
+from engine.pair import ModelPair, load_pair
 from engine.prompts import PromptError
 from engine.sources import BUILTIN
 
@@ -102,19 +102,15 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
         raise UsageError(str(exc)) from None
 
 
-def load_pair(a: argparse.Namespace, needs_draft: bool,
-              needs_eagle: bool) -> tuple[LoadedModel, LoadedModel | None, EagleRuntime | None]:
+def load_models(a: argparse.Namespace, needs_draft: bool, needs_eagle: bool) -> ModelPair:
     for spec in (a.draft_device, a.target_device):
         if spec is not None:
             check_device(spec)
-    draft_dev, target_dev = default_devices(a.draft_device, a.target_device)
-    target = load_model(a.target, "target", device=target_dev, dtype=a.dtype)
-    draft = load_model(a.draft, "draft", device=draft_dev, dtype=a.dtype) if needs_draft else None
     try:
-        eagle = load_eagle(a.eagle or a.target, target) if needs_eagle else None
-    except EagleLoadError as exc:
+        return load_pair(a.target, a.draft if needs_draft else None, (a.eagle or a.target) if needs_eagle else None,
+                         draft_device=a.draft_device, target_device=a.target_device, dtype=a.dtype)
+    except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
-    return target, draft, eagle
 
 
 def draft_source(a: argparse.Namespace) -> str | None:
@@ -141,9 +137,9 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
             raise UsageError(f"{chosen.name} needs a draft model: pass --draft")
     drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)
     with quiet_transformers():  # assisted generation warns on every call about its own internal kwargs
-        target, draft, eagle = load_pair(a, any(m.uses_draft_model or m.name == "hf-assisted" for m in drafters),
-                                         any(m.uses_eagle for m in drafters))
-        models = BenchModels(target, draft, eagle)
+        models = BenchModels(load_models(a, any(m.uses_draft_model or m.name == "hf-assisted" for m in drafters),
+                                         any(m.uses_eagle for m in drafters)))
+        target, draft = models.target, models.draft
         prompts = make_prompts(settings, target)
         if chosen:
             return profile(chosen, settings, models, prompts, a.profile_top)

@@ -12,7 +12,6 @@ import torch
 from engine.bench.clock import ForwardClock, ForwardTime
 from engine.bench.methods import NGRAM_MAX, BenchSettings, Method, build_methods
 from engine.bench.prompts import Prompt
-from engine.drafters.eagle import EagleRuntime
 from engine.models import LoadedModel
 from engine.pair import ModelPair
 from engine.speculative import SpeculativeEngine
@@ -60,17 +59,19 @@ class RunSample:
 
 @dataclass
 class BenchModels:
-    """The models every run of a bench shares: the target, the draft, the engine's checked pair, and one
-    assistant per K for `generate` (built once, see `assistant_for`)."""
+    """The models every run of a bench shares: the engine's checked pair, and one assistant per K for
+    `generate` (built once, see `assistant_for`)."""
 
-    target: LoadedModel
-    draft: LoadedModel | None
-    eagle: EagleRuntime | None = None
-    pair: ModelPair = field(init=False)
+    pair: ModelPair
     assistants: dict[int, torch.nn.Module] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.pair = ModelPair(self.target, self.draft, self.eagle)
+    @property
+    def target(self) -> LoadedModel:
+        return self.pair.target
+
+    @property
+    def draft(self) -> LoadedModel | None:
+        return self.pair.draft
 
     def assistant(self, k: int) -> torch.nn.Module:
         if k not in self.assistants:

@@ -68,9 +68,7 @@ def measure(pair, prompts: list, config: SpecConfig) -> SampledResult:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.cli import quiet_transformers
-    from engine.drafters.eagle import load_eagle
-    from engine.models import load_model
-    from engine.pair import ModelPair
+    from engine.pair import load_pair
 
     ap = argparse.ArgumentParser(prog="python -m engine sampled-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=BUILTIN, help="'builtin' (default), 'smollm2', or another source")
@@ -95,10 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     with quiet_transformers():
-        target = load_model(a.target, "target")
-        draft = load_model(BUILTIN, "draft") if drafter.uses_model else None
-        eagle = load_eagle(a.target, target) if drafter.uses_eagle else None
-    result = measure(ModelPair(target, draft, eagle), prompts_for(target, a.num_prompts), config)
+        pair = load_pair(a.target, BUILTIN if drafter.uses_model else None, a.target if drafter.uses_eagle else None)
+    result = measure(pair, prompts_for(pair.target, a.num_prompts), config)
     if a.json:
         print(json.dumps({**asdict(result), "speedup": result.speedup}))
     else:
