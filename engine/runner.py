@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from engine.clock import Now, sync_cuda
+from engine.clock import ForwardTimer, Now
 from engine.kv_cache import KVPool, PagedCache
 from engine.models import LoadedModel
 
@@ -41,7 +41,7 @@ class ModelRunner:
         self.pool = KVPool(loaded.kv_shape, blocks, block_size, loaded.device, loaded.dtype)
         self.forwards = 0
         self.forward_ms: list[float] = []
-        self._now = now
+        self._timer = ForwardTimer(loaded.device, now)
 
     @property
     def vocab_size(self) -> int:
@@ -70,22 +70,19 @@ class ModelRunner:
         device = self.loaded.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device) if positions is not None else None
-        sync_cuda(device)
-        t0 = self._now()
-        if self.fused is not None:
-            logits, hidden = self.fused.forward_features(cache, ids, last_only, pos, attn_mask)
-        else:
-            extra = {}
-            if pos is not None:  # a 4-D additive mask and explicit positions, as transformers takes a tree
-                blocked = torch.zeros(attn_mask.shape, dtype=self.loaded.dtype, device=device)
-                blocked.masked_fill_(~attn_mask.to(device), torch.finfo(self.loaded.dtype).min)
-                extra = {"attention_mask": blocked[None, None], "position_ids": pos[None]}
-            out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0,
-                                    output_hidden_states=features, **extra)
-            logits = out.logits[0].float()
-            hidden = out.hidden_states[-1][0] if features else None
-        sync_cuda(self.loaded.device)
-        self.forward_ms.append((self._now() - t0) * 1000)
+        with self._timer.time(self.forward_ms):
+            if self.fused is not None:
+                logits, hidden = self.fused.forward_features(cache, ids, last_only, pos, attn_mask)
+            else:
+                extra = {}
+                if pos is not None:  # a 4-D additive mask and explicit positions, as transformers takes a tree
+                    blocked = torch.zeros(attn_mask.shape, dtype=self.loaded.dtype, device=device)
+                    blocked.masked_fill_(~attn_mask.to(device), torch.finfo(self.loaded.dtype).min)
+                    extra = {"attention_mask": blocked[None, None], "position_ids": pos[None]}
+                out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0,
+                                        output_hidden_states=features, **extra)
+                logits = out.logits[0].float()
+                hidden = out.hidden_states[-1][0] if features else None
         if not cache._read_only:
             cache.tokens.extend(token_ids)
         self.forwards += 1

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
+
+from engine.clock import ForwardTimer
 
 
 def _decode_ms(forward, prompt: torch.Tensor, steps: int) -> float:
     forward(prompt)
-    x = torch.tensor([[5]])
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        forward(x)
-    return (time.perf_counter() - t0) / steps * 1000
+    x = torch.tensor([[5]], device=prompt.device)
+    timer, total = ForwardTimer(prompt.device), []
+    with timer.time(total):
+        for _ in range(steps):
+            forward(x)
+    return total[0] / steps
 
 
 def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
@@ -30,7 +32,8 @@ def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
     from engine.kv_cache import KVPool
 
     model, fused = loaded.model, loaded.fused
-    prompt = torch.randint(0, loaded.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, loaded.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(
+        loaded.device)
     pool = KVPool(loaded.kv_shape, -(-(context + 64) // 16), 16, loaded.device, loaded.dtype)
     times: dict[str, list[float]] = {}
 

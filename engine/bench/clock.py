@@ -5,12 +5,11 @@ so its forwards are timed by forward hooks on the module, the API torch offers f
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.clock import sync_cuda
+from engine.clock import ForwardTimer
 from engine.models import LoadedModel
 
 
@@ -38,20 +37,16 @@ class ForwardClock:
         self.loaded, self.times, self._handles, self._t0 = loaded, [], [], 0.0
         self.module = module if module is not None else (loaded.model if loaded is not None else None)
         self.device = next(self.module.parameters()).device if self.module is not None else torch.device("cpu")
-
-    def _sync(self) -> None:
-        sync_cuda(self.device)
+        self._timer = ForwardTimer(self.device)
 
     def _pre(self, module, args, kwargs) -> None:
-        self._sync()
-        self._t0 = time.perf_counter()
+        self._timer.start()
 
     def _post(self, module, args, kwargs, output) -> None:
-        self._sync()
+        ms = self._timer.stop()
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = kwargs.get("logits_to_keep", 0)
-        self.times.append(ForwardTime(int(ids.shape[-1]), rows if isinstance(rows, int) else -1,
-                                      time.perf_counter() - self._t0))
+        self.times.append(ForwardTime(int(ids.shape[-1]), rows if isinstance(rows, int) else -1, ms / 1000))
 
     def __enter__(self) -> "ForwardClock":
         if self.module is not None:

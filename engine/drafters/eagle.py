@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.clock import Now, sync_cuda
+from engine.clock import ForwardTimer, Now
 from engine.config import DrafterKind
 from engine.drafters.base import DraftCache, Proposal, TreeProposal
 from engine.fused_llama import _rms_norm, decoder_block
@@ -253,7 +253,8 @@ class EagleDrafter:
     def __init__(self, runtime: EagleRuntime, sampling: SamplingParams, generator: torch.Generator,
                  capacity: int, block_size: int = 16, num_blocks: int | None = None,
                  now: Now = time.perf_counter) -> None:
-        self.runtime, self.sampling, self.generator, self._now = runtime, sampling, generator, now
+        self.runtime, self.sampling, self.generator = runtime, sampling, generator
+        self._timer = ForwardTimer(runtime.target.device, now)
         target = runtime.target
         blocks = num_blocks if num_blocks is not None else pool_blocks(capacity, block_size)
         self.pool = KVPool(runtime.config.kv_shape, blocks, block_size, target.device, target.dtype)
@@ -263,11 +264,8 @@ class EagleDrafter:
 
     def _forward(self, tokens: list[int], feats: torch.Tensor, positions: list[int] | None = None,
                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        sync_cuda(self.runtime.target.device)
-        t0 = self._now()
-        out = self.runtime.forward(self.cache, tokens, feats, positions, attn_mask)
-        sync_cuda(self.runtime.target.device)
-        self.forward_ms.append((self._now() - t0) * 1000)
+        with self._timer.time(self.forward_ms):
+            out = self.runtime.forward(self.cache, tokens, feats, positions, attn_mask)
         return out
 
     @torch.inference_mode()

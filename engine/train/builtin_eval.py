@@ -103,14 +103,12 @@ def engine_decode_ms(loaded, context: int = 256, reps: int = 20, query: int = 1)
     cache = runner.new_sequence()
     ids = torch.randint(0, loaded.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     runner.forward(cache, ids, last_only=True)
-    times = []
+    runner.drain_forward_ms()   # the prefill's
     for i in range(reps):
-        t0 = time.perf_counter()
         runner.forward(cache, ids[i : i + query])
-        times.append(time.perf_counter() - t0)
         cache.rollback(query)
     cache.free()
-    return statistics.median(times) * 1000
+    return statistics.median(runner.drain_forward_ms())   # the runner's own forward times
 
 
 def measure(alpha_windows: int = 64, loss_windows: int = 64, progress=print) -> PairFigures:
