@@ -175,13 +175,14 @@ def check_allowed(url: str, allowed: tuple[str, ...] = ()) -> None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WatchError(f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000/metrics")
     host = parts.hostname
-    if host in allowed or _loopback(host):
+    if host in allowed or is_loopback(host):
         return
     raise WatchError(f"{host} is not allowed: only loopback addresses are watched unless the operator names "
                      f"the host (--allow-host {host})")
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
     if host == "localhost":
         return True
     try:

@@ -23,7 +23,6 @@ default settings, and must see exactly what a visitor with those settings sees.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import re
@@ -38,6 +37,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine.watch import is_loopback
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_CLIENTS, MAX_API_CALLERS, MAX_STEPS, MAX_SECONDS = 64, 16, 200, 1800
@@ -82,15 +83,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not ok:
             ap.error(message)
     return a
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # -- the server ------------------------------------------------------------------------------------------------
