@@ -74,6 +74,7 @@ class Trace:
     """A loaded trace. complete is True when the spec stream's summary was written."""
 
     header: TraceHeader
+    config: SpecConfig                  # the header's config, parsed and checked once
     rounds: list[RoundRecord]
     baseline: list[RoundRecord]
     summary: RunSummary | None
@@ -322,14 +323,14 @@ def _with_pending(record: dict) -> dict:
 
 
 def header_from_dict(data: dict) -> TraceHeader:
-    """Validate and build the header; the version must be one of READABLE_VERSIONS. Raises TraceError."""
+    """Validate and build the header; the version must be one of READABLE_VERSIONS. Raises TraceError. Its
+    config (JSON as written) is parsed once, by the reader, into Trace.config."""
     if isinstance(data, dict) and data.get("version") not in READABLE_VERSIONS:
         raise TraceError(f"trace version {data.get('version')!r} is not supported (this build reads "
                          f"versions {', '.join(map(str, READABLE_VERSIONS))})")
     if isinstance(data, dict) and data.get("version") == 1:
         data = {"chat": None, "eagle": None, **data}   # version 1 had neither chat prompts nor EAGLE heads
     header = _decode(TraceHeader, data, "header")
-    config_from_dict(header.config)
     negative = next((i for i, t in enumerate(header.prompt_ids) if t < 0), None)
     if negative is not None:
         raise TraceError(f"header.prompt_ids[{negative}]: {header.prompt_ids[negative]} is negative; token ids are "
@@ -524,6 +525,7 @@ def _read(lines: Iterator[tuple[int, dict | None]]) -> Trace:
     if first.get("type") != "header":
         raise TraceError(f"line {number}: the first line must be the header, got type {first.get('type')!r}")
     header = _at_line(number, header_from_dict, _line_fields(number, first)[2])
+    config = _at_line(number, config_from_dict, header.config)
     v1 = header.version == 1
     rounds: dict[str, list[RoundRecord]] = {s: [] for s in STREAMS}
     summaries: dict[str, RunSummary] = {}
@@ -546,7 +548,7 @@ def _read(lines: Iterator[tuple[int, dict | None]]) -> Trace:
         else:
             summaries[stream] = _summary_at(number, data, rounds[stream]) if v1 else \
                 _at_line(number, summary_from_dict, data)
-    return Trace(header, rounds["spec"], rounds["baseline"], summaries.get("spec"),
+    return Trace(header, config, rounds["spec"], rounds["baseline"], summaries.get("spec"),
                  summaries.get("baseline"), complete="spec" in summaries, calibration=calibration)
 
 

@@ -16,7 +16,7 @@ from engine.config import KSchedule, Mode, SpecConfig
 from engine.metrics import NotMeasured, Prediction
 from engine.models import LoadedModel
 from engine.records import Outcome, RoundRecord
-from engine.trace import Trace, TraceHeader, config_from_dict, make_header
+from engine.trace import Trace, TraceHeader, make_header
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,21 +139,23 @@ def default_position(record: RoundRecord) -> int:
     return record.k
 
 
-def info_from_header(h: TraceHeader) -> RunInfo:
-    return RunInfo(prompt=h.prompt, prompt_tokens=len(h.prompt_ids), config=config_from_dict(h.config),
+def info_from_header(h: TraceHeader, config: SpecConfig) -> RunInfo:
+    """The run's info from its header and its parsed config (Trace.config, or a live run's own)."""
+    return RunInfo(prompt=h.prompt, prompt_tokens=len(h.prompt_ids), config=config,
                    target=h.target, draft=h.draft, devices=dict(h.devices), dtypes=dict(h.dtypes),
                    chat=h.chat is not None, eagle=h.eagle)
 
 
 def view_from_trace(trace: Trace, name: str) -> RunView:
-    return RunView(info_from_header(trace.header), tuple(trace.rounds), tuple(trace.baseline), trace.complete, name,
+    return RunView(info_from_header(trace.header, trace.config), tuple(trace.rounds), tuple(trace.baseline), trace.complete, name,
                    trace.calibration)
 
 
 def info_for_run(run: ComparedRun, target: LoadedModel, draft: LoadedModel | None) -> RunInfo:
     """A live run's info, built exactly as its trace header is."""
     eagle = run.pair.eagle.name if run.pair.eagle is not None else None
-    return info_from_header(make_header(run.prompt, run.spec.prompt, run.config, target, draft, run.chat, eagle))
+    return info_from_header(make_header(run.prompt, run.spec.prompt, run.config, target, draft, run.chat, eagle),
+                            run.config)
 
 
 def view_from_run(run: ComparedRun, info: RunInfo) -> RunView:

@@ -132,14 +132,14 @@ def test_a_refused_step_says_so_in_the_status_line(handlers):
 def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers):
     """The first page is a finished example, drawn at once with no session opened; the first Step starts the
     visitor's own live run."""
-    from engine.trace import config_from_dict, load_trace
+    from engine.trace import load_trace
     from playground.make_examples import WELCOME, welcome_config
     from playground.pages.traces import EXAMPLES_DIR
     from playground.ui import WELCOME_NOTE, welcome_cursor
     from playground.view import view_from_trace
 
     trace = load_trace(EXAMPLES_DIR / f"{WELCOME}.jsonl")
-    assert trace.complete and config_from_dict(trace.header.config) == welcome_config()   # recorded as the pair recommends
+    assert trace.complete and trace.config == welcome_config()   # recorded as the pair recommends
     handlers.welcome = view_from_trace(trace, "welcome")
     shown = welcome_cursor(handlers.welcome).shown
     assert trace.rounds[shown - 1].accepted == trace.rounds[shown - 1].k > 0      # up to a fully accepted round
