@@ -295,9 +295,12 @@ def test_draft_and_target_on_separate_devices(builtin_tokenizer, tiny_prompt) ->
 # ---------------------------------------------------------------------------- clear errors
 
 @pytest.mark.parametrize("text", ["", "   \n\t"])
-def test_empty_prompt(builtin_tokenizer, tiny_pair, text: str) -> None:
+def test_empty_prompt_text(builtin_tokenizer, text: str) -> None:
     with pytest.raises(PromptError, match="empty"):
         encode_prompt(builtin_tokenizer, text)
+
+
+def test_an_engine_refuses_an_empty_prompt(tiny_pair) -> None:
     with pytest.raises(PromptError, match="empty"):
         SpeculativeEngine(ModelPair(tiny_pair[1], tiny_pair[0]), [], SpecConfig())
 
