@@ -162,14 +162,18 @@ def session_folders(tmp: Path) -> list[Path]:
 LOAD_SETTINGS = {"Temperature (0 = greedy)": 1.0, "Top-p (1 = off)": 1.0}
 
 
-def reset_values(client, seed: int, new_tokens: int, endpoint: str = "/reset") -> dict:
-    """Keyword arguments for /reset (or /step): the defaults, with LOAD_SETTINGS, this visitor's seed and length."""
+def endpoint_values(client, changes: dict, endpoint: str = "/reset") -> dict:
+    """Keyword arguments for an endpoint: its defaults, with `changes` (by the controls' labels) applied."""
     params = client.view_api(print_info=False, return_format="dict")["named_endpoints"][endpoint]["parameters"]
     values = {p["parameter_name"]: p["parameter_default"] for p in params}
     names = {p["label"]: p["parameter_name"] for p in params}
-    for label, value in {**LOAD_SETTINGS, "Seed": seed, "Max new tokens": new_tokens}.items():
-        values[names[label]] = value
+    values.update({names[label]: value for label, value in changes.items()})
     return values
+
+
+def reset_values(client, seed: int, new_tokens: int, endpoint: str = "/reset") -> dict:
+    """Keyword arguments for /reset (or /step): the defaults, with LOAD_SETTINGS, this visitor's seed and length."""
+    return endpoint_values(client, {**LOAD_SETTINGS, "Seed": seed, "Max new tokens": new_tokens}, endpoint)
 
 
 def run_visitor(url: str, visitor: Visitor, steps: int, new_tokens: int, deadline: float,
@@ -533,12 +537,8 @@ class Attacks:
 
 def custom_values(client, target: str) -> dict:
     """/reset's keyword arguments for the custom pair (target, target + "-draft")."""
-    params = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/reset"]["parameters"]
-    values = {p["parameter_name"]: p["parameter_default"] for p in params}
-    names = {p["label"]: p["parameter_name"] for p in params}
-    values.update({names["Model pair"]: "custom", names["Custom draft id or path"]: target + "-draft",
-                   names["Custom target id or path"]: target})
-    return values
+    return endpoint_values(client, {"Model pair": "custom", "Custom draft id or path": target + "-draft",
+                                    "Custom target id or path": target})
 
 
 def upload_mib(tmp: Path) -> float:
