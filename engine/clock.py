@@ -7,6 +7,7 @@ device's rather than the launch's.
 """
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -69,3 +70,19 @@ def sync_cuda(device: torch.device) -> None:
     """Wait for the device's queued work, so that a clock read afterwards includes it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def machine_name() -> str:
+    """What a measurement ran on, for its report: the CPU's model name (from /proc/cpuinfo where there is
+    one), the torch thread count, and the GPU when CUDA is present. Figures move with the machine, and
+    the machines a project runs on change; every report says which one it was."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    text = f"{platform.system()} {cpu}, {torch.get_num_threads()} torch threads"
+    if torch.cuda.is_available():
+        text += f", {torch.cuda.get_device_name(0)}"
+    return text

@@ -25,6 +25,7 @@ import torch
 from gradio.blocks import BlockFunction, Blocks
 from gradio.state_holder import SessionState
 
+from engine.clock import machine_name
 from playground.sessions import Session, SessionPool
 
 TABS = ("detail", "kv", "charts")
@@ -114,7 +115,7 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(a.threads)
     ctx = make_context(AppSettings(max_new_tokens=max(a.tokens), max_sessions=1))
     demo = build_app(ctx)
-    print(f"{platform.machine()} · {torch.get_num_threads()} torch threads · python {platform.python_version()} · "
+    print(f"{machine_name()} · python {platform.python_version()} · "
           f"torch {torch.__version__}", flush=True)
     asyncio.run(measure(demo, ctx.pool, min(a.tokens), a.tab[0]))  # warm-up: loads the pair
     try:

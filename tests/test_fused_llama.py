@@ -96,6 +96,45 @@ def test_fusing_keeps_the_model_and_costs_no_memory() -> None:
     assert sum(p.numel() for p in model.parameters()) == params
 
 
+def test_blocked_matrices_multiply_as_the_dense_ones() -> None:
+    fast = loaded(build("qwen2", seed=5)).fused
+    assert fast.blocked is not None and fast.blocked_reason is None
+    layer, gen = fast.layers[0], torch.Generator().manual_seed(5)
+    for rows in (1, 4, 9, 17):
+        for weight, bias in ((layer.qkv, layer.qkv_bias), (layer.down, None), (fast.lm_head, None)):
+            x = torch.randn(1, rows, weight.shape[1], generator=gen)
+            dense = torch.nn.functional.linear(x, weight, bias)
+            assert (fast.blocked.linear(x, weight, bias) - dense).abs().max() < 1e-5 * dense.abs().max()
+    stranger = torch.randn(8, 64)  # a matrix the model does not own is multiplied as it is
+    assert torch.equal(fast.blocked.linear(torch.ones(1, 64), stranger), torch.ones(1, 64) @ stranger.T)
+
+
+def test_forwards_of_four_rows_or_more_use_the_blocked_matrices(monkeypatch) -> None:
+    model = loaded(build("llama", seed=7))
+    calls = []
+    real = model.fused.blocked.linear
+    monkeypatch.setattr(model.fused.blocked, "linear", lambda *a: calls.append(a[0].shape[-2]) or real(*a))
+    runner = ModelRunner(model, 64, block_size=4)
+    cache = runner.new_sequence()
+    runner.forward(cache, [1, 2, 3])
+    runner.forward(cache, [4])
+    assert calls == []
+    runner.forward(cache, [5, 6, 7, 8])
+    assert calls and set(calls) == {4}
+    calls.clear()
+    runner.forward(cache, [9, 10, 11, 12, 13], last_only=True)   # the head reads one row: the dense matrix
+    assert len(calls) == 4 * 2 and set(calls) == {5}
+
+
+def test_blocked_copies_are_made_only_where_they_pay(monkeypatch) -> None:
+    double = FusedLlama(build("llama", seed=8).to(torch.float64))
+    assert double.blocked is None and "fp32" in double.blocked_reason
+    assert FusedLlama(build("llama", seed=8), blocked=False).blocked_reason == "turned off"
+    monkeypatch.setattr("engine.fused_llama.BLOCKED_LIMIT_BYTES", 1 << 10)
+    big = FusedLlama(build("llama", seed=8))
+    assert big.blocked is None and "MiB limit" in big.blocked_reason
+
+
 def test_the_fused_forward_is_built_when_the_model_is_loaded_in_its_dtype() -> None:
     model = build("llama", seed=6).to(torch.float64)
     wrapped = loaded(model)

@@ -62,7 +62,8 @@ def test_fused_logits_match_the_transformers_forward(smol):
     fc, pc = fused.new_sequence(), plain.new_sequence()
     for feed in (ids[:-1], ids[-1:] + [578, 1130, 314, 260], [29]):   # prefill, a 5-token verify, a decode
         a, b = fused.forward(fc, feed), plain.forward(pc, feed)
-        assert (a - b).abs().max() < 1e-4, feed
+        # float rounding only: the blocked matrices sum in another order (measured: 3.7e-6 of the scale)
+        assert (a - b).abs().max() < 1e-5 * b.abs().max(), feed
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_tree_attention_equals_a_plain_forward_along_each_path(builtin_pair, fus
         pc = plain.new_sequence()
         plain.forward(pc, prompt[:-1])
         ref = plain.forward(pc, path)[-1]
-        assert (logits[node] - ref).abs().max() < 1e-5, node
+        assert (logits[node] - ref).abs().max() < 1e-5 * ref.abs().max(), node  # float rounding only
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import cProfile
 import io
 import json
 import math
-import platform
 import pstats
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -19,6 +18,7 @@ from engine.bench.prompts import Prompt
 from engine.bench.results import MethodResult, phases_per_token
 from engine.bench.runs import BenchModels, Phases, run_once
 from engine.calibration import RCurve
+from engine.clock import machine_name
 from engine.models import LoadedModel
 from engine.tree import Confidences
 
@@ -38,7 +38,7 @@ class BenchMeta:
     target_device: str
     draft_device: str
     dtype: str
-    forward: str                     # the engine's forward for the target: "fused" or "transformers"
+    forward: str                     # the engine's forward for the target (forward_name)
     calibration: RCurve              # the target's r(n), measured before the runs; predictions use it
     prompt_set: str
     prompt_names: list[str]
@@ -59,19 +59,25 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
     import transformers
 
     fastest = max((r for r in results if r.method in UNDRAFTED), key=lambda r: r.tokens_per_s)
-    cpu = platform.processor() or platform.machine()
     return BenchMeta(
         command="python -m engine bench " + " ".join(argv), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        machine=f"{platform.system()} {cpu}, {torch.get_num_threads()} torch threads"
-                + (f", {torch.cuda.get_device_name(target.device)}" if target.device.type == "cuda" else ""),
+        machine=machine_name(),
         torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads(),
         target=target.name, draft=draft.name if draft else "", target_device=str(target.device),
         draft_device=str(draft.device) if draft else "", dtype=str(target.dtype).replace("torch.", ""),
-        forward="fused" if target.fused is not None else "transformers", calibration=calibration,
+        forward=forward_name(target), calibration=calibration,
         prompt_set=settings.prompt_set, prompt_names=[p.name for p in prompts], prompt_lengths=[len(p.ids) for p in prompts],
         new_tokens=settings.new_tokens, repeats=settings.repeats, warmup=settings.warmup, ks=list(settings.ks),
         fastest_baseline=fastest.label, fastest_baseline_tokens_per_s=fastest.tokens_per_s,
         all_identical=all(r.identical_tokens for r in results), wall_s=wall_s)
+
+
+def forward_name(target: LoadedModel) -> str:
+    """The target's forward as a report names it: "fused", "fused + blocked matrices (4+ rows)", or
+    "transformers"."""
+    if target.fused is None:
+        return "transformers"
+    return "fused + blocked matrices (4+ rows)" if target.fused.blocked is not None else "fused"
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -136,7 +142,8 @@ def format_table(results: Sequence[MethodResult], meta: BenchMeta) -> str:
     head = " ".join(name.rjust(w) if i else name.ljust(w) for i, (name, w, _) in enumerate(COLUMNS))
     rows = [" ".join(f(r).rjust(w) if i else f(r).ljust(w) for i, (_, w, f) in enumerate(COLUMNS)) for r in results]
     lines = [f"{meta.target} <- {meta.draft or '(no draft)'} on {meta.machine}; {meta.prompt_set} prompts "
-             f"x{len(meta.prompt_names)}, {meta.new_tokens} new tokens, greedy, median of {meta.repeats}",
+             f"x{len(meta.prompt_names)}, {meta.new_tokens} new tokens, greedy, median of {meta.repeats}; "
+             f"{meta.dtype}, {meta.forward} forward",
              head, "-" * len(head), *rows, ""]
     lines.append(f"speed-up is over the fastest target-only baseline: {meta.fastest_baseline} "
                  f"({meta.fastest_baseline_tokens_per_s:.1f} tokens/s)")

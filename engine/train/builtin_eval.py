@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine.clock import machine_name
 from engine.models import load_model
 from engine.pair import ModelPair
 from engine.sources import BUILTIN, BUILTIN_DIR
@@ -140,7 +141,7 @@ def measure(alpha_windows: int = 64, loss_windows: int = 64, progress=print) -> 
         c=round(med(d_ms) / med(t_ms), 4), r_verify5=round(med(t5_ms) / med(t_ms), 4),
         alpha_windows=alpha_windows, greedy_draft_acceptance_k4=round(acceptance.draft_acceptance, 4),
         greedy_alpha_k4=round(acceptance.alpha, 4), mean_tokens_per_round_k4=round(acceptance.tokens_per_round, 3),
-        samples=samples, machine=f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+        samples=samples, machine=machine_name(),
         threads=torch.get_num_threads())
 
 
