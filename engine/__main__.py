@@ -1,5 +1,5 @@
 """`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin, train-draft,
-sampled-bench, watch."""
+draft-data, sampled-bench, watch."""
 import sys
 
 
@@ -10,6 +10,7 @@ def main() -> int:
         "train-builtin": "engine.train.builtin",
         "eval-builtin": "engine.train.builtin_eval",
         "train-draft": "engine.train.draft",
+        "draft-data": "engine.train.eagle3_data",
         "cache-bench": "engine.bench.cache_bench",
         "sampled-bench": "engine.bench.sampled",
         "watch": "engine.watch",

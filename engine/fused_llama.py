@@ -234,21 +234,101 @@ class FusedLlama:
 def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tensor, sin: torch.Tensor,
                   mask: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int,
                   linear=F.linear) -> torch.Tensor:
-    """One Llama decoder layer on x [1, q, d]: attention (queries and keys rotated together, GQA) and
+    """One Llama decoder layer on x [b, q, d]: attention (queries and keys rotated together, GQA) and
     the gated MLP, each with its pre-norm and residual. `keys_values(ks, vs)` stores this step's K/V
-    ([1, kv_heads, q, head_dim]) and returns every K/V the queries attend to; `mask` [q, keys] says which
-    (None: all); `linear(x, weight, bias)` multiplies by a matrix. Shared by the fused forward and the
-    EAGLE-style drafter's layer."""
-    q = x.shape[1]
+    ([b, kv_heads, q, head_dim]) and returns every K/V the queries attend to; `mask` ([q, keys], or
+    [b, 1, q, keys] for a batch) says which (None: all); `cos`/`sin` broadcast against [b, heads, q,
+    head_dim]; `linear(x, weight, bias)` multiplies by a matrix. Shared by the fused forward (one
+    sequence, or a batch: `BatchForward`) and the EAGLE-style drafter's layer."""
+    b, q = x.shape[0], x.shape[1]
     qkv = linear(_rms_norm(x, layer.norm_in), layer.qkv, layer.qkv_bias)
     qk, vs = qkv.split([layer.q_size + layer.kv_size, layer.kv_size], dim=-1)
-    qk = qk.view(1, q, heads + kv_heads, head_dim).transpose(1, 2)
+    qk = qk.view(b, q, heads + kv_heads, head_dim).transpose(1, 2)
     qk = qk * cos + _rotate_half(qk) * sin
     qs, ks = qk.split([heads, kv_heads], dim=1)
-    vs = vs.view(1, q, kv_heads, head_dim).transpose(1, 2)
+    vs = vs.view(b, q, kv_heads, head_dim).transpose(1, 2)
     keys, values = keys_values(ks, vs)
     attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=layer.scaling,
                                           enable_gqa=kv_heads != heads)
-    x = x + linear(attn.transpose(1, 2).reshape(1, q, heads * head_dim), layer.o, layer.o_bias)
+    x = x + linear(attn.transpose(1, 2).reshape(b, q, heads * head_dim), layer.o, layer.o_bias)
     gate, up = linear(_rms_norm(x, layer.norm_post), layer.gate_up).split(layer.inter, dim=-1)
     return x + linear(F.silu(gate) * up, layer.down)
+
+
+class BatchForward:
+    """Forwards of the fused model for a batch of sequences over one contiguous cache: how training data is
+    generated in bulk (the engine decodes one sequence at a time over the paged cache).
+
+    Every forward feeds one column block to every row; `real` says which fed tokens are real (prompts
+    are left-padded, so a row's first columns may be padding). A row attends to its own real keys up to
+    each query (a padding query to itself, so no row is ever empty). Rotary positions count real tokens
+    only, so a padded row computes what it would alone. `taps` are layer indices whose input (the
+    residual stream entering that layer) every forward returns. `keep(rows)` drops finished rows.
+    """
+
+    def __init__(self, fused: FusedLlama, rows: int, capacity: int, taps: tuple[int, ...] = ()) -> None:
+        self.fused, self.taps = fused, set(taps)
+        self._tap_order = list(taps)
+        shape = (len(fused.layers), rows, fused.kv_heads, capacity, fused.head_dim)
+        self.keys = torch.zeros(shape, dtype=fused.embed.dtype, device=fused.device)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=fused.device)
+        self.next_position = torch.zeros(rows, dtype=torch.long, device=fused.device)
+        self.length = 0
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (a long index), in this order."""
+        n = self.length
+        self.keys = _copy_prefix(self.keys, rows, n)
+        self.values = _copy_prefix(self.values, rows, n)
+        self.valid = self.valid[rows]
+        self.next_position = self.next_position[rows]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(logits [rows, V] float32 of each row's last fed column, [taps' inputs, each [rows, q, d]])."""
+        fused, t0, q = self.fused, self.length, ids.shape[1]
+        if t0 + q > self.keys.shape[3]:
+            raise ValueError(f"the batch cache holds {self.keys.shape[3]} columns; {t0 + q} were asked for")
+        self.valid[:, t0:t0 + q] = real
+        positions = self.next_position[:, None] + (real.long().cumsum(1) - 1).clamp(min=0)
+        self.next_position += real.sum(1)
+        x = F.embedding(ids, fused.embed)
+        cos, sin = fused._rope(0, int(positions.max()) + 1, x.dtype)
+        cos, sin = cos[positions][:, None], sin[positions][:, None]
+        causal = torch.ones(q, t0 + q, dtype=torch.bool, device=fused.device).tril(t0)
+        mask = self.valid[:, None, : t0 + q] & causal[None]
+        mask[:, torch.arange(q), t0 + torch.arange(q)] = True
+        mask = mask[:, None]
+        rows_fed = ids.shape[0] * q
+        linear = fused.blocked.linear if fused.blocked is not None and rows_fed >= BLOCKED_MIN_ROWS else F.linear
+
+        def keys_values(i: int):
+            def store(ks: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                self.keys[i, :, :, t0:t0 + q] = ks
+                self.values[i, :, :, t0:t0 + q] = vs
+                return self.keys[i, :, :, : t0 + q], self.values[i, :, :, : t0 + q]
+            return store
+
+        tapped = {}
+        for i, layer in enumerate(fused.layers):
+            if i in self.taps:
+                tapped[i] = x
+            x = decoder_block(x, layer, keys_values(i), cos, sin, mask, fused.heads, fused.kv_heads,
+                              fused.head_dim, linear)
+        taps = [tapped[i] for i in self._tap_order]
+        self.length += q
+        last = _rms_norm(x[:, -1:], fused.norm)[:, 0]
+        head = linear if last.shape[0] >= BLOCKED_MIN_ROWS else F.linear
+        return head(last, fused.lm_head).float(), taps
+
+
+def _copy_prefix(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """cache[:, rows] with only the first `length` columns copied (the rest are never read before written)."""
+    out = torch.empty((cache.shape[0], rows.numel(), *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+    out[:, :, :, :length] = cache[:, rows, :, :length]
+    return out

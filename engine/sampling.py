@@ -97,12 +97,62 @@ def one_hot_rows(ids: Tensor, v: int) -> Tensor:
     return torch.zeros(ids.shape[0], v, device=ids.device).scatter_(1, ids.unsqueeze(-1), 1.0)
 
 
+# Top-p looks for its nucleus among each row's 64 largest logits, then 1024 (top-k among its k); a row
+# whose nucleus is wider still, or whose candidates end inside a tie, takes the full sort.
+NUCLEUS_CANDIDATES = (64, 1024)
+
+
 def _top_k_top_p_mask(scaled: Tensor, params: SamplingParams) -> Tensor:
-    """Bool Tensor[N, V]: which tokens survive top-k then top-p (all True when both are off)."""
+    """Bool Tensor[N, V]: which tokens survive top-k then top-p (all True when both are off).
+
+    The rule is the full stable sort's (`_mask_by_sorting`); a partial sort of each row's largest
+    logits finds the same set without sorting the vocabulary when the set lies among them: they are
+    a prefix of the stable order when the last one is strictly above the next logit, and top-p's
+    nucleus closes inside them when their mass reaches top_p. (The masses are summed in another
+    order than the full sort's, so a token whose mass-before sits within float rounding of top_p
+    may fall on the other side.)
+    """
     v = scaled.shape[1]
     use_k = 0 < params.top_k < v
     if not use_k and params.top_p >= 1.0:
         return torch.ones_like(scaled, dtype=torch.bool)
+    mask = torch.zeros_like(scaled, dtype=torch.bool)
+    rows = torch.arange(scaled.shape[0], device=scaled.device)
+    for c in ((params.top_k,) if use_k else NUCLEUS_CANDIDATES):
+        if c + 1 >= v or rows.numel() == 0:
+            break
+        part = scaled[rows]
+        found, keep, ids = _mask_among_largest(part, c, params, use_k)
+        mask[rows[found]] = torch.zeros_like(part[found], dtype=torch.bool).scatter(1, ids[found], keep[found])
+        rows = rows[~found]
+    if rows.numel():
+        mask[rows] = _mask_by_sorting(scaled[rows], params)
+    return mask
+
+
+def _mask_among_largest(scaled: Tensor, c: int, params: SamplingParams,
+                        use_k: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(found [N] bool: the row's set lies among its c largest logits, keep [N, c], ids [N, c])."""
+    top = torch.topk(scaled, c + 1, dim=-1)
+    found = top.values[:, c - 1] > top.values[:, c]          # no tie across the candidates' edge
+    # ids ascending, then a stable descending sort: the full stable order restricted to the candidates
+    ids = torch.sort(top.indices[:, :c], dim=-1).values
+    ids = ids.gather(1, torch.sort(scaled.gather(1, ids), dim=-1, descending=True, stable=True).indices)
+    keep = torch.ones(ids.shape, dtype=torch.bool, device=scaled.device)
+    if params.top_p < 1.0:
+        values = scaled.gather(1, ids)
+        total = values.logsumexp(-1, keepdim=True) if use_k else scaled.logsumexp(-1, keepdim=True)
+        probs = torch.exp(values - total)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep = mass_before < params.top_p
+        if not use_k:  # the nucleus must close inside the candidates
+            found &= (mass_before[:, -1] + probs[:, -1]) >= params.top_p
+    return found, keep, ids
+
+
+def _mask_by_sorting(scaled: Tensor, params: SamplingParams) -> Tensor:
+    """`_top_k_top_p_mask` by a stable sort of every row (the definition the fast path reproduces)."""
+    use_k = 0 < params.top_k < scaled.shape[1]
     # A stable descending sort puts equal logits in ascending id order: ties keep the lower ids.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)

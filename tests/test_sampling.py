@@ -217,3 +217,39 @@ def test_draw_uniform_is_reproducible_and_in_range():
 def test_draw_uniform_rejects_negative_n():
     with pytest.raises(ValueError):
         draw_uniform(-1, None, "cpu")
+
+
+def _boundary_only(fast: torch.Tensor, full: torch.Tensor, scaled: torch.Tensor, params: SamplingParams) -> bool:
+    """Where the two masks differ, the token's mass-before (float64, in the stable order) is within float32
+    rounding of top_p: the only place the partial sort may decide otherwise."""
+    for row in (fast != full).any(1).nonzero()[:, 0]:
+        order = torch.sort(scaled[row], descending=True, stable=True).indices
+        logits = scaled[row].double()[order]
+        if 0 < params.top_k < logits.numel():
+            logits[params.top_k:] = -math.inf
+        probs = torch.softmax(logits, -1)
+        before = (torch.cumsum(probs, 0) - probs)[torch.argsort(order)]
+        for tok in (fast[row] != full[row]).nonzero()[:, 0]:
+            if abs(float(before[tok]) - params.top_p) > 1e-5:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, 0, 0.9), SamplingParams(0.7, 0, 0.95), SamplingParams(1.0, 5, 1.0),
+                                    SamplingParams(1.0, 40, 0.8), SamplingParams(1.0, 0, 0.5)])
+def test_the_partial_sort_keeps_the_full_sorts_set(params):
+    from engine.sampling import _mask_by_sorting, _top_k_top_p_mask
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        v = int(torch.randint(70, 4000, (1,), generator=gen))
+        scaled = torch.randn(6, v, generator=gen) * float(torch.rand(1, generator=gen) * 12) / params.temperature
+        if trial % 3 == 0:
+            scaled = scaled.round()          # ties, also across the candidates' edge
+        if trial % 10 == 0:
+            scaled[:3] = 0.0                 # flat rows: the nucleus is wider than every candidate set
+        fast, full = _top_k_top_p_mask(scaled, params), _mask_by_sorting(scaled, params)
+        assert (fast.sum(1) >= 1).all()
+        assert _boundary_only(fast, full, scaled, params), (trial, v)
+        if 0 < params.top_k and params.top_p == 1.0:
+            assert torch.equal(fast, full)  # top-k alone sums nothing: the sets are identical

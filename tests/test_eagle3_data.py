@@ -1,0 +1,112 @@
+"""The EAGLE-3 head's data: the batched forward answers as the target does alone, the features and soft
+labels are the target's own, prompts are cleaned and held out, and shards survive being stopped."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from engine.models import load_model
+from engine.prompts import ChatPrompt, encode_chat
+from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
+from engine.train import eagle3_data as data
+from engine.train.eagle3_data import DataError, DataFolder, Eagle3DataPlan, Sampling
+from tests.conftest import hf_greedy
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
+QUESTIONS = ("Why is the sky blue?", "Name a bird.", "What does a compiler do in one sentence?")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(SMOLLM2)
+
+
+def tiny_plan(**overrides) -> Eagle3DataPlan:
+    base = dict(magpie_prompts=6, prompt_batch=8, prompt_max_tokens=40, answer_batch=2, max_new_tokens=8, top_k=5,
+                written_prompts=2)
+    return Eagle3DataPlan(**{**base, **overrides}).for_model(30)
+
+
+def test_batched_answers_are_the_targets_own(smol):
+    plan = tiny_plan(max_new_tokens=12)
+    prompts = [encode_chat(smol.tokenizer, ChatPrompt(q)) for q in QUESTIONS]   # three lengths: left padding
+    examples = data.answer_batch(smol.fused, prompts, Sampling(), plan, 2, seed=0)
+    model = smol.model
+    for p, e in zip(prompts, examples):
+        assert e.check() is None and e.ids[: len(p)].tolist() == p
+        assert e.ids[len(p):].tolist() == hf_greedy(smol, p, 12, eos_id=2)      # token for token
+        with torch.inference_mode():
+            out = model(input_ids=e.ids[None, :-1].long(), output_hidden_states=True)
+        for j, layer in enumerate(plan.layers):   # hidden_states[i] is what enters layer i
+            ref = out.hidden_states[layer][0]
+            assert (e.features[:, j].float() - ref).abs().max() < 2e-3 * ref.abs().max() + 1e-2
+        ref_logp = torch.log_softmax(out.logits[0, len(p) - 1:].float(), -1)
+        assert torch.equal(e.top_ids[:, 0].long(), ref_logp.argmax(-1))
+        picked = ref_logp.gather(1, e.top_ids.long())
+        assert (picked - e.top_logp.float()).abs().max() < 2e-2
+
+
+def test_sampled_answers_follow_their_seed(smol):
+    plan = tiny_plan()
+    prompts = [encode_chat(smol.tokenizer, ChatPrompt(q)) for q in QUESTIONS[:2]]
+    a = data.answer_batch(smol.fused, prompts, Sampling(0.7, 0.95), plan, 2, seed=5)
+    b = data.answer_batch(smol.fused, prompts, Sampling(0.7, 0.95), plan, 2, seed=5)
+    c = data.answer_batch(smol.fused, prompts, Sampling(1.5, 1.0), plan, 2, seed=6)
+    assert [e.ids.tolist() for e in a] == [e.ids.tolist() for e in b]
+    assert [e.ids.tolist() for e in a] != [e.ids.tolist() for e in c]
+
+
+def test_prompts_are_cleaned_deduplicated_and_held_out():
+    plan = Eagle3DataPlan(max_per_opening=2, heldout_every=3)
+    samples = ["How do I bake bread at home?", "how do I bake bread at home ?", "Tell me <|im_start|> x y",
+               "Hi", "Why do eggs float in salt water?", "What is a good name for a cat?",
+               "What is a good way to learn chess?", "What is a good book about ships?", "Explain tides to a child."]
+    train, heldout = data.select_prompts(samples, plan)
+    kept = train + heldout
+    assert "how do I bake bread at home ?" not in kept and "Hi" not in kept                  # duplicate, too short
+    assert not any("<|" in p for p in kept) and not any("egg" in p for p in kept)          # markup, held-out subject
+    assert sum(p.startswith("What is a good") for p in kept) == 2                          # the opening cap
+    assert all(data.is_heldout(p, 3) for p in heldout) and not any(data.is_heldout(p, 3) for p in train)
+    assert data.select_prompts(samples, plan) == (train, heldout)
+
+
+def test_user_header_is_the_template_up_to_the_message(smol):
+    header = smol.tokenizer.decode(data.user_header(smol.tokenizer))
+    assert header.endswith("<|im_start|>user\n") and "<|im_start|>assistant" not in header
+
+
+def test_a_stopped_run_resumes_and_never_reads_half_a_shard(smol, tmp_path):
+    plan, logs = tiny_plan(), []
+    root = tmp_path / "data"
+    with DataFolder(root, plan, smol.name) as folder:
+        with pytest.raises(DataError, match="another data run"):
+            DataFolder(root, plan, smol.name)
+        prompts = data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)
+        assert prompts["sources"]["magpie"] + prompts["sources"]["magpie_heldout"] >= 6
+        assert not set(prompts["heldout"]) & set(prompts["train"])
+        data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)      # frozen: nothing more
+        assert len(list((root / "prompts").glob("batch-*.json"))) == len(logs) - 1
+        first = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 1, logs.append, None)  # one shard
+    assert first["shards"] == 1
+    shard = next(data.iter_shards(root))
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])                    # killed mid-write by something outside
+    (root / "answers" / "shard-p0-00001.pt.tmp").write_bytes(b"half")
+    with pytest.raises(DataError, match=shard.name):
+        data.load_shard(shard, plan.fingerprint())
+    with DataFolder(root, plan, smol.name) as folder:
+        again = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None)
+    assert any("not whole" in line for line in logs)
+    chunks = -(-len(prompts["train"]) // plan.answer_batch)
+    assert again["shards"] == chunks * len(plan.passes) and len(list(data.iter_shards(root))) == again["shards"]
+    for path in data.iter_shards(root):
+        for e in data.load_shard(path, plan.fingerprint()):
+            assert e.check() is None
+    side = json.loads(shard.with_suffix(".json").read_text())
+    assert side["bytes"] == os.path.getsize(shard) and side["tokens"] == sum(
+        e.ids.numel() for e in data.load_shard(shard, plan.fingerprint()))
+    with pytest.raises(DataError, match="another plan"):
+        DataFolder(root, tiny_plan(top_k=7), smol.name)
