@@ -198,9 +198,12 @@ class FusedLlama:
         return self.forward_features(cache, ids, last_only)[0]
 
     def forward_features(self, cache: PagedCache, ids: torch.Tensor, last_only: bool = False,
-                         positions: torch.Tensor | None = None,
-                         attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                         taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [q or 1, V] float32, post-norm features [q, d] in the model's dtype).
+
+        With `taps` (layer indices), the features are instead the residual stream entering each of those
+        layers, side by side ([q, len(taps) * d]): what an EAGLE-3-style head fuses.
 
         The features are the final norm's output for every fed row, the rows the LM head reads: an
         EAGLE-style drafter predicts the next one from them, so the verify forward hands them over
@@ -222,11 +225,16 @@ class FusedLlama:
             mask = attn_mask.to(self.device)
         cos, sin = cos[None, None], sin[None, None]
         linear = self.blocked.linear if self.blocked is not None and q >= BLOCKED_MIN_ROWS else F.linear
+        tapped = {}
         for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped[i] = x[0]
             x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,
                               self.heads, self.kv_heads, self.head_dim, linear)
         features = _rms_norm(x, self.norm)[0]
         head_in = features[-1:] if last_only else features
+        if taps:
+            features = torch.cat([tapped[i] for i in taps], dim=-1)
         head = linear if head_in.shape[0] >= BLOCKED_MIN_ROWS else F.linear
         return head(head_in, self.lm_head).float(), features
 

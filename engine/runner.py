@@ -61,18 +61,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_features(self, cache: PagedCache, token_ids: list[int], last_only: bool = False,
                          features: bool = True, positions: list[int] | None = None,
-                         attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         attn_mask: torch.Tensor | None = None,
+                         taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the post-norm features of every fed row ([len(token_ids), d]) when `features`
         (all rows even with `last_only`, which keeps only the last row's logits).
 
         A tree is fed with `positions` (rotary positions, one per token) and `attn_mask` ([q, past + q]
-        bool, which cached and fed rows each token sees); see engine.tree.attention_mask."""
+        bool, which cached and fed rows each token sees); see engine.tree.attention_mask. With `taps` the
+        features are the residual stream entering those layers instead (fused forward only)."""
         device = self.loaded.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device) if positions is not None else None
         with self._timer.time(self.forward_ms):
             if self.fused is not None:
-                logits, hidden = self.fused.forward_features(cache, ids, last_only, pos, attn_mask)
+                logits, hidden = self.fused.forward_features(cache, ids, last_only, pos, attn_mask, taps)
             else:
                 extra = {}
                 if pos is not None:  # a 4-D additive mask and explicit positions, as transformers takes a tree
@@ -82,7 +84,10 @@ class ModelRunner:
                 out = self.loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0,
                                         output_hidden_states=features, **extra)
                 logits = out.logits[0].float()
-                hidden = out.hidden_states[-1][0] if features else None
+                if taps:  # hidden_states[i] is what enters layer i
+                    hidden = torch.cat([out.hidden_states[i][0] for i in taps], dim=-1)
+                else:
+                    hidden = out.hidden_states[-1][0] if features else None
         if not cache._read_only:
             cache.tokens.extend(token_ids)
         self.forwards += 1

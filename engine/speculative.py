@@ -84,6 +84,7 @@ class SpeculativeEngine:
         self.gen_draft = torch.Generator().manual_seed(config.seed + DRAFT_SEED_OFFSET)
         self.drafter = self._make_drafter(capacity, kv_blocks)
         self._needs_features = self.drafter is not None and self.drafter.needs_features
+        self._taps = self.drafter.feature_layers if self._needs_features else ()
         self._features: torch.Tensor | None = None   # the last target forward's features, for the drafter
         self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config), self.sequence.prompt)
         self.k = config.k
@@ -174,7 +175,7 @@ class SpeculativeEngine:
         will be the first generated one) and return the target's logits row after it."""
         self._started = True
         logits, self._features = self.target_runner.forward_features(self.target_cache, self.prompt, last_only=True,
-                                                                     features=self._needs_features)
+                                                                     features=self._needs_features, taps=self._taps)
         if self.drafter is not None:
             self.drafter.prefill(self.prompt, self._features)
         return logits
@@ -204,9 +205,11 @@ class SpeculativeEngine:
         forward = self.target_runner.forward_features
         if self.config.mode is Mode.V1:
             with self.target_cache.read_only():
-                logits, self._features = forward(self.target_cache, feed, features=self._needs_features, **extra)
+                logits, self._features = forward(self.target_cache, feed, features=self._needs_features,
+                                                 taps=self._taps, **extra)
         else:
-            logits, self._features = forward(self.target_cache, feed, features=self._needs_features, **extra)
+            logits, self._features = forward(self.target_cache, feed, features=self._needs_features, taps=self._taps,
+                                             **extra)
         return logits
 
     def _verify(self, logits: torch.Tensor,

@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(settings, pair.target)
     spec = {"model": resolve(a.target, "target").path, "prompts": [p.ids for p in prompts],
             "new_tokens": a.new_tokens, "repeats": a.repeats, "enforce_eager": not a.compile,
+            "max_model_len": min(pair.target.max_context, 4096),
             "methods": [{"label": m.label, "speculative": m.vllm} for m in table if m.vllm != "skip"]}
     peer: dict[str, list[dict]] = {}
     mine: dict[str, list] = {}

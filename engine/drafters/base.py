@@ -29,10 +29,12 @@ class Drafter(Protocol):
 
     `features` are the target's post-norm features of the rows of the forward that just ran (the
     prompt's, at prefill; the verify forward's, at commit: row 0 is the previous last token, row i the
-    i-th draft), passed only to drafters whose `needs_features` is True."""
+    i-th draft), passed only to drafters whose `needs_features` is True; a drafter with
+    `feature_layers` is given the residual stream entering those layers instead, side by side."""
 
     kind: DrafterKind
     needs_features: bool   # whether prefill and commit must be given the target's features
+    feature_layers: tuple[int, ...]   # () = the post-norm features; else the layers whose inputs it reads
 
     def prefill(self, prompt: list[int], features: torch.Tensor | None) -> None: ...
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal: ...

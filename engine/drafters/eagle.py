@@ -62,6 +62,16 @@ class EagleConfig:
     target: str                # the target it reads the features of (its LoadedModel name)
     target_vocab: int
     format: int = EAGLE_FORMAT
+    feature_layers: tuple[int, ...] = ()   # EAGLE-3 style: the target layers whose inputs it fuses; () = post-norm
+    own_head: bool = False                 # its own trained LM head over the kept vocabulary (else the target's)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+
+    @property
+    def style(self) -> str:
+        """How the UI and the bench name the head: 'EAGLE-3 style' (fused layers, own head) or 'EAGLE'."""
+        return "EAGLE-3 style" if self.feature_layers else "EAGLE"
 
     @staticmethod
     def for_target(target: LoadedModel, kept: int) -> "EagleConfig":
@@ -108,6 +118,10 @@ class EagleHead(nn.Module):
         self.up_proj = nn.Linear(d, config.intermediate, bias=False)
         self.down_proj = nn.Linear(config.intermediate, d, bias=False)
         self.norm_in, self.norm_post, self.norm_out = (nn.Parameter(torch.ones(d)) for _ in range(3))
+        if config.feature_layers:  # EAGLE-3: low, middle and high features fused into one (len * d -> d)
+            self.fuse = nn.Linear(len(config.feature_layers) * d, d, bias=False)
+        if config.own_head:
+            self.lm = nn.Parameter(torch.zeros(config.kept, d))
 
     @torch.no_grad()
     def init_for_training(self, generator: torch.Generator) -> None:
@@ -134,6 +148,11 @@ class EagleHead(nn.Module):
                          c.heads * c.head_dim, c.kv_heads * c.head_dim, self.o_proj.weight, None,
                          torch.cat([self.gate_proj.weight, self.up_proj.weight]), c.intermediate,
                          self.down_proj.weight, (self.norm_in, eps), (self.norm_post, eps), c.head_dim ** -0.5)
+
+    def real_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """What a draft position reads for a committed token: the target's post-norm feature, or (EAGLE-3
+        style) its fused layer inputs."""
+        return self.fuse(target_features) if self.config.feature_layers else target_features
 
     def step(self, emb: torch.Tensor, feats: torch.Tensor, layer: LayerView, keys_values, cos: torch.Tensor,
              sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -168,13 +187,17 @@ class EagleRuntime:
         self.layer = self.head.layer()
         self.kept_ids = kept_ids.to(target.device)
         self.embed = target.fused.embed
-        self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
+        if head.config.own_head:
+            self.head_weight = self.head.lm.detach()
+        else:
+            self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
         self._rope = target.fused._rope
 
     @property
     def weight_bytes(self) -> int:
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
-        return own + self.head_weight.numel() * self.head_weight.element_size()
+        borrowed = 0 if self.config.own_head else self.head_weight.numel() * self.head_weight.element_size()
+        return own + borrowed
 
     @torch.inference_mode()
     def forward(self, cache: PagedCache, tokens: list[int], feats: torch.Tensor, positions: list[int] | None = None,
@@ -196,6 +219,10 @@ class EagleRuntime:
                              lambda ks, vs: cache.layer_update(0, ks, vs), cos[None, None], sin[None, None], mask)
         cache.tokens.extend(tokens)
         return out[0]
+
+    @torch.inference_mode()
+    def real_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        return self.head.real_features(target_features.to(self.target.dtype))
 
     @torch.inference_mode()
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
@@ -223,6 +250,10 @@ def load_runtime(folder: Path, target: LoadedModel) -> EagleRuntime:
     if (config.hidden, config.target_vocab) != (c.hidden_size, target.vocab_size):
         raise EagleLoadError(f"The EAGLE head in {folder} was trained for {config.target!r} (hidden "
                              f"{config.hidden}, vocabulary {config.target_vocab}), not for {target.name!r}.")
+    layers = len(target.model.model.layers) if hasattr(target.model, "model") else 0
+    if any(not 0 <= i < layers for i in config.feature_layers):
+        raise EagleLoadError(f"The EAGLE head in {folder} reads layers {list(config.feature_layers)}, which "
+                             f"{target.name!r} ({layers} layers) does not have.")
     head = EagleHead(config)
     kept = tensors.pop("kept_ids")
     head.load_state_dict({k: v.float() for k, v in tensors.items()})
@@ -250,6 +281,10 @@ class EagleDrafter:
     kind = DrafterKind.EAGLE
     needs_features = True
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.runtime.config.feature_layers
+
     def __init__(self, runtime: EagleRuntime, sampling: SamplingParams, generator: torch.Generator,
                  capacity: int, block_size: int = 16, num_blocks: int | None = None,
                  now: Now = time.perf_counter) -> None:
@@ -271,7 +306,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def prefill(self, prompt: list[int], features: torch.Tensor | None) -> None:
         """Take the prompt's real features and feed draft positions 1..p-1 (their inputs are all known)."""
-        self.features = features
+        self.features = features = self.runtime.real_features(features)
         if len(prompt) > 1:
             self._forward(prompt[1:], features[: len(prompt) - 1])
 
@@ -334,7 +369,7 @@ class EagleDrafter:
         """Append the real features of the tokens this round committed but the last (the verify
         forward's rows 0..accepted) and roll back every cached position computed from a prediction."""
         old = self.features.shape[0] + 1       # committed tokens before this round
-        self.features = torch.cat([self.features, features[: len(committed) - old]])
+        self.features = torch.cat([self.features, self.runtime.real_features(features[: len(committed) - old])])
         keep = min(self.cache.table.length, old - 1)
         self.cache.rollback(self.cache.table.length - keep)
 

@@ -22,7 +22,7 @@ class HybridDrafter:
 
     def __init__(self, model: Drafter, ngram: NgramDrafter, min_n: int, kind: DrafterKind = DrafterKind.HYBRID) -> None:
         self.model, self.ngram, self.min_n, self.kind = model, ngram, min_n, kind
-        self.needs_features = model.needs_features
+        self.needs_features, self.feature_layers = model.needs_features, model.feature_layers
 
     def prefill(self, prompt: list[int], features: torch.Tensor | None = None) -> None:
         self.ngram.prefill(prompt)

@@ -36,6 +36,7 @@ class ModelDrafter:
 
     kind = DrafterKind.MODEL
     needs_features = False
+    feature_layers = ()
 
     def __init__(self, runner: ModelRunner, sampling: SamplingParams, target_vocab: int,
                  target_device: torch.device, generator: torch.Generator) -> None:

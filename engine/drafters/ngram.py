@@ -14,6 +14,7 @@ class NgramDrafter:
 
     kind = DrafterKind.NGRAM
     needs_features = False
+    feature_layers = ()
 
     def __init__(self, ngram_max: int, ngram_min: int, target_vocab: int, target_device: torch.device) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min

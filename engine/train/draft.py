@@ -75,8 +75,8 @@ def heldout_prompts(target) -> list[list[int]]:
     return [w.tolist() for w in heldout_windows(16, 128, seed=99)]
 
 
-def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64) -> DraftEval:
-    """Run the engine with the head in `folder` on the held-out prompts and measure what it did."""
+def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: list[list[int]] | None = None) -> DraftEval:
+    """Run the engine with the head in `folder` on the held-out prompts (or `prompts`) and measure what it did."""
     from engine import metrics
     from engine.config import DrafterKind, Mode, SpecConfig
     from engine.drafters.eagle import load_runtime
@@ -88,7 +88,7 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64) -> DraftEva
     # past its EOS is text no head was trained on
     config = SpecConfig(drafter=DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False)
     rounds, baseline = [], []
-    prompts = heldout_prompts(target)
+    prompts = prompts if prompts is not None else heldout_prompts(target)
     for ids in prompts:
         for mode, out in ((Mode.V2, rounds), (Mode.TARGET, baseline)):
             engine = SpeculativeEngine(pair, ids, replace(config, mode=mode))

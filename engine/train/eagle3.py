@@ -1,0 +1,392 @@
+"""Training an EAGLE-3-style head: `python -m engine train-eagle3 --target smollm2`.
+
+What differs from today's head (engine.train.eagle), following EAGLE-3 (Li et al. 2025, arXiv 2503.01840)
+and SpecForge's recipe:
+- its input for a committed token is a learned fusion of three of the target's layers (the residual
+  stream entering layers low, middle and high: 3d -> d), not the target's last feature;
+- no feature-regression loss: its own outputs only have to draft well, so they are free to differ
+  from the target's features;
+- a soft-label loss, -sum_k p_target(k) log q(k), over the target's top-k next tokens kept in the data
+  (renormalised over those in the reduced vocabulary);
+- a training-time test of `depth` >= 5 steps: step s reads the head's own step s-1 outputs, with the
+  attention a real chain of drafts would have (engine.train.eagle.ttt_mask);
+- its own LM head over a reduced vocabulary (the most frequent answer tokens), started from the
+  target's rows.
+
+Data: the shards of `python -m engine draft-data` (engine.train.eagle3_data), streamed shard by shard in
+a seeded order, a batch of sequences at a time (right-padded: a padded position is never attended to by
+a real one, whose keys all lie at or before it). A corrupt or foreign shard is refused with its path.
+
+Resumable: the head, the optimiser and the data cursor are checkpointed every couple of minutes (written
+whole, then renamed); rerunning the command continues. The export lands in assets/eagle/<target>-eagle3.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.drafters.eagle import EagleConfig, EagleHead, save_head
+from engine.models import LoadedModel
+from engine.train.eagle import rope_tables, ttt_mask
+from engine.train.eagle3_data import DataError, Example, iter_shards, load_shard, read_prompts
+
+
+@dataclass(frozen=True, slots=True)
+class Eagle3Plan:
+    kept: int = 8192                 # reduced vocabulary: the most frequent answer tokens
+    depth: int = 6                   # training-time-test steps
+    step_decay: float = 0.8          # step s's loss weighs step_decay ** (s - 1)
+    lr: float = 6e-4
+    warmup: int = 100
+    epochs: float = 2.0
+    batch: int = 8                   # sequences per optimiser step
+    max_len: int = 384               # longer sequences are cut (prompt + answer)
+    bf16: bool = False               # autocast the head's matrix products to bf16 (fast on CPUs with AMX)
+    seed: int = 0
+    checkpoint_every_s: float = 120.0
+    log_every_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0:
+            raise ValueError("need depth >= 1, kept >= 16, batch >= 1 and epochs > 0")
+
+
+def kept_vocabulary(examples: list[Example], size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `size` ids the target most often puts first (its top-1 over answer positions), plus `always`,
+    sorted by id."""
+    counts = torch.zeros(1, dtype=torch.long)
+    for e in examples:
+        top = e.top_ids[:, 0].long()
+        if top.numel():
+            need = int(top.max()) + 1
+            if need > counts.numel():
+                counts = torch.cat([counts, torch.zeros(need - counts.numel(), dtype=torch.long)])
+            counts += torch.bincount(top, minlength=counts.numel())
+    order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
+    chosen = set(always) | {t for t in order[:size] if counts[t] > 0}
+    return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long)
+
+
+@dataclass
+class Batch:
+    emb_ids: torch.Tensor      # [B, N] x_t for draft positions t = 1..N
+    feats: torch.Tensor        # [B, N, L * d] the target's layer inputs after x_{t-1}
+    label_ids: torch.Tensor    # [B, N, k] kept-vocabulary index of each soft label (0 where unused)
+    label_p: torch.Tensor      # [B, N, k] its probability, renormalised over the kept labels (0: unused)
+    valid: torch.Tensor        # [B, N] bool: an answer position with a label
+
+
+def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int) -> Batch:
+    """Right-padded tensors for `examples`; draft position t (column t - 1) predicts x_{t+1}."""
+    lengths = [min(e.ids.numel(), max_len) - 1 for e in examples]
+    n, b = max(lengths), len(examples)
+    d_all = examples[0].features.shape[1] * examples[0].features.shape[2]
+    k = examples[0].top_ids.shape[1]
+    emb_ids = torch.zeros(b, n, dtype=torch.long)
+    feats = torch.zeros(b, n, d_all)
+    label_ids = torch.zeros(b, n, k, dtype=torch.long)
+    label_p = torch.zeros(b, n, k)
+    valid = torch.zeros(b, n, dtype=torch.bool)
+    for i, (e, m) in enumerate(zip(examples, lengths)):
+        ids = e.ids.long()
+        emb_ids[i, :m] = ids[1: m + 1]
+        feats[i, :m] = e.features[:m].reshape(m, -1).float()
+        # column c = draft position t = c + 1 predicts x_{t+1}; its label row is t - (prompt_len - 1)
+        first = max(e.prompt_len - 2, 0)            # first column whose t >= prompt_len - 1
+        rows = torch.arange(first, m - 1)           # t + 1 <= m: the next token is inside the cut
+        label_rows = rows + 1 - (e.prompt_len - 1)
+        ok = label_rows >= 0
+        rows, label_rows = rows[ok], label_rows[ok]
+        ids_k = kept_index[e.top_ids[label_rows].long()]
+        p = e.top_logp[label_rows].float().exp() * (ids_k >= 0)
+        mass = p.sum(-1, keepdim=True)
+        has = mass[:, 0] > 0
+        label_ids[i, rows[has]] = ids_k[has].clamp(min=0)
+        label_p[i, rows[has]] = p[has] / mass[has]
+        valid[i, rows[has]] = True
+    return Batch(emb_ids, feats, label_ids, label_p, valid)
+
+
+def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagle3Plan, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """The weighted soft-label loss over `depth` unrolled steps, and each step's top-1 agreement."""
+    n = batch.emb_ids.shape[1]
+    emb = F.embedding(batch.emb_ids, embed)
+    layer = head.layer()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
+        inputs = head.real_features(batch.feats)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    total, weights, agree = torch.zeros(()), 0.0, []
+    positions = torch.arange(1, n + 1)
+    top1 = batch.label_ids[..., 0]
+    for step in range(1, plan.depth + 1):
+        def keys_values(ks, vs):
+            keys.append(ks)
+            values.append(vs)
+            return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
+            out = head.step(emb, inputs, layer, keys_values, cos[None, None], sin[None, None], ttt_mask(n, step))
+        rows = batch.valid & (positions >= step)[None]
+        if rows.any():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
+                logits = F.linear(out[rows], head.lm)
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            ce = -(batch.label_p[rows] * logq.gather(1, batch.label_ids[rows])).sum(-1).mean()
+            w = plan.step_decay ** (step - 1)
+            total, weights = total + w * ce, weights + w
+            agree.append(float((logq.argmax(-1) == top1[rows]).float().mean()))
+        else:
+            agree.append(math.nan)
+        inputs = torch.cat([inputs[:, :1], out[:, :-1].to(inputs.dtype)], dim=1)  # step s+1 reads step s at t-1
+    return total / max(weights, 1e-9), agree
+
+
+@dataclass
+class Cursor:
+    """Where the data stream stands: epoch, position in that epoch's shard order, sequences taken."""
+
+    epoch: int = 0
+    shard: int = 0
+    seen: int = 0
+    step: int = 0
+    log: list[dict] = field(default_factory=list)
+
+
+def shard_order(paths: list[Path], plan: Eagle3Plan, epoch: int) -> list[Path]:
+    order = list(paths)
+    random.Random(plan.seed * 7919 + epoch).shuffle(order)
+    return order
+
+
+def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
+          log=print, deadline: float | None = None) -> dict:
+    """Train (or resume) on every whole shard under `data`; export to `out` when done."""
+    plan_file = json.loads((data / "plan.json").read_text())
+    fingerprint, layers = plan_file["fingerprint"], tuple(plan_file["plan"]["layers"])
+    paths = list(iter_shards(data))
+    if not paths:
+        raise DataError(f"no shards under {data}: run `python -m engine draft-data` first")
+    held_path, paths = paths[0], paths[1:]        # the first shard measures held-out loss, never trained on
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work / "checkpoint.pt"
+    eos = target.tokenizer.eos_token_id
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        kept, config, cursor = ckpt["kept"], EagleConfig(**ckpt["config"]), Cursor(**ckpt["cursor"])
+        log(f"resumed at step {cursor.step} (epoch {cursor.epoch}, shard {cursor.shard})")
+    else:
+        ckpt = None
+        sample = [e for p in paths[:40] for e in load_shard(p, fingerprint)]
+        kept = kept_vocabulary(sample, plan.kept, (eos,) if eos is not None else ())
+        config = EagleConfig(**{**asdict(EagleConfig.for_target(target, len(kept))), "feature_layers": layers,
+                                "own_head": True})
+        cursor = Cursor()
+    head = EagleHead(config)
+    embed = target.model.get_input_embeddings().weight.detach().float()
+    kept_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    kept_index[kept] = torch.arange(len(kept))
+    theta = float(getattr(target.model.config, "rope_parameters", {}).get("rope_theta", None)
+                  or getattr(target.model.config, "rope_theta", 10000.0))
+    cos_all, sin_all = rope_tables(config.head_dim, theta, torch.arange(plan.max_len + 1))
+    opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    if ckpt is None:
+        head.init_for_training(torch.Generator().manual_seed(plan.seed))
+        with torch.no_grad():
+            d = config.hidden
+            head.fuse.weight[:, -d:] += torch.eye(d)   # start near the high layer's features
+            head.lm.copy_(target.model.get_output_embeddings().weight.detach().float().index_select(0, kept))
+    else:
+        head.load_state_dict(ckpt["head"])
+        opt.load_state_dict(ckpt["opt"])
+    sequences = sum(json.loads(p.with_suffix(".json").read_text())["sequences"] for p in paths)
+    total_steps = math.ceil(plan.epochs * sequences / plan.batch)
+
+    def lr_at(step: int) -> float:
+        if step < plan.warmup:
+            return plan.lr * (step + 1) / plan.warmup
+        done = min(1.0, (step - plan.warmup) / max(1, total_steps - plan.warmup))
+        return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+
+    def save() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "cursor": asdict(cursor), "kept": kept,
+                    "config": asdict(config), "plan": asdict(plan)}, tmp)
+        tmp.replace(ckpt_path)
+
+    def evaluate() -> dict:
+        head.eval()
+        examples = load_shard(held_path, fingerprint)
+        losses, agree = [], []
+        with torch.no_grad():
+            for i in range(0, len(examples), plan.batch):
+                b = make_batch(examples[i: i + plan.batch], kept_index, plan.max_len)
+                n = b.emb_ids.shape[1]
+                loss, a = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1])
+                losses.append(float(loss))
+                agree.append(a)
+        head.train()
+        by_step = [sum(a[s] for a in agree if not math.isnan(a[s])) / max(1, sum(not math.isnan(a[s]) for a in agree))
+                   for s in range(plan.depth)]
+        return {"heldout_loss": sum(losses) / len(losses), "heldout_top1_by_step": by_step}
+
+    t0, last_save, last_log = time.time(), time.time(), time.time()
+    running, running_agree, pending = [], [], []
+    head.train()
+    while cursor.step < total_steps:
+        if deadline is not None and time.time() > deadline:
+            save()
+            log(f"stopping at the deadline at step {cursor.step}/{total_steps}; rerun to resume")
+            return {"finished": False, "cursor": asdict(cursor)}
+        if not pending:   # the next shard's sequences, shuffled
+            order = shard_order(paths, plan, cursor.epoch)
+            if cursor.shard >= len(order):
+                cursor.epoch, cursor.shard = cursor.epoch + 1, 0
+                order = shard_order(paths, plan, cursor.epoch)
+            pending = load_shard(order[cursor.shard], fingerprint)
+            random.Random(plan.seed + cursor.epoch * 100_003 + cursor.shard).shuffle(pending)
+            cursor.shard += 1
+        chunk, pending = pending[: plan.batch], pending[plan.batch:]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cursor.step)
+        b = make_batch(chunk, kept_index, plan.max_len)
+        n = b.emb_ids.shape[1]
+        loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        cursor.step += 1
+        cursor.seen += len(chunk)
+        running.append(float(loss.detach()))
+        running_agree.append(agree)
+        if time.time() - last_log >= plan.log_every_s or cursor.step == total_steps:
+            by_step = [sum(a[s] for a in running_agree if not math.isnan(a[s])) / max(1, len(running_agree))
+                       for s in range(plan.depth)]
+            rate = cursor.seen / max(time.time() - t0, 1e-9)
+            log(f"step {cursor.step}/{total_steps} (epoch {cursor.epoch}): loss {sum(running) / len(running):.3f}, "
+                "top-1 by step " + " ".join(f"{a:.2f}" for a in by_step) + f", {rate:.1f} seq/s")
+            cursor.log.append({"step": cursor.step, "loss": sum(running) / len(running), "top1": by_step,
+                               "time": time.time()})
+            running, running_agree, last_log = [], [], time.time()
+        if time.time() - last_save > plan.checkpoint_every_s:
+            save()
+            last_save = time.time()
+    save()
+    figures = evaluate()
+    log(f"held-out shard {held_path.name}: loss {figures['heldout_loss']:.3f}, top-1 by step "
+        + " ".join(f"{a:.2f}" for a in figures["heldout_top1_by_step"]))
+    prompts = read_prompts(data)
+    tokens = sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths)
+    meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
+            "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
+            "kept": len(kept), "prompt_sources": prompts["sources"], "feature_layers": list(layers),
+            "data_plan": plan_file["plan"], **figures, "log": cursor.log}
+    save_head(head, kept, out, meta)
+    log(f"wrote {out}")
+    return {"finished": True, **meta}
+
+
+def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
+    """The model card: data, training, losses, acceptance by position (measured by the engine), time, commands."""
+    plan, src = meta["plan"], meta["prompt_sources"]
+    lines = [f"# EAGLE-3-style head for `{target_source}`", "",
+             f"One decoder layer that drafts from a fusion of the target's layers {meta['feature_layers']} "
+             f"(the residual stream entering them), with its own LM head over a {meta['kept']}-token vocabulary; "
+             f"{meta['params']:,} parameters of its own (the target's embeddings are reused at load time).", "",
+             "## Data (`python -m engine draft-data`)",
+             f"- prompts: {src['magpie']:,} written by the target itself (Magpie: sampled from its chat template's "
+             f"user header), {src['written']:,} of the project's written prompts; {src['magpie_heldout']:,} Magpie "
+             "prompts held out and never trained on",
+             f"- {meta['sequences']:,} sequences, {meta['tokens']:,} tokens in {meta['shards']} shards (answers greedy and "
+             f"sampled at T = 0.7, top-p 0.95; soft labels: the target's top-{meta['data_plan']['top_k']}); "
+             f"shard {meta['heldout_shard']} kept for the held-out loss", "",
+             "## Training (`python -m engine train-eagle3`)",
+             f"- {meta['steps']:,} AdamW steps of {plan['batch']} sequences ({plan['epochs']} epochs), lr {plan['lr']} "
+             f"with warm-up and cosine decay; training-time test over {plan['depth']} steps (step weights "
+             f"{plan['step_decay']}^(s-1)); soft-label cross-entropy only, no feature loss; bf16 autocast: {plan['bf16']}",
+             f"- held-out loss {meta['heldout_loss']:.3f}; top-1 agreement with the target by unrolled step: "
+             + ", ".join(f"{a:.2f}" for a in meta["heldout_top1_by_step"]),
+             f"- wall-clock time of this training run: {wall_s / 3600:.2f} h", ""]
+    for name, e in evals.items():
+        lines += [f"## Measured by the engine: {name} ({e['prompts']} prompts, greedy, K = {e['k']}, up to "
+                  f"{e['new_tokens']} new tokens)",
+                  f"- per-position acceptance α: **{e['alpha']:.3f}**; at positions 1..{e['k']}: "
+                  + ", ".join(f"{r:.2f}" for r in e["position_rates"]),
+                  f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}", ""]
+    lines += ["## Commands", "```", "python -m engine draft-data --target " + target_source, command, "```", ""]
+    (folder / "MODEL_CARD.md").write_text("\n".join(lines))
+    (folder / "card.json").write_text(json.dumps({"eval": evals, **{k: v for k, v in meta.items() if k != "log"}},
+                                                 indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import re
+
+    from engine.cli import quiet_transformers
+    from engine.models import ModelLoadError, load_model
+    from engine.prompts import ChatPrompt, encode_chat
+    from engine.sources import REPO_ROOT, SMOLLM2, eagle_folder
+    from engine.train.draft import evaluate
+
+    ap = argparse.ArgumentParser(prog="python -m engine train-eagle3", description=(
+        "Train an EAGLE-3-style head on the shards of `python -m engine draft-data`; resumable; then measure it "
+        "with the engine on held-out prompts and write its model card."))
+    ap.add_argument("--target", default=SMOLLM2)
+    ap.add_argument("--data", type=Path, default=None, help="data folder (default: .cache/draft-data/<target>)")
+    ap.add_argument("--out", type=Path, default=None, help="export folder (default: assets/eagle/<target>-eagle3)")
+    ap.add_argument("--epochs", type=float, default=Eagle3Plan().epochs)
+    ap.add_argument("--batch", type=int, default=Eagle3Plan().batch)
+    ap.add_argument("--depth", type=int, default=Eagle3Plan().depth)
+    ap.add_argument("--kept", type=int, default=Eagle3Plan().kept)
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the head's products (fast with AMX)")
+    ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--skip-eval", action="store_true")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        with quiet_transformers():
+            target = load_model(a.target, "target")
+    except ModelLoadError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
+    data = a.data or REPO_ROOT / ".cache" / "draft-data" / slug
+    out = a.out or eagle_folder(f"{slug}-eagle3")
+    plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16)
+    t0 = time.time()
+    try:
+        result = train(target, data, REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
+                       time.time() + a.minutes * 60 if a.minutes else None)
+    except DataError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if not result["finished"] or a.skip_eval:
+        return 0
+    heldout = read_prompts(data)["heldout"]
+    evals = {}
+    for name, prompts in (("the 16 held-out chat prompts", None),
+                          (f"{min(32, len(heldout))} held-out Magpie prompts", heldout[:32])):
+        ids = None if prompts is None else [encode_chat(target.tokenizer, ChatPrompt(p)) for p in prompts]
+        evals[name] = asdict(evaluate(target, out, prompts=ids))
+        log(f"{name}: alpha {evals[name]['alpha']:.3f}, tokens/round {evals[name]['tokens_per_round']:.2f}")
+    command = "python -m engine train-eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals, command,
+               time.time() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

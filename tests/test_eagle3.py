@@ -1,0 +1,101 @@
+"""The EAGLE-3-style head: it reads the fused layer inputs the target hands over, training lowers its loss on
+the data, its export loads, and the engine with it stays exact (greedy: the target-only tokens)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.config import DrafterKind, Mode, SpecConfig
+from engine.drafters.eagle import EagleConfig, EagleHead, EagleRuntime, load_runtime
+from engine.models import load_model
+from engine.pair import ModelPair
+from engine.prompts import ChatPrompt, encode_chat
+from engine.runner import ModelRunner
+from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
+from engine.speculative import SpeculativeEngine
+from engine.train import eagle3, eagle3_data
+from engine.train.eagle3_data import DataFolder, Eagle3DataPlan
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
+LAYERS = (2, 15, 27)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(SMOLLM2)
+
+
+def random_head(smol, kept: int = 512) -> EagleRuntime:
+    config = replace(EagleConfig.for_target(smol, kept), feature_layers=LAYERS, own_head=True)
+    head = EagleHead(config)
+    head.init_for_training(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        head.lm.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    kept_ids = torch.arange(kept)
+    kept_ids[-1] = 2   # the end of turn
+    return EagleRuntime(head, kept_ids.sort().values, smol, name="eagle3-test")
+
+
+def test_the_target_hands_over_the_inputs_of_the_tapped_layers(smol):
+    ids = encode_chat(smol.tokenizer, ChatPrompt("Name a river."))
+    runner = ModelRunner(smol, len(ids) + 8)
+    _, taps = runner.forward_features(runner.new_sequence(), ids, last_only=True, taps=LAYERS)
+    with torch.inference_mode():
+        hidden = smol.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    ref = torch.cat([hidden[i][0] for i in LAYERS], dim=-1)
+    assert taps.shape == (len(ids), 3 * 576)
+    assert (taps - ref).abs().max() < 1e-5 * ref.abs().max() + 1e-4
+    plain = ModelRunner(smol, len(ids) + 8, fused=False)
+    _, via_hf = plain.forward_features(plain.new_sequence(), ids, last_only=True, taps=LAYERS)
+    assert torch.allclose(via_hf, ref)
+
+
+def test_greedy_with_an_eagle3_head_is_the_target_alone(smol):
+    pair = ModelPair(smol, None, random_head(smol))
+    assert pair.eagle.config.style == "EAGLE-3 style"
+    ids = encode_chat(smol.tokenizer, ChatPrompt("Why do cats purr?"))
+    runs, rounds = {}, {}
+    for mode in (Mode.V2, Mode.TARGET):
+        engine = SpeculativeEngine(pair, ids, SpecConfig(mode=mode, drafter=DrafterKind.EAGLE, k=4,
+                                                         max_new_tokens=20, record=False))
+        rounds[mode] = engine.run()
+        runs[mode] = list(engine.generated)
+        engine.close()
+    assert runs[Mode.V2] == runs[Mode.TARGET]
+    assert all(r.k for r in rounds[Mode.V2][1:-1])
+
+
+def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path):
+    plan = Eagle3DataPlan(magpie_prompts=4, prompt_batch=8, prompt_max_tokens=32, answer_batch=2, max_new_tokens=12,
+                          top_k=8, written_prompts=6).for_model(30)
+    data = tmp_path / "data"
+    with DataFolder(data, plan, smol.name) as folder:
+        eagle3_data.build_prompts(folder, smol.fused, smol.tokenizer, 2, lambda m: None, None)
+        eagle3_data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, lambda m: None, None)
+    examples = [e for p in eagle3_data.iter_shards(data) for e in eagle3_data.load_shard(p, plan.fingerprint())]
+    kept = eagle3.kept_vocabulary(examples, 256, (2,))
+    assert 2 in kept.tolist() and kept.tolist() == sorted(kept.tolist())
+    index = torch.full((smol.vocab_size,), -1, dtype=torch.long)
+    index[kept] = torch.arange(len(kept))
+    batch = eagle3.make_batch(examples[:4], index, 384)
+    assert batch.valid.any() and torch.allclose(batch.label_p[batch.valid].sum(-1), torch.ones(int(batch.valid.sum())))
+
+    logs = []
+    result = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head",
+                          eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3,
+                                                           log_every_s=0), logs.append)
+    assert result["finished"] and result["feature_layers"] == list(LAYERS)
+    first, last = result["log"][0]["loss"], result["log"][-1]["loss"]
+    assert last < first, (first, last)
+    runtime = load_runtime(tmp_path / "head", smol)
+    assert runtime.config.feature_layers == LAYERS and runtime.config.own_head
+    ids = encode_chat(smol.tokenizer, ChatPrompt("Name a colour."))
+    engine = SpeculativeEngine(ModelPair(smol, None, runtime), ids,
+                               SpecConfig(drafter=DrafterKind.EAGLE, k=4, max_new_tokens=12, record=False))
+    engine.run()
+    alone = SpeculativeEngine(ModelPair(smol, None, runtime), ids,
+                              SpecConfig(mode=Mode.TARGET, max_new_tokens=12, record=False))
+    alone.run()
+    assert engine.generated == alone.generated
