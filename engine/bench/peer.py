@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.bench.methods import BenchSettings
     from engine.bench.prompts import make_prompts
     from engine.bench.runs import BenchModels, run_bench
-    from engine.clock import machine_name
     from engine.cli import quiet_transformers
+    from engine.clock import machine_name
     from engine.models import ModelLoadError
     from engine.pair import load_pair
     from engine.sources import resolve

@@ -242,6 +242,9 @@ def build_prompts(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
     while True:
         samples = [s for i in sorted(done) for s in done[i]]
         train, heldout = select_prompts(samples, plan)
+        if made:
+            log(f"prompts: {len(train) + len(heldout):,}/{plan.magpie_prompts:,} kept from {len(samples):,} samples, "
+                f"{made / max(time.time() - t0, 1e-9):.1f} samples/s")
         if len(train) + len(heldout) >= plan.magpie_prompts:
             break
         if deadline is not None and time.time() > deadline:
@@ -252,9 +255,6 @@ def build_prompts(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
         write_atomic(folder.root / "prompts" / f"batch-{index:05d}.json", json.dumps({"samples": batch}))
         done[index] = batch
         made += len(batch)
-        kept = len(train) + len(heldout)
-        log(f"prompts: {kept:,}/{plan.magpie_prompts:,} kept from {len(samples) + len(batch):,} samples, "
-            f"{made / max(time.time() - t0, 1e-9):.1f} samples/s")
     written = training_prompts(plan.seed)
     written = written if plan.written_prompts < 0 else written[: plan.written_prompts]
     data = {"magpie_target": plan.magpie_prompts, "train": train + written, "heldout": heldout,
