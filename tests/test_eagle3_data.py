@@ -8,9 +8,8 @@ import os
 import pytest
 import torch
 
-from engine.models import load_model
 from engine.prompts import ChatPrompt, encode_chat
-from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
+from engine.sources import SMOLLM2_PIP, smollm2_gguf
 from engine.train import eagle3_data as data
 from engine.train.eagle3_data import DataError, DataFolder, Eagle3DataPlan, Sampling
 from tests.conftest import hf_greedy
@@ -18,10 +17,6 @@ from tests.conftest import hf_greedy
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
 QUESTIONS = ("Why is the sky blue?", "Name a bird.", "What does a compiler do in one sentence?")
 
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_model(SMOLLM2)
 
 
 def tiny_plan(**overrides) -> Eagle3DataPlan:

@@ -33,10 +33,6 @@ QUESTIONS = ("Why is the sky blue?", "Name three uses of copper.", "What does a 
 NEW = 32
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return load_model(SMOLLM2)
-
 
 def test_what_loads_is_the_instruct_model(smol):
     c = smol.model.config
