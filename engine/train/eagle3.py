@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from engine.drafters.eagle import EagleConfig, EagleHead, save_head
 from engine.models import LoadedModel
 from engine.train.eagle import rope_tables, ttt_mask
-from engine.train.eagle3_data import DataError, Example, iter_shards, load_shard, read_prompts
+from engine.train.eagle3_data import DataError, Example, default_folder, iter_shards, load_shard, read_prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as exc:
         print(exc, file=sys.stderr)
         return 2
+    data = a.data or default_folder(target.name)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
-    data = a.data or REPO_ROOT / ".cache" / "draft-data" / slug
     out = a.out or eagle_folder(f"{slug}-eagle3")
     plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16)
     t0 = time.time()

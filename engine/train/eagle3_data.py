@@ -38,6 +38,7 @@ from engine.fused_llama import BatchForward, FusedLlama
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, sample_from
 from engine.train.chat_prompts import HELDOUT_SUBJECTS, SETS, chat_prompts, training_prompts
+from engine.train.draft_data import SamplingPass
 
 Log = Callable[[str], None]
 FORMAT = 1
@@ -49,23 +50,13 @@ class DataError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-    @property
-    def label(self) -> str:
-        return "greedy" if self.temperature == 0 else f"T{self.temperature:g}-p{self.top_p:g}"
-
-
-@dataclass(frozen=True, slots=True)
 class Eagle3DataPlan:
     magpie_prompts: int = 8000        # self-written prompts to keep, after cleaning
     prompt_batch: int = 128
     prompt_max_tokens: int = 96       # a sampled user turn that has not ended by then is dropped
     answer_batch: int = 64
     max_new_tokens: int = 256
-    passes: tuple[Sampling, ...] = field(default_factory=lambda: (Sampling(), Sampling(0.7, 0.95)))
+    passes: tuple[SamplingPass, ...] = field(default_factory=lambda: (SamplingPass(), SamplingPass(0.7, 0.95)))
     top_k: int = 20                   # soft labels kept per answer position
     layers: tuple[int, ...] = ()      # residual stream entering these layers; () = (2, L // 2, L - 3)
     heldout_every: int = 25           # 4% of the Magpie prompts are held out
@@ -103,7 +94,7 @@ def asdict_plan(plan: Eagle3DataPlan) -> dict:
 
 
 def plan_from_dict(d: dict) -> Eagle3DataPlan:
-    return Eagle3DataPlan(**{**d, "passes": tuple(Sampling(**p) for p in d["passes"]), "layers": tuple(d["layers"])})
+    return Eagle3DataPlan(**{**d, "passes": tuple(SamplingPass(**p) for p in d["passes"]), "layers": tuple(d["layers"])})
 
 
 # -- the folder ---------------------------------------------------------------------------------------------
@@ -194,7 +185,7 @@ def sample_prompts(fused: FusedLlama, tokenizer, header: list[int], plan: Eagle3
     sampler = Eagle3DataPlan(**{**asdict_plan(plan), "passes": plan.passes, "layers": (), "top_k": 1,
                                 "max_new_tokens": plan.prompt_max_tokens})
     texts = []
-    for e in answer_batch(fused, [header] * plan.prompt_batch, Sampling(1.0, 1.0), sampler, eos_id, seed):
+    for e in answer_batch(fused, [header] * plan.prompt_batch, SamplingPass(1.0, 1.0), sampler, eos_id, seed):
         answer = e.ids[e.prompt_len:].tolist()
         texts.append(tokenizer.decode(answer[:-1], skip_special_tokens=False) if answer[-1] == eos_id else "")
     return texts
@@ -300,7 +291,7 @@ class Example:
         return None
 
 
-def answer_batch(fused: FusedLlama, prompts: list[list[int]], sampling: Sampling, plan: Eagle3DataPlan,
+def answer_batch(fused: FusedLlama, prompts: list[list[int]], sampling: SamplingPass, plan: Eagle3DataPlan,
                  eos_id: int, seed: int) -> list[Example]:
     """Answer a batch of tokenized prompts with the engine's fused forward, batched (BatchForward); each
     answer ends at the end of turn or after `max_new_tokens`. Sampling is the engine's own
@@ -469,6 +460,13 @@ def iter_shards(root: Path) -> Iterator[Path]:
     yield from sorted((root / "answers").glob("shard-p*-*.pt"))
 
 
+def default_folder(target_name: str) -> Path:
+    """Where a target's data lives unless told otherwise: .cache/draft-data/<target> in the checkout."""
+    from engine.sources import REPO_ROOT
+
+    return REPO_ROOT / ".cache" / "draft-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name)
+
+
 # -- the command --------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """`python -m engine draft-data`: generate (or continue generating) an EAGLE-3-style head's data."""
@@ -477,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.cli import quiet_transformers
     from engine.models import ModelLoadError, load_model
-    from engine.sources import REPO_ROOT, SMOLLM2
+    from engine.sources import SMOLLM2
 
     ap = argparse.ArgumentParser(prog="python -m engine draft-data", description=(
         "Generate an EAGLE-3-style head's training data: Magpie prompts the target writes itself, then its "
@@ -507,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     eos = target.tokenizer.eos_token_id
     plan = Eagle3DataPlan(magpie_prompts=a.magpie, answer_batch=a.answer_batch, max_new_tokens=a.max_new_tokens)
     plan = plan.for_model(len(target.model.model.layers))
-    work = a.work or REPO_ROOT / ".cache" / "draft-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
+    work = a.work or default_folder(target.name)
     try:
         with DataFolder(work, plan, target.name) as folder:
             log(f"data for {target.name} under {work}; feature layers {plan.layers}")
