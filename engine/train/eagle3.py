@@ -36,7 +36,15 @@ import torch.nn.functional as F
 from engine.drafters.eagle import EagleConfig, EagleHead, save_head
 from engine.models import LoadedModel
 from engine.train.eagle import rope_tables, ttt_mask
-from engine.train.eagle3_data import DataError, Example, default_folder, iter_shards, load_shard, read_prompts
+from engine.train.eagle3_data import (
+    DataError,
+    Example,
+    command_start,
+    default_folder,
+    iter_shards,
+    load_shard,
+    read_prompts,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,8 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import re
 
-    from engine.cli import quiet_transformers
-    from engine.models import ModelLoadError, load_model
     from engine.prompts import ChatPrompt, encode_chat
     from engine.sources import REPO_ROOT, SMOLLM2, eagle_folder
     from engine.train.draft import evaluate
@@ -353,14 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-eval", action="store_true")
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        with quiet_transformers():
-            target = load_model(a.target, "target")
-    except ModelLoadError as exc:
-        print(exc, file=sys.stderr)
+    target, log = command_start(a.target, a.threads)
+    if target is None:
         return 2
     data = a.data or default_folder(target.name)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)

@@ -467,14 +467,31 @@ def default_folder(target_name: str) -> Path:
     return REPO_ROOT / ".cache" / "draft-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name)
 
 
+def command_start(source: str, threads: int | None):
+    """What both data and training commands begin with: torch threads, a timestamped log on stderr, and the
+    target loaded (None, with its sentence printed, when it cannot be)."""
+    import sys
+
+    from engine.cli import quiet_transformers
+    from engine.models import ModelLoadError, load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        with quiet_transformers():
+            return load_model(source, "target"), log
+    except ModelLoadError as exc:
+        print(exc, file=sys.stderr)
+        return None, log
+
+
 # -- the command --------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """`python -m engine draft-data`: generate (or continue generating) an EAGLE-3-style head's data."""
     import argparse
     import sys
 
-    from engine.cli import quiet_transformers
-    from engine.models import ModelLoadError, load_model
     from engine.sources import SMOLLM2
 
     ap = argparse.ArgumentParser(prog="python -m engine draft-data", description=(
@@ -492,15 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
     deadline = time.time() + a.minutes * 60 if a.minutes else None
-    try:
-        with quiet_transformers():
-            target = load_model(a.target, "target")
-    except ModelLoadError as exc:
-        print(exc, file=sys.stderr)
+    target, log = command_start(a.target, a.threads)
+    if target is None:
         return 2
     eos = target.tokenizer.eos_token_id
     plan = Eagle3DataPlan(magpie_prompts=a.magpie, answer_batch=a.answer_batch, max_new_tokens=a.max_new_tokens)
