@@ -72,6 +72,16 @@ def sync_cuda(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor id as /proc/cpuinfo gives it ("AuthenticAMD", "GenuineIntel"), or "" where there is
+    none to read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 def machine_name() -> str:
     """What a measurement ran on, for its report: the CPU's model name (from /proc/cpuinfo where there is
     one), the torch thread count, and the GPU when CUDA is present. Figures move with the machine, and

@@ -8,30 +8,37 @@ matmul. On the built-in target that is 3.35 ms a decode step instead of 4.95 ms,
 one-layer draft 0.42 ms instead of 0.80 ms (`python -m engine cache-bench`), so it also lowers c.
 
 It computes what the transformers forward computes, in the same order (one-row forwards give
-bit-identical logits; forwards of 4 rows or more multiply with the blocked matrices below and agree
-to float rounding; tests compare logits, and greedy runs token for token against `generate`). The fused Q/K/V and gate/up matrices cost no memory: the model's own parameters
+bit-identical logits with torch's default linear; forwards that multiply with the blocked matrices
+below agree with it to float rounding; tests compare logits, and greedy runs token for token against `generate`). The fused Q/K/V and gate/up matrices cost no memory: the model's own parameters
 become views into them; this happens once, when the model is loaded (`LoadedModel.of`). Architectures
 it does not cover run the transformers forward; `FusedLlama.unsupported(model)` says why.
 
-On the CPU, the matrices also get a copy in oneDNN's blocked layout (`BlockedWeights`), which forwards
-of 4 rows or more multiply with: torch's default fp32 linear slows down sharply from 4 rows (on this
-project's 2-core AMD CPU, SmolLM2's 121 matrices took 18.8 ms for 1 row, 32.6 for 4, 39.9 for 8 and
-44.2 for 17; blocked: 25.3, 28.2 and 34.5 for 4, 8 and 17, but 24.3 for 1 row, so one row stays on the
-default). MKL's packed GEMM was as fast up to 8 rows and slower from 9. The copy costs the matrices'
+On the CPU, the matrices also get a copy in oneDNN's blocked layout (`BlockedWeights`). From how many
+rows a forward multiplies with it depends on the CPU, because torch's default fp32 linear (MKL) does
+not run equally well everywhere. SmolLM2's 121 matrices, one process, 1 / 4 / 8 / 17 rows:
+- on a 2-core Intel Xeon (AVX-512, AMX): default 18.8 / 32.6 / 39.9 / 44.2 ms, blocked 24.3 / 25.3 /
+  28.2 / 34.5: the default wins at one row, so the blocked copy serves 4 rows or more there;
+- on this project's 2-core AMD EPYC (AVX-512): default 40.4 / 68.5 / 49.1 / 81.5 ms, blocked 20.7 /
+  21.3 / 21.8 / 28.1: the blocked copy wins at every row count, one row included.
+`blocked_min_rows` picks by the CPU's vendor (SPECPLAY_BLOCKED_MIN_ROWS overrides it). MKL's packed
+GEMM was as fast as blocked up to 8 rows on the Xeon and slower from 9. The copy costs the matrices'
 size again, so it is made only for models up to `BLOCKED_LIMIT_BYTES`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from engine.clock import cpu_vendor
 from engine.kv_cache import PagedCache
 
 FAMILIES = ("llama", "qwen2", "mistral")
 # Rotary types whose cos/sin depend on the position alone, so one table serves every length
 # (dynamic NTK and longrope rescale with the sequence length: those run the transformers forward).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-BLOCKED_MIN_ROWS = 4              # forwards of fewer rows use torch's default linear (faster there)
+BLOCKED_MIN_ROWS = 4              # on CPUs other than AMD's, fewer rows use torch's default linear
 BLOCKED_LIMIT_BYTES = 2 << 30     # the blocked copy doubles the matrices' memory: only models up to 2 GiB
 
 
@@ -96,6 +103,18 @@ class BlockedWeights:
         return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
 
 
+def blocked_min_rows(vendor: str | None = None) -> int:
+    """The fewest rows a forward multiplies with the blocked matrices: 1 on AMD CPUs (where torch's
+    default fp32 linear is the slower one at every row count), else BLOCKED_MIN_ROWS; the environment
+    variable SPECPLAY_BLOCKED_MIN_ROWS, when set to a whole number >= 1, decides instead. Measured
+    figures in this module's docstring."""
+    override = os.environ.get("SPECPLAY_BLOCKED_MIN_ROWS", "").strip()
+    if override.isdigit() and int(override) >= 1:
+        return int(override)
+    vendor = cpu_vendor() if vendor is None else vendor
+    return 1 if vendor == "AuthenticAMD" else BLOCKED_MIN_ROWS
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -137,6 +156,7 @@ class FusedLlama:
         matrices.append(self.lm_head)
         self.blocked_reason = "turned off" if not blocked else BlockedWeights.unsupported(matrices)
         self.blocked = BlockedWeights(matrices) if self.blocked_reason is None else None
+        self.blocked_rows = blocked_min_rows()   # forwards of at least this many rows use the blocked copy
 
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:
@@ -224,7 +244,7 @@ class FusedLlama:
             cos, sin = cos[positions], sin[positions]
             mask = attn_mask.to(self.device)
         cos, sin = cos[None, None], sin[None, None]
-        linear = self.blocked.linear if self.blocked is not None and q >= BLOCKED_MIN_ROWS else F.linear
+        linear = self.blocked.linear if self.blocked is not None and q >= self.blocked_rows else F.linear
         tapped = {}
         for i, layer in enumerate(self.layers):
             if i in taps:
@@ -235,7 +255,7 @@ class FusedLlama:
         head_in = features[-1:] if last_only else features
         if taps:
             features = torch.cat([tapped[i] for i in taps], dim=-1)
-        head = linear if head_in.shape[0] >= BLOCKED_MIN_ROWS else F.linear
+        head = linear if head_in.shape[0] >= self.blocked_rows else F.linear
         return head(head_in, self.lm_head).float(), features
 
 
@@ -313,7 +333,7 @@ class BatchForward:
         mask[:, torch.arange(q), t0 + torch.arange(q)] = True
         mask = mask[:, None]
         rows_fed = ids.shape[0] * q
-        linear = fused.blocked.linear if fused.blocked is not None and rows_fed >= BLOCKED_MIN_ROWS else F.linear
+        linear = fused.blocked.linear if fused.blocked is not None and rows_fed >= fused.blocked_rows else F.linear
 
         def keys_values(i: int):
             def store(ks: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +351,7 @@ class BatchForward:
         taps = [tapped[i] for i in self._tap_order]
         self.length += q
         last = _rms_norm(x[:, -1:], fused.norm)[:, 0]
-        head = linear if last.shape[0] >= BLOCKED_MIN_ROWS else F.linear
+        head = linear if last.shape[0] >= fused.blocked_rows else F.linear
         return head(last, fused.lm_head).float(), taps
 
 

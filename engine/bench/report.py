@@ -73,11 +73,12 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
 
 
 def forward_name(target: LoadedModel) -> str:
-    """The target's forward as a report names it: "fused", "fused + blocked matrices (4+ rows)", or
-    "transformers"."""
+    """The target's forward as a report names it: "fused", "fused + blocked matrices (4+ rows)" (from how
+    many rows), or "transformers"."""
     if target.fused is None:
         return "transformers"
-    return "fused + blocked matrices (4+ rows)" if target.fused.blocked is not None else "fused"
+    fused = target.fused
+    return f"fused + blocked matrices ({fused.blocked_rows}+ rows)" if fused.blocked is not None else "fused"
 
 
 def _fmt(x: float | None, spec: str) -> str:

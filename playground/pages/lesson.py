@@ -1,4 +1,5 @@
-"""The Lesson tab: a guided walk through one speculative round on the real built-in pair.
+"""The Lesson tab: a guided walk through one speculative round on a real pair (SmolLM2 and its EAGLE
+head by default, the built-in pair as a choice).
 
 playground.teach.lesson's driver decides what each step says, shows and asks (from the real records);
 this page renders it with the playground's own renderers (chips, p/q bars, residual, KV grid,
@@ -15,9 +16,10 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from engine import metrics
-from engine.models import LoadedModel, ModelLoadError, load_model
+from engine.models import ModelLoadError
+from engine.pair import ModelPair, load_pair
 from engine.records import RoundRecord
-from engine.sources import BUILTIN
+from engine.sources import BUILTIN, SMOLLM2
 from playground.pages.theory import theory_figure
 from playground.registry import ModelRegistry
 from playground.render.charts import empty_figure
@@ -44,7 +46,7 @@ PENDING_STEPS = frozenset((StepId.DRAFT, StepId.VERIFY))
 # -- pure renderers -------------------------------------------------------------------------------------
 def driver_view(driver: LessonDriver) -> RunView:
     """The lesson run's rounds so far, as every playground renderer takes them."""
-    return view_from_run(driver.run, info_for_run(driver.run, driver.target, driver.draft))
+    return view_from_run(driver.run, info_for_run(driver.run, driver.target, driver.pair.draft))
 
 
 def shows_verdict(step: LessonStep) -> bool:
@@ -141,7 +143,7 @@ def feedback_markdown(step: LessonStep, ui) -> str:
 
 def status_markdown(driver: LessonDriver, step: LessonStep) -> str:
     ui, s = driver.text.ui, driver.plan.settings
-    first_line = s.prompt.strip().splitlines()[0]
+    first_line = s.prompt_text.strip().splitlines()[0]
     return (f"**{ui['step_counter'].format(n=step.index + 1, total=step.total)}** · "
             + ui["run_label"].format(seed=driver.plan.seed, k=s.k, temperature=f"{s.temperature:g}", prompt=first_line))
 
@@ -173,14 +175,24 @@ def render_step(driver: LessonDriver, step: LessonStep) -> StepRender:
 
 
 # -- the tab ------------------------------------------------------------------------------------------
-def lesson_pair(registry: ModelRegistry | None) -> tuple[LoadedModel, LoadedModel]:
-    """(draft, target) of the built-in pair: the registry's shared copy when it offers the built-in
-    pair, else a fresh load (small: tens of MiB)."""
-    preset = next((p for p in registry.presets if (p.draft, p.target) == (BUILTIN, BUILTIN)), None) if registry else None
-    if preset is not None:
-        pair = registry.pair(preset.key)
-        return pair.draft, pair.target
-    return load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
+def lesson_choices(registry: ModelRegistry | None) -> list[tuple[str, str]]:
+    """(label, key) of the pairs the lesson runs on: the registry's offline pairs that have a drafter
+    that samples (a draft model or an EAGLE head), the server's default first; without a registry, the
+    built-in pair alone."""
+    if registry is None:
+        return [("Built-in pair", BUILTIN)]
+    return [(p.label, p.key) for p in registry.presets if p.target in (SMOLLM2, BUILTIN) and (p.draft or p.eagle)]
+
+
+def lesson_pair(registry: ModelRegistry | None, key: str | None = None) -> ModelPair:
+    """The pair under `key` (None: the first of lesson_choices): the registry's shared copy, else a fresh
+    load of the built-in pair (small: tens of MiB)."""
+    if registry is None:
+        return load_pair(BUILTIN, BUILTIN)
+    keys = [k for _, k in lesson_choices(registry)]
+    if not keys or (key is not None and key not in keys):
+        raise ModelLoadError(f"The lesson runs on {', '.join(keys) or 'no pair of this server'}, not {key!r}.")
+    return registry.pair(key or keys[0])
 
 
 @dataclass(frozen=True)
@@ -197,6 +209,7 @@ class StepBlock:
 
 @dataclass(frozen=True)
 class LessonPage:
+    pair: gr.Dropdown
     start: gr.Button
     status: gr.Markdown
     walkthrough: gr.Walkthrough
@@ -241,11 +254,10 @@ class LessonHandlers:
         return (r.status, gr.Walkthrough(selected=step.index), r.stream, figure, r.body, radio,
                 gr.Button(visible=r.asks), gr.Button(visible=r.asks), r.feedback)
 
-    def start(self, driver: LessonDriver | None) -> tuple:
+    def start(self, driver: LessonDriver | None, key: str | None = None) -> tuple:
         try:
-            draft, target = lesson_pair(self.registry)
-            new = LessonDriver.start(target, draft, self.text)
-        except (LessonError, ModelLoadError) as exc:
+            new = LessonDriver.start(lesson_pair(self.registry, key), self.text)
+        except (LessonError, ModelLoadError, ValueError) as exc:
             gr.Warning(str(exc))
             return (driver, *(gr.skip(),) * 9)
         if driver is not None:
@@ -285,7 +297,7 @@ def _wire(page: LessonPage, handlers: LessonHandlers) -> None:
     busy = dict(api_name=False, concurrency_id="lesson", concurrency_limit=1)
     state = page.driver
     first = handlers.outputs(0)
-    page.start.click(handlers.start, [state], [state, *first], **busy)
+    page.start.click(handlers.start, [state, page.pair], [state, *first], **busy)
     for i, block in enumerate(page.steps):
         out = handlers.outputs(i)
         block.step.select(partial(handlers.go, i), [state], out, **busy)
@@ -300,12 +312,15 @@ def _wire(page: LessonPage, handlers: LessonHandlers) -> None:
 def build_lesson(registry: ModelRegistry | None = None, lang: str = "en") -> LessonPage:
     """Lay the Lesson tab out in the current Blocks context and wire its events.
 
-    registry: the app's ModelRegistry, so the lesson shares its loaded built-in pair (None: load
+    registry: the app's ModelRegistry, so the lesson shares its loaded pairs and offers them (None: load
     the built-in pair when a lesson starts). lang: which assets/lessons/<lang>.json to show.
     """
     text = load_lesson_text(lang)
     gr.Markdown(f"## {text.title}\n\n{text.intro}")
+    choices = lesson_choices(registry)
     with gr.Row():
+        pair = gr.Dropdown(choices, value=choices[0][1] if choices else None, label=text.ui["pair"],
+                           elem_id="lesson-pair", scale=2)
         start = gr.Button(text.ui["start"], variant="primary", elem_id="lesson-start")
         status = gr.Markdown(text.ui["not_started"], elem_id="lesson-status")
     with gr.Walkthrough(selected=0, elem_id="lesson-walkthrough") as walkthrough:
@@ -314,6 +329,6 @@ def build_lesson(registry: ModelRegistry | None = None, lang: str = "en") -> Les
     figure = gr.Plot(show_label=False, elem_id="lesson-plot")
     gr.HTML(legend_html())
     driver = gr.State(None, delete_callback=lambda d: d.close() if d is not None else None)
-    page = LessonPage(start, status, walkthrough, steps, stream, figure, driver)
+    page = LessonPage(pair, start, status, walkthrough, steps, stream, figure, driver)
     _wire(page, LessonHandlers(page, text, registry))
     return page

@@ -25,7 +25,7 @@ from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeSpec
 from engine.drafters.model import draftable, stand_in_id
 from engine.models import LoadedModel
 from engine.pair import ModelPair
-from engine.prompts import encode_prompt
+from engine.prompts import ChatPrompt, encode_chat, encode_prompt
 from engine.records import Outcome, PositionRecord, RoundRecord
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
@@ -95,8 +95,9 @@ def _spec(view: View, question: QuestionKind | None, facts: str, secrets: str = 
 
 _POSITION_FACTS = "round pos token p q alpha"
 STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
-    StepId.MEMORY_BOUND: _spec(View.COST, None, "target_mib draft_mib step_ms verify_ms verify_ratio cost_claim k k1"),
-    StepId.DRAFT: _spec(View.CHIPS, QuestionKind.NUMBER, "round k drafted q_list", "draft_forwards"),
+    StepId.MEMORY_BOUND: _spec(View.COST, None, "target_mib drafter drafter_mib step_ms verify_ms verify_ratio cost_claim k k1"),
+    StepId.DRAFT: _spec(View.CHIPS, QuestionKind.NUMBER, "round k drafted q_list drafter drafter_mib target_mib",
+                        "draft_forwards"),
     StepId.VERIFY: _spec(View.PQ_BARS, QuestionKind.NUMBER, "round k k1 token p q", "target_forwards"),
     StepId.ACCEPT: _spec(View.PQ_BARS, QuestionKind.YES_NO, _POSITION_FACTS, "u outcome"),
     StepId.REJECT: _spec(View.PQ_BARS, QuestionKind.YES_NO, _POSITION_FACTS, "u outcome"),
@@ -110,7 +111,7 @@ STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
                        "alpha draft_rate k k2 e_k tokens rounds tokens_per_round c r speedup", "e_2k"),
 })
 
-UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started "
+UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started pair "
                      "step_counter run_label number_choice yes no accepted rejected").split())
 YES, NO = "yes", "no"
 
@@ -215,11 +216,15 @@ def _parse_step(data: dict, where: str) -> StepText:
 # -- finding a run worth teaching ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class LessonSettings:
-    """The lesson's run. Sampling (temperature > 0) so that acceptance is a coin flip worth asking about."""
+    """The lesson's run. Sampling (temperature > 0) so that acceptance is a coin flip worth asking about.
 
-    prompt: str = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    The default is the built-in code pair's run (a draft model); `for_pair` gives each pair its own."""
+
+    prompt: str | ChatPrompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    drafter: DrafterKind = DrafterKind.MODEL
     k: int = 3
     temperature: float = 1.0
+    top_p: float = 1.0
     max_new_tokens: int = 48
     max_rounds: int = 16   # the cases must all occur within this many rounds
     seeds: int = 200       # seeds 0 .. seeds-1 are tried in order
@@ -229,10 +234,37 @@ class LessonSettings:
             raise ValueError("the lesson needs temperature > 0: greedy acceptance is all-or-nothing")
         if self.max_rounds < 2 or self.seeds < 1:
             raise ValueError(f"need max_rounds >= 2 and seeds >= 1, got {self.max_rounds}, {self.seeds}")
+        if self.drafter.copies:
+            raise ValueError("the lesson needs a drafter that samples its guesses (a draft model or an EAGLE "
+                             "head): prompt lookup proposes with certainty, q = 1")
+
+    @classmethod
+    def for_pair(cls, pair: ModelPair) -> "LessonSettings":
+        """A chat question drafted by the EAGLE head for a target with a chat template and a head (SmolLM2:
+        T 0.7, top-p 0.95, coherent yet uncertain enough for coin flips); the code prompt drafted by the
+        draft model otherwise. ValueError when the pair has neither drafter."""
+        if pair.eagle is not None and getattr(pair.target.tokenizer, "chat_template", None):
+            return cls(prompt=ChatPrompt("Why is the sky blue?"), drafter=DrafterKind.EAGLE, temperature=0.7,
+                       top_p=0.95)
+        if pair.draft is not None:
+            return cls()
+        if pair.eagle is not None:
+            return cls(drafter=DrafterKind.EAGLE)
+        raise ValueError(f"{pair.target.name} has neither a draft model nor an EAGLE head: the lesson needs one")
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as the learner typed it (a chat turn's user message)."""
+        return self.prompt.user if isinstance(self.prompt, ChatPrompt) else self.prompt
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        if isinstance(self.prompt, ChatPrompt):
+            return encode_chat(tokenizer, self.prompt)
+        return encode_prompt(tokenizer, self.prompt)
 
     def config(self, seed: int) -> SpecConfig:
-        return SpecConfig(mode=Mode.V2, drafter=DrafterKind.MODEL, k=self.k,
-                          sampling=SamplingParams(temperature=self.temperature), seed=seed,
+        return SpecConfig(mode=Mode.V2, drafter=self.drafter, k=self.k,
+                          sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p), seed=seed,
                           max_new_tokens=self.max_new_tokens)
 
 
@@ -267,12 +299,14 @@ def _first(rounds: list[RoundRecord], test: Callable[[RoundRecord, int], bool], 
     return next((r.index for r in rounds if test(r, k)), None)
 
 
-def find_plan(target: LoadedModel, draft: LoadedModel, settings: LessonSettings = LessonSettings()) -> LessonPlan:
+def find_plan(pair: ModelPair, settings: LessonSettings | None = None) -> LessonPlan:
     """The first seed (in order, so the search is deterministic) whose first `max_rounds` rounds
-    contain both a reject round and a bonus round. Runs the real engine for each seed tried."""
-    prompt_ids = encode_prompt(target.tokenizer, settings.prompt)
+    contain both a reject round and a bonus round. Runs the real engine for each seed tried.
+    settings: None is the pair's own (LessonSettings.for_pair)."""
+    settings = settings if settings is not None else LessonSettings.for_pair(pair)
+    prompt_ids = settings.prompt_ids(pair.target.tokenizer)
     for seed in range(settings.seeds):
-        engine = SpeculativeEngine(ModelPair(target, draft), prompt_ids, replace(settings.config(seed), record=False))
+        engine = SpeculativeEngine(pair, prompt_ids, replace(settings.config(seed), record=False))
         reject = bonus = None
         try:
             while not engine.finished and len(engine.rounds) < settings.max_rounds and (reject is None or bonus is None):
@@ -356,9 +390,9 @@ class LessonDriver:
     v1-vs-v2 step. Holds per-learner state (step index, answers), so each browser session owns one.
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel, text: LessonText, plan: LessonPlan) -> None:
-        self.target, self.draft, self.text, self.plan = target, draft, text, plan
-        self.run = ComparedRun(ModelPair(target, draft), plan.settings.prompt, plan.config)
+    def __init__(self, pair: ModelPair, text: LessonText, plan: LessonPlan) -> None:
+        self.pair, self.target, self.text, self.plan = pair, pair.target, text, plan
+        self.run = ComparedRun(pair, plan.settings.prompt, plan.config)
         self.v1: SpeculativeEngine | None = None
         self.tree: SpeculativeEngine | None = None
         self.index = 0
@@ -366,9 +400,8 @@ class LessonDriver:
         self._revealed: set[int] = set()
 
     @classmethod
-    def start(cls, target: LoadedModel, draft: LoadedModel, text: LessonText,
-              settings: LessonSettings = LessonSettings()) -> "LessonDriver":
-        return cls(target, draft, text, find_plan(target, draft, settings))
+    def start(cls, pair: ModelPair, text: LessonText, settings: LessonSettings | None = None) -> "LessonDriver":
+        return cls(pair, text, find_plan(pair, settings))
 
     @property
     def total(self) -> int:
@@ -428,8 +461,8 @@ class LessonDriver:
     def v1_record(self, index: int) -> RoundRecord:
         """Round `index` of a v1 run with the same seed (same draws, so the same tokens)."""
         if self.v1 is None:
-            prompt_ids = encode_prompt(self.target.tokenizer, self.plan.settings.prompt)
-            self.v1 = SpeculativeEngine(ModelPair(self.target, self.draft), prompt_ids, replace(self.plan.config, mode=Mode.V1))
+            prompt_ids = self.plan.settings.prompt_ids(self.target.tokenizer)
+            self.v1 = SpeculativeEngine(self.pair, prompt_ids, replace(self.plan.config, mode=Mode.V1))
         while len(self.v1.rounds) <= index and not self.v1.finished:
             self.v1.step()
         return self.v1.rounds[index]
@@ -437,9 +470,9 @@ class LessonDriver:
     def tree_record(self, index: int) -> RoundRecord:
         """Round `index` of a run with the same seed that drafts a tree of 2K nodes, K deep, instead."""
         if self.tree is None:
-            prompt_ids = encode_prompt(self.target.tokenizer, self.plan.settings.prompt)
+            prompt_ids = self.plan.settings.prompt_ids(self.target.tokenizer)
             spec = TreeSpec(budget=min(2 * self.k, TREE_BOUND), depth=self.k)
-            self.tree = SpeculativeEngine(ModelPair(self.target, self.draft), prompt_ids, replace(self.plan.config, tree=spec))
+            self.tree = SpeculativeEngine(self.pair, prompt_ids, replace(self.plan.config, tree=spec))
         while len(self.tree.rounds) <= index and not self.tree.finished:
             self.tree.step()
         return self.tree.rounds[index]
@@ -484,11 +517,19 @@ class LessonDriver:
     def _memory_bound(self) -> _Content:
         r = self._reject()
         step_ms, verify_ms = self._costs(r.index)
-        return _Content(dict(target_mib=_num(self.target.weight_bytes / 2**20, 1),
-                             draft_mib=_num(self.draft.weight_bytes / 2**20, 1), step_ms=_num(step_ms, 2),
+        return _Content(dict(**self._drafter_facts(), step_ms=_num(step_ms, 2),
                              verify_ms=_num(verify_ms, 2), verify_ratio=_num(verify_ms / step_ms, 1),
                              cost_claim=cost_claim(self.k + 1, verify_ms / step_ms), k=str(self.k),
                              k1=str(self.k + 1)), r.index)
+
+    def _drafter_facts(self) -> dict[str, str]:
+        """What drafts in this run, as the text names it, and its weights in MiB."""
+        if self.plan.settings.drafter.uses_eagle and self.pair.eagle is not None:
+            name, size = "the target's EAGLE head (one decoder layer reading the target's own features)", \
+                self.pair.eagle.weight_bytes
+        else:
+            name, size = f"the draft model (`{self.pair.draft.name}`)", self.pair.draft.weight_bytes
+        return dict(drafter=name, drafter_mib=_num(size / 2**20, 1), target_mib=_num(self.target.weight_bytes / 2**20, 1))
 
     def _costs(self, upto: int) -> tuple[float, float]:
         """(median target-only step, median verify forward of K + 1 tokens) in ms, from the engine's own
@@ -500,7 +541,8 @@ class LessonDriver:
     def _draft(self) -> _Content:
         r = self._reject()
         facts = dict(round=str(r.index + 1), k=str(r.k), drafted=" · ".join(code(p.text) for p in r.positions),
-                     q_list=", ".join(_num(p.q_draft) for p in r.positions), draft_forwards=str(r.draft_forwards))
+                     q_list=", ".join(_num(p.q_draft) for p in r.positions), draft_forwards=str(r.draft_forwards),
+                     **self._drafter_facts())
         return _Content(facts, r.index, None, str(r.draft_forwards), tuple(str(n) for n in range(1, r.k + 2)))
 
     def _verify(self) -> _Content:
@@ -712,6 +754,10 @@ def cost_claim(tokens: int, ratio: float) -> str:
     read it, so neither claims what the bars beside it contradict)."""
     if not ratio == ratio:   # NaN: no target-only step measured yet
         return f"Verifying {tokens} tokens has not been compared with one step yet"
+    if ratio < 0.8:
+        return (f"Verifying {tokens} tokens costs {ratio:.1f}× one step, less than one step, which reading the "
+                "weights once cannot explain: the one-token steps measured here were slowed by something else "
+                "(another job on this machine, or a slower kernel for one row)")
     if ratio <= 1.3:
         return (f"Verifying {tokens} tokens costs {ratio:.1f}× one step: about one step, since the weights "
                 "are read once for all of them")
