@@ -120,6 +120,27 @@ def position_rates(rounds: Rounds) -> list[float]:
     return per_position_acceptance([r.checks() for r in drafted], max(r.depth for r in drafted))
 
 
+def accepted_at_positions(rounds: Rounds, k: int) -> list[float]:
+    """vLLM's per-position rate over the drafted rounds: at position i (0-based, i < k), the share of all
+    drafted rounds that accepted a draft there (its counter accepted_tokens_per_pos[i] over num_drafts).
+    Unconditional, unlike `position_rates`: a round rejected earlier counts as a miss at i. [] when no
+    round drafted."""
+    drafted = drafted_rounds(rounds)
+    if not drafted:
+        return []
+    return [sum(r.accepted > i for r in drafted) / len(drafted) for i in range(k)]
+
+
+def conditional_rates(unconditional: Sequence[float]) -> list[float]:
+    """Per-position rates given the position before was accepted, from unconditional ones (accepted at i
+    over every draft, as vLLM counts): a_i = u_i / u_{i-1}. NaN after a position never accepted."""
+    rates, reached = [], 1.0
+    for u in unconditional:
+        rates.append(u / reached if reached > 0 else math.nan)
+        reached = u
+    return rates
+
+
 def mean_k(rounds: Rounds) -> int | None:
     """The drafted rounds' mean K, rounded (at least 1); None when no round drafted."""
     drafted = drafted_rounds(rounds)
@@ -218,6 +239,14 @@ def cost_ratio(rounds: Rounds, baseline: Rounds) -> float | None:
     """c = median draft forward / median target-only step, both measured in this run. 0 for rounds
     that drafted without a model (prompt lookup); None until both sides have a timed step."""
     return Tally.of(rounds, baseline).cost_ratio()
+
+
+def verify_ratio(rounds: Rounds, baseline: Rounds) -> float | None:
+    """r as a run measures it inside its rounds: the median verify forward of the drafted decode rounds over
+    the median target-only step of its baseline. None until both are measured."""
+    step = target_step_ms(baseline)
+    verify = [r.timings.target_forward_ms for r in decode_rounds(rounds) if r.k]
+    return median(verify) / step if step and verify else None
 
 
 def tokens_per_s(rounds: Rounds) -> float | None:

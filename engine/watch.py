@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from engine.metrics import expected_tokens_from_rates
+from engine.metrics import conditional_rates, expected_tokens_from_rates
 
 MAX_METRICS_BYTES = 4 * 2**20    # a /metrics page is tens of kB; this bounds a hostile or wrong endpoint
 FETCH_TIMEOUT_S = 5.0
@@ -133,11 +133,7 @@ class Interval:
     def conditional_rates(self) -> tuple[float, ...]:
         """P(position i accepted | position i - 1 accepted): vLLM's rate at i counts every draft (accepted
         at i / drafts), the engine's per-position rates are conditional (engine.metrics). NaN past a 0."""
-        rates, reached = [], 1.0
-        for rate in self.position_rates:
-            rates.append(rate / reached if reached > 0 else math.nan)
-            reached = rate
-        return tuple(rates)
+        return tuple(conditional_rates(self.position_rates))
 
     def predicted_speedup(self, c: float, r: float, k: int | None = None) -> float | None:
         """Leviathan's speed-up E / (cK + r) from the measured per-position rates (engine.metrics'
@@ -169,8 +165,9 @@ def interval(before: Counters, after: Counters) -> Interval:
 
 
 # -- fetching --------------------------------------------------------------------------------------------
-def check_allowed(url: str, allowed: tuple[str, ...] = ()) -> None:
-    """WatchError unless `url` is http(s) to a loopback address or to a host named in `allowed`."""
+def check_allowed(url: str, allowed: tuple[str, ...] = (), flag: str = "--allow-host") -> None:
+    """WatchError unless `url` is http(s) to a loopback address or to a host named in `allowed` (`flag`: the
+    option that names more, as the refusal tells the operator)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WatchError(f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000/metrics")
@@ -178,7 +175,7 @@ def check_allowed(url: str, allowed: tuple[str, ...] = ()) -> None:
     if host in allowed or is_loopback(host):
         return
     raise WatchError(f"{host} is not allowed: only loopback addresses are watched unless the operator names "
-                     f"the host (--allow-host {host})")
+                     f"the host ({flag} {host})")
 
 
 def is_loopback(host: str) -> bool:
@@ -221,6 +218,68 @@ def read(url: str, allowed: tuple[str, ...] = (), at: float | None = None) -> di
     return counters(parse_prometheus(fetch(url, allowed)), time.monotonic() if at is None else at)
 
 
+# -- watching over time ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One interval of one model, placed on the watch's time line (seconds since the first reading)."""
+
+    t: float
+    interval: Interval
+
+
+class Watcher:
+    """Polls one server's metrics and keeps, per model, its intervals (the last `keep`) and the whole watch.
+
+    `poll` reads once; every model read before gets a new interval. The whole watch is the increase from
+    the first reading (or from the last restart, when a counter went down: the counters start at zero
+    again) to the latest. A model that appears later starts its own watch then. Owned by one caller (a
+    visitor's page, the terminal command): nothing here is shared.
+    """
+
+    def __init__(self, url: str, allowed: tuple[str, ...] = (), keep: int = 720,
+                 reader=read, flag: str = "--allow-host") -> None:
+        check_allowed(url, allowed, flag)
+        self.url, self.allowed, self.keep = url, allowed, keep
+        self._read = reader
+        self.start: float | None = None
+        self.first: dict[str, Counters] = {}
+        self.last: dict[str, Counters] = {}
+        self.points: dict[str, list[Point]] = {}
+        self.restarts: dict[str, int] = {}
+
+    def poll(self, at: float | None = None) -> dict[str, Interval]:
+        """One reading; the new interval of every model read before. WatchError as `read` raises it."""
+        now = self._read(self.url, self.allowed, at)
+        taken = next(iter(now.values())).at
+        self.start = taken if self.start is None else self.start
+        fresh = {}
+        for model, reading in now.items():
+            before = self.last.get(model)
+            self.last[model] = reading
+            if before is None:
+                self.first[model] = reading
+                continue
+            iv = interval(before, reading)
+            if iv.restarted:
+                self.first[model] = Counters(model, before.at)
+                self.restarts[model] = self.restarts.get(model, 0) + 1
+            points = self.points.setdefault(model, [])
+            points.append(Point(reading.at - self.start, iv))
+            del points[: max(0, len(points) - self.keep)]
+            fresh[model] = iv
+        return fresh
+
+    @property
+    def models(self) -> list[str]:
+        return sorted(self.last)
+
+    def total(self, model: str) -> Interval | None:
+        """The whole watch of `model` (since its first reading or its last restart); None before two readings."""
+        if model not in self.points:
+            return None
+        return interval(self.first[model], self.last[model])
+
+
 # -- python -m engine watch ---------------------------------------------------------------------------------
 def line(iv: Interval, c: float | None, r: float | None) -> str:
     """One interval as the terminal shows it."""
@@ -251,15 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--interval must be from 0.2 to 3600 seconds")
     allowed = tuple(a.allow_host)
     try:
-        before = read(a.url, allowed)
+        watcher = Watcher(a.url, allowed)
+        watcher.poll()
         done = 0
         while not a.count or done < a.count:
             time.sleep(a.interval)
-            after = read(a.url, allowed)
-            for model, now in after.items():
-                if model in before:
-                    print(line(interval(before[model], now), a.c, a.r), flush=True)
-            before, done = after, done + 1
+            for iv in watcher.poll().values():
+                print(line(iv, a.c, a.r), flush=True)
+            done += 1
     except WatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

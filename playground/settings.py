@@ -9,6 +9,7 @@ from engine.sources import BUILTIN
 AUTO, NONE = "auto", "none"
 
 ALLOW_CUSTOM_ENV = "SPECPLAY_ALLOW_CUSTOM_MODELS"
+LIVE_ENGINE_ENV = "SPECPLAY_LIVE_ENGINE"
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -34,6 +35,8 @@ class AppSettings:
     max_new_tokens: int = 256            # the largest max_new_tokens a visitor may ask for
     max_prompt_chars: int = 8000
     concurrency: int = 1                 # decoding events run at once (the rest queue)
+    live_engine: bool = True             # the Live engine page, which makes the server fetch a metrics URL
+    watch_hosts: tuple[str, ...] = ()    # hosts beyond loopback that page may fetch from
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -62,12 +65,23 @@ def proxy_hops_default(env: Mapping[str, str]) -> int:
 def allow_custom_default(env: Mapping[str, str]) -> bool:
     """SPECPLAY_ALLOW_CUSTOM_MODELS decides if set; otherwise custom ids are allowed locally and
     refused on a Space, where any visitor could otherwise make the server download anything."""
-    value = env.get(ALLOW_CUSTOM_ENV)
+    return _switch(env, ALLOW_CUSTOM_ENV)
+
+
+def live_engine_default(env: Mapping[str, str]) -> bool:
+    """SPECPLAY_LIVE_ENGINE decides if set; otherwise the Live engine page is on locally and off on a Space,
+    where any visitor could otherwise make the server fetch an address."""
+    return _switch(env, LIVE_ENGINE_ENV)
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    """An on/off environment variable; unset: on locally, off on a Space. ValueError for another word."""
+    value = env.get(name)
     if value is None:
         return not running_on_space(env)
     word = value.strip().lower()
     if word not in TRUE_WORDS + FALSE_WORDS:
-        raise ValueError(f"{ALLOW_CUSTOM_ENV} must be one of {', '.join(TRUE_WORDS + FALSE_WORDS[:-1])}, got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(TRUE_WORDS + FALSE_WORDS[:-1])}, got {value!r}")
     return word in TRUE_WORDS
 
 

@@ -28,6 +28,7 @@ from playground.pages import detail as page_detail
 from playground.pages import kv as page_kv
 from playground.pages import lab as page_lab
 from playground.pages import lesson as page_lesson
+from playground.pages import live as page_live
 from playground.pages import stream as page_stream
 from playground.pages import theory as page_theory
 from playground.pages import traces as page_traces
@@ -458,8 +459,10 @@ def build_app(ctx: Context) -> gr.Blocks:
                             with gr.Tab("Compare", id="compare") as compare_tab:
                                 page_compare.build(examples)
             with gr.Tab("Lesson", id="lesson"):
-                # The lesson drives its own run of the built-in pair, beside the playground's.
+                # The lesson drives its own run, beside the playground's.
                 page_lesson.build_lesson(ctx.registry)
+            with gr.Tab("Live engine", id="live"):
+                page_live.build(ctx)
         theory_tab.select(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
         theory.refresh.click(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
         theory.remeasure.click(handlers.on_remeasure, [state], [state, *theory.outputs()], api_name=False)

@@ -281,3 +281,32 @@ def test_a_deep_hybrid_tree_scrolls_inside_its_panel_with_no_chip_on_another(bro
     assert geometry["clipped"] and geometry["scrollWidth"] > geometry["clientWidth"], geometry   # ...so it scrolls
     page.locator("#tree-view").screenshot(path=str(tmp_path / "tree.png"))
     page.close()
+
+
+def test_the_live_engine_page_watches_a_server_and_its_charts_fit(browser, url, tmp_path):
+    """The Live engine tab against a real vLLM /metrics body served on loopback, whose counters grow between
+    two readings (shared/fixtures; skipped without it)."""
+    from tests.test_watch import FIXTURE, Serving, body, scaled
+
+    if not FIXTURE.is_file():
+        pytest.skip(f"the metrics fixture is not at {FIXTURE}")
+    shots = Path(os.environ.get("SPECPLAY_SHOTS", tmp_path))
+    served = Serving(scaled(body(), 0.5))
+    page = open_page(browser, url, 1440, 1000)
+    try:
+        page.get_by_role("tab", name="Live engine").click()
+        page.fill("#live-url textarea, #live-url input", served.url)
+        page.fill("#live-interval input", "1")
+        page.click("#live-watch")
+        page.wait_for_function("document.querySelector('#live-summary').innerText.includes('Watching')")
+        served.text = body()
+        page.wait_for_function("document.querySelector('#live-summary').innerText.includes('intervals')")
+        summary = page.locator("#live-summary").inner_text()
+        assert "acceptance rate 0.278" in summary     # the fixture's counters: Δaccepted 10 / Δdraft tokens 36
+        page.click("#live-stop")
+        ids = ["live-acceptance", "live-per-position", "live-throughput", "live-prediction"]
+        wait_for_plots(page, ids)
+        plots_fit(page, ids, shots / "live-engine.png")
+    finally:
+        page.close()
+        served.close()

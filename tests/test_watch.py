@@ -79,17 +79,19 @@ def test_what_is_not_speculative_metrics_gets_its_own_sentence(text, words):
 
 
 class Serving:
-    """A local HTTP server on 127.0.0.1 answering GET with `text` (what a /metrics route would send)."""
+    """A local HTTP server on 127.0.0.1 answering GET with `text` (what a /metrics route would send); set
+    `text` to change what the next GET gets."""
 
     def __init__(self, text: str) -> None:
-        payload = text.encode()
+        self.text = text
+        serving = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain")
                 self.end_headers()
-                self.wfile.write(payload)
+                self.wfile.write(serving.text.encode())
 
             def log_message(self, *args):
                 pass

@@ -15,7 +15,7 @@ from playground.view import RunView
 HEIGHT = 300
 
 
-def _figure(traces: list, title: str, xtitle: str, ytitle: str, **layout) -> go.Figure:
+def chart_figure(traces: list, title: str, xtitle: str, ytitle: str, **layout) -> go.Figure:
     return styled_figure(traces, title=dict(text=title, font=dict(size=14)), height=HEIGHT,
                          margin=dict(l=50, r=20, t=50, b=45), xaxis=dict(title=xtitle), yaxis=dict(title=ytitle),
                          legend=dict(orientation="h", y=-0.3), **layout)
@@ -47,7 +47,7 @@ def acceptance_figure(view: RunView) -> go.Figure:
         per_round.append(r.accepted / r.k if r.k else None)
         drafted.append(accepted / k if k else None)
         verified.append(accepted / checked if checked else None)
-    return _figure([go.Bar(x=xs, y=per_round, name="this round (accepted / drafted)", marker_color=GREEN, opacity=0.7),
+    return chart_figure([go.Bar(x=xs, y=per_round, name="this round (accepted / drafted)", marker_color=GREEN, opacity=0.7),
                     go.Scatter(x=xs, y=drafted, name="draft acceptance rate: accepted / drafted", mode="lines",
                                line=dict(color="#000")),
                     go.Scatter(x=xs, y=verified, name="α: accepted / verified", mode="lines",
@@ -61,7 +61,7 @@ def per_position_figure(view: RunView) -> go.Figure:
         return empty_figure(msg)
     rates = metrics.position_rates(view.rounds)
     ys = [None if math.isnan(r) else r for r in rates]
-    return _figure([go.Bar(x=list(range(1, len(rates) + 1)), y=ys, name="acceptance", marker_color=SPEC_COLOUR)],
+    return chart_figure([go.Bar(x=list(range(1, len(rates) + 1)), y=ys, name="acceptance", marker_color=SPEC_COLOUR)],
                    "Per-position acceptance (a tree: per depth)", "draft position or tree depth",
                    "accepted / verified", yaxis_range=[0, 1.05])
 
@@ -73,7 +73,7 @@ def accepted_length_figure(view: RunView) -> go.Figure:
     drafted = metrics.drafted_rounds(view.rounds)
     counts = Counter(r.accepted for r in drafted)
     xs = list(range(0, max(r.k for r in drafted) + 1))
-    return _figure([go.Bar(x=xs, y=[counts.get(x, 0) for x in xs], name="rounds", marker_color=SPEC_COLOUR)],
+    return chart_figure([go.Bar(x=xs, y=[counts.get(x, 0) for x in xs], name="rounds", marker_color=SPEC_COLOUR)],
                    "Accepted drafts per round", "accepted drafts", "rounds", xaxis_dtick=1)
 
 
@@ -88,7 +88,7 @@ def tokens_time_figure(view: RunView) -> go.Figure:
         traces.append(go.Scatter(x=[0] + [b.elapsed_s for b in view.baseline],
                                  y=[0] + [b.tokens_total for b in view.baseline], name="target-only (measured)",
                                  mode="lines", line=dict(color=BASELINE_COLOUR, dash="dash", shape="hv")))
-    return _figure(traces, "Tokens vs decode time (prefill included)", "seconds", "tokens generated")
+    return chart_figure(traces, "Tokens vs decode time (prefill included)", "seconds", "tokens generated")
 
 
 def speedup_figure(view: RunView) -> go.Figure:
@@ -97,7 +97,7 @@ def speedup_figure(view: RunView) -> go.Figure:
         return empty_figure("Needs a target-only baseline (not recorded in target-only mode).")
     xs, measured, predicted = speedup_series(view)
     parity = dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=1.0, y1=1.0, line=dict(color=GREY, width=1))
-    return _figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
+    return chart_figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
                     go.Scatter(x=xs, y=predicted, name="predicted: E(α, K) / (cK + r(K+1)), all measured",
                                mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot"))],
                    "Speed-up over target-only", "round", "× target-only", shapes=[parity])

@@ -1,0 +1,213 @@
+"""The Live engine tab: a real vLLM or SGLang server's speculative-decoding metrics, polled and drawn over
+time next to Leviathan's prediction, and a specplay run of the same K beside them.
+
+The server fetches the URL, so only the addresses the operator allows are fetched (engine.watch: loopback
+unless `--watch-host` names more), each fetch bounded in time and size, in its own queue so that a slow
+endpoint never holds up anybody's Step; on a Space the page is off unless the operator turns it on. The
+visitor's watch (a `engine.watch.Watcher`) lives in the page's gr.State: nothing is shared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import gradio as gr
+
+from engine import metrics
+from engine.compared import ComparedRun
+from engine.config import DrafterKind, SpecConfig
+from engine.models import ModelLoadError
+from engine.prompts import ChatPrompt, PromptError
+from engine.sampling import SamplingParams
+from engine.watch import Watcher, WatchError
+from playground.controller import Context
+from playground.render import live as render
+
+DEFAULT_URL = "http://127.0.0.1:8000/metrics"
+SIDE_TOKENS = 64
+DRAFTERS = (("prompt lookup (as vLLM's ngram)", DrafterKind.NGRAM.value), ("EAGLE head", DrafterKind.EAGLE.value),
+            ("EAGLE + prompt lookup", DrafterKind.EAGLE_HYBRID.value), ("draft model", DrafterKind.MODEL.value))
+
+
+@dataclass
+class LiveState:
+    """One visitor's watch and specplay's run beside it."""
+
+    watcher: Watcher | None = None
+    side: render.SideRun | None = None
+    error: str | None = None     # the last reading's failure, shown until a reading succeeds
+
+
+@dataclass(frozen=True)
+class LivePage:
+    url: gr.Textbox
+    interval: gr.Number
+    watch: gr.Button
+    stop: gr.Button
+    model: gr.Dropdown
+    c: gr.Number
+    r: gr.Number
+    summary: gr.Markdown
+    acceptance: gr.Plot
+    per_position: gr.Plot
+    throughput: gr.Plot
+    prediction: gr.Plot
+    prompt: gr.Textbox
+    drafter: gr.Dropdown
+    run: gr.Button
+    timer: gr.Timer
+    state: gr.State
+
+    def figures(self) -> list:
+        return [self.summary, self.model, self.acceptance, self.per_position, self.throughput, self.prediction]
+
+
+def render_all(live: LiveState, model: str | None, c: float | None, r: float | None) -> tuple:
+    """(summary, model picker, four figures) for the visitor's watch."""
+    w = live.watcher
+    models = w.models if w is not None else []
+    model = model if model in models else (models[0] if models else None)
+    points = w.points.get(model, []) if w is not None and model else []
+    total = w.total(model) if w is not None and model else None
+    summary = render.summary_markdown(w, model, live.side)
+    if live.error:
+        summary = f"**The last reading failed:** {live.error}\n\n{summary}"
+    return (summary, gr.Dropdown(choices=models, value=model), render.acceptance_over_time(points),
+            render.per_position(total, live.side), render.throughput_over_time(points), render.prediction(total, c, r))
+
+
+class LiveHandlers:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        return tuple(self.ctx.settings.watch_hosts)
+
+    def start(self, live: LiveState | None, url: str, seconds: float, model, c, r) -> tuple:
+        live = live or LiveState()
+        try:
+            seconds = float(seconds)
+            if not 0.5 <= seconds <= 600:
+                raise WatchError("the interval must be from 0.5 to 600 seconds")
+            watcher = Watcher((url or "").strip(), self.allowed, flag="python app.py --watch-host")
+            watcher.poll()
+        except WatchError as exc:
+            gr.Warning(str(exc))
+            live = replace(live, error=str(exc))
+            return (live, gr.Timer(active=False), *render_all(live, model, c, r))
+        live = replace(live, watcher=watcher, error=None)
+        return (live, gr.Timer(value=seconds, active=True), *render_all(live, model, c, r))
+
+    def tick(self, live: LiveState | None, model, c, r) -> tuple:
+        if live is None or live.watcher is None:
+            return (live, gr.Timer(active=False), *render_all(live or LiveState(), model, c, r))
+        try:
+            live.watcher.poll()
+            live.error = None
+        except WatchError as exc:   # a server restarting or busy: keep watching, say so
+            live.error = str(exc)
+        return (live, gr.skip(), *render_all(live, model, c, r))
+
+    def stop(self, live: LiveState | None, model, c, r) -> tuple:
+        return (live, gr.Timer(active=False), *render_all(live or LiveState(), model, c, r))
+
+    def redraw(self, live: LiveState | None, model, c, r) -> tuple:
+        return render_all(live or LiveState(), model, c, r)
+
+    def run_beside(self, live: LiveState | None, prompt: str, drafter: str, model, c, r) -> tuple:
+        """specplay on the server's default pair with the watched model's K, greedy, SIDE_TOKENS tokens;
+        its measured c and r fill the prediction's inputs."""
+        live = live or LiveState()
+        w = live.watcher
+        total = w.total(model if model in (w.models if w else []) else (w.models[0] if w and w.models else ""))\
+            if w is not None else None
+        if total is None or not total.position_rates:
+            gr.Warning("Watch a server first: the run takes its K from the server's per-position counters.")
+            return (live, gr.skip(), gr.skip(), *render_all(live, model, c, r))
+        k = len(total.position_rates)
+        preset = self.ctx.registry.presets[0]
+        try:
+            pair = self.ctx.registry.pair(preset.key)
+            kind = DrafterKind(drafter)
+            if kind.uses_model and pair.draft is None or kind.uses_eagle and pair.eagle is None:
+                raise ValueError(f"{preset.label} has no {'draft model' if kind.uses_model else 'EAGLE head'}: "
+                                 "pick another drafter")
+            config = SpecConfig(drafter=kind, k=k, sampling=SamplingParams(temperature=0.0), seed=0,
+                                max_new_tokens=SIDE_TOKENS)
+            text = ChatPrompt(prompt) if preset.chat else prompt
+            run = ComparedRun(pair, text, config)
+            try:
+                rounds = run.run_to_end()
+                baseline = run.baseline.rounds if run.baseline is not None else []
+            finally:
+                run.close()
+        except (ModelLoadError, PromptError, ValueError) as exc:
+            gr.Warning(str(exc))
+            return (live, gr.skip(), gr.skip(), *render_all(live, model, c, r))
+        side = render.SideRun(f"specplay ({preset.target}, {kind.value})", k,
+                              tuple(metrics.accepted_at_positions(rounds, k)), metrics.tokens_per_round(rounds),
+                              metrics.cost_ratio(rounds, baseline), metrics.verify_ratio(rounds, baseline))
+        live = replace(live, side=side)
+        c = round(side.c, 4) if side.c is not None else c
+        r = round(side.r, 3) if side.r is not None else r
+        return (live, c, r, *render_all(live, model, c, r))
+
+
+def build(ctx: Context) -> LivePage | None:
+    """Lay the tab out in the current Blocks context and wire it; None (and a sentence) when it is off."""
+    if not ctx.settings.live_engine:
+        gr.Markdown("The Live engine page is **off on this server**: it makes the server fetch a URL, which on a "
+                    "public server any visitor could point anywhere. Its operator can turn it on with "
+                    "`python app.py --live-engine` (or `SPECPLAY_LIVE_ENGINE=1`), and allow hosts beyond "
+                    "loopback with `--watch-host HOST`.")
+        return None
+    hosts = ", ".join(ctx.settings.watch_hosts) or "none"
+    gr.Markdown("### Watch a real engine\nPoint this at a vLLM or SGLang server's Prometheus `/metrics` with "
+                "speculative decoding on (vLLM: `--speculative-config`, SGLang: `--speculative-algorithm`). "
+                f"Only loopback addresses are fetched, and these other hosts: {hosts}.")
+    with gr.Row():
+        url = gr.Textbox(DEFAULT_URL, label="metrics URL", scale=3, elem_id="live-url")
+        interval = gr.Number(5, label="seconds between readings", minimum=0.5, maximum=600, scale=1,
+                             elem_id="live-interval")
+        watch = gr.Button("Watch", variant="primary", scale=1, elem_id="live-watch")
+        stop = gr.Button("Stop", scale=1, elem_id="live-stop")
+    with gr.Row():
+        model = gr.Dropdown([], label="model", scale=2, elem_id="live-model", allow_custom_value=True)
+        c = gr.Number(None, label="c: a draft forward / a target step", minimum=0, scale=1, elem_id="live-c")
+        r = gr.Number(None, label="r: the verify forward / a target step", minimum=0, scale=1, elem_id="live-r")
+    summary = gr.Markdown(render.summary_markdown(None, None, None), elem_id="live-summary")
+    with gr.Row():
+        acceptance = gr.Plot(show_label=False, elem_id="live-acceptance")
+        per_position = gr.Plot(show_label=False, elem_id="live-per-position")
+    with gr.Row():
+        throughput = gr.Plot(show_label=False, elem_id="live-throughput")
+        prediction = gr.Plot(show_label=False, elem_id="live-prediction")
+    gr.Markdown(f"#### specplay beside it\nRuns this server's default pair here, greedy, {SIDE_TOKENS} tokens, with "
+                "the watched model's K, and draws its per-position rates beside the server's (both counted as vLLM "
+                "counts them: accepted at position i over drafts). Its measured c and r fill the prediction.")
+    with gr.Row():
+        prompt = gr.Textbox("Why is the sky blue?", label="prompt", scale=3, elem_id="live-prompt")
+        drafter = gr.Dropdown(DRAFTERS, value=DrafterKind.NGRAM.value, label="drafter", scale=1, elem_id="live-drafter")
+        run = gr.Button("Run specplay with the same K", scale=1, elem_id="live-run")
+    timer = gr.Timer(5, active=False)
+    state = gr.State(None)
+    page = LivePage(url, interval, watch, stop, model, c, r, summary, acceptance, per_position, throughput,
+                    prediction, prompt, drafter, run, timer, state)
+    _wire(page, LiveHandlers(ctx))
+    return page
+
+
+def _wire(page: LivePage, h: LiveHandlers) -> None:
+    # Fetches wait on the network, not the CPU: their own queue, never the decoding one.
+    fetching = dict(api_name=False, concurrency_id="live-fetch", concurrency_limit=8)
+    figures = page.figures()
+    inputs = [page.model, page.c, page.r]
+    page.watch.click(h.start, [page.state, page.url, page.interval, *inputs], [page.state, page.timer, *figures],
+                     **fetching)
+    page.timer.tick(h.tick, [page.state, *inputs], [page.state, page.timer, *figures], **fetching)
+    page.stop.click(h.stop, [page.state, *inputs], [page.state, page.timer, *figures], api_name=False)
+    for box in inputs:
+        box.input(h.redraw, [page.state, *inputs], figures, api_name=False)
+    page.run.click(h.run_beside, [page.state, page.prompt, page.drafter, *inputs],
+                   [page.state, page.c, page.r, *figures], api_name=False, concurrency_id="live-run",
+                   concurrency_limit=1)
