@@ -53,8 +53,7 @@ def test_json_has_every_field_for_every_method(quick_run):
         assert r["mean_accepted_length"] * r["rounds"] == pytest.approx(r["tokens"])
         assert (r["phases_ms_per_token"] is None) == (r["family"] == "hf")
     assert doc["meta"]["new_tokens"] == NEW and doc["meta"]["prompt_lengths"] == [32]
-    curve = doc["meta"]["calibration"]
-    assert curve["ns"][0] == 1 and curve["r"][0] == 1.0 and curve["r"] == sorted(curve["r"])
+    assert doc["meta"]["calibration"]["ns"][0] == 1   # the curve itself: tests/test_calibration.py
 
 
 def test_identical_tokens_for_every_greedy_method(quick_run):

@@ -3,6 +3,7 @@ that carry the curve so a replay shows the machine it was measured on."""
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import pytest
 
@@ -64,11 +65,32 @@ def test_a_set_stop_event_ends_a_calibration_at_its_next_forward(builtin_pair):
     assert next(reads) == 4    # two forwards ran (two reads each), the third never started
 
 
-def test_a_real_calibration_of_the_builtin_target(builtin_pair):
+def test_a_real_calibration_reports_the_medians_of_its_own_forwards(builtin_pair, monkeypatch):
+    from engine import calibration
+    from engine.calibration import non_decreasing
+
     _, target = builtin_pair
-    curve = calibrate(target, context=32, grid=(1, 3, 9, 17), repeats=2)
-    assert curve.ns == [1, 3, 9, 17] and curve.r[0] == 1.0 and curve.r == sorted(curve.r)
-    assert curve.step_ms > 0 and all(m > 0 for m in curve.ms)
+    seen: dict[int, list[float]] = {}
+    real = calibration.curve_from_times
+
+    def spy(model, device, dtype, context, times, repeats):
+        seen.update({n: list(t) for n, t in times.items()})
+        return real(model, device, dtype, context, times, repeats)
+    monkeypatch.setattr(calibration, "curve_from_times", spy)
+    curve = calibrate(target, context=32, grid=(3, 9, 17), repeats=3)
+    assert sorted(seen) == curve.ns == [1, 3, 9, 17]               # one row is always measured: r's unit
+    assert all(len(t) == 3 for t in seen.values())
+    assert curve.ms == [statistics.median(seen[n]) for n in curve.ns]
+    assert curve.step_ms == pytest.approx(non_decreasing(curve.ms)[0])
+
+
+def test_a_curve_is_made_non_decreasing_and_relative_to_one_row():
+    from engine.calibration import curve_from_times
+
+    curve = curve_from_times("m", "cpu", "float32", 8, {1: [2.0, 2.2, 1.8], 4: [1.9], 8: [3.0, 3.2]}, 2)
+    assert curve.ms == [2.0, 1.9, 3.1]                     # the raw medians, as measured
+    # the least-squares non-decreasing fit pools 1 and 4 rows (4 rows cannot cost less than one): 1.95 each
+    assert curve.step_ms == pytest.approx(1.95) and curve.r == pytest.approx([1.0, 1.0, 3.1 / 1.95])
 
 
 def test_traces_round_trip_the_calibration(builtin_pair, tmp_path):

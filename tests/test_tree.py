@@ -325,7 +325,10 @@ def test_measured_confidence_grows_deeper_trees_that_accept_more():
         return verify_tree(tree, p_rows(tree), torch.Generator(), greedy=True).accepted_count
     assert max(raw.depths) <= 3 and accepted(raw) == max(raw.depths)
     assert max(learned.depths) == 8 and accepted(learned) == 8
-    assert grow(spec, 5, rows_at, False, torch.Generator().manual_seed(0), conf.weigh).size == 8   # sampled: unused
+    # sampling draws children from q alone: the learned weights change nothing there
+    sampled = grow(spec, 5, rows_at, False, torch.Generator().manual_seed(0), conf.weigh)
+    plain = grow(spec, 5, rows_at, False, torch.Generator().manual_seed(0))
+    assert (sampled.tokens, sampled.parents) == (plain.tokens, plain.parents)
 
 
 def test_a_run_learns_in_its_own_confidence_table_unless_its_caller_keeps_one(builtin_pair, prompt):

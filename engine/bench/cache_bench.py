@@ -16,17 +16,21 @@ import torch
 from engine.clock import ForwardTimer
 
 
-def _decode_ms(forward, prompt: torch.Tensor, steps: int) -> float:
+def _decode_ms(forward, prompt: torch.Tensor, steps: int) -> tuple[float, int]:
+    """(ms per decode step, the greedy next token after the last step)."""
     forward(prompt)
     x = torch.tensor([[5]], device=prompt.device)
     timer, total = ForwardTimer(prompt.device), []
     with timer.time(total):
         for _ in range(steps):
-            forward(x)
-    return total[0] / steps
+            out = forward(x)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return total[0] / steps, int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
 
 
 def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
+    """Median ms per decode forward, by path. ValueError when the paths do not all decode the same next
+    token (a faster path that computes something else is no faster path)."""
     from transformers import DynamicCache
 
     from engine.kv_cache import KVPool
@@ -36,6 +40,11 @@ def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
         loaded.device)
     pool = KVPool(loaded.kv_shape, -(-(context + 64) // 16), 16, loaded.device, loaded.dtype)
     times: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
+
+    def record(name: str, measured: tuple[float, int]) -> None:
+        times.setdefault(name, []).append(measured[0])
+        tokens[name] = measured[1]
 
     def paged(name: str, contiguous: bool, use_fused: bool) -> None:
         cache = pool.new_sequence(fast_path=contiguous)
@@ -43,7 +52,7 @@ def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
             forward = lambda ids: fused.forward(cache, ids)  # noqa: E731
         else:
             forward = lambda ids: model(input_ids=ids, cache=cache, use_cache=True)  # noqa: E731
-        times.setdefault(name, []).append(_decode_ms(forward, prompt, 32))
+        record(name, _decode_ms(forward, prompt, 32))
         cache.free()
 
     with torch.inference_mode():
@@ -51,10 +60,12 @@ def bench_model(loaded, context: int, repeats: int) -> dict[str, float]:
             if fused is not None:
                 paged("fused forward, PagedCache", True, True)
             dynamic = DynamicCache(config=model.config)
-            times.setdefault("transformers, DynamicCache", []).append(
-                _decode_ms(lambda ids: model(input_ids=ids, cache=dynamic, use_cache=True), prompt, 32))
+            record("transformers, DynamicCache",
+                   _decode_ms(lambda ids: model(input_ids=ids, cache=dynamic, use_cache=True), prompt, 32))
             paged("transformers, PagedCache (view)", True, False)
             paged("transformers, PagedCache (gather)", False, False)
+    if len(set(tokens.values())) > 1:
+        raise ValueError(f"the paths decode different next tokens on {loaded.name}: {tokens}")
     return {name: statistics.median(xs) for name, xs in times.items()}
 
 

@@ -80,6 +80,21 @@ def worker_env(python: Path, threads: int) -> dict[str, str]:
 
 
 # -- what is compared ---------------------------------------------------------------------------------------
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def serve_argv(python: Path, model: str, port: int, speculative: dict | None = None, name: str = "smollm2",
+               max_model_len: int = 2048) -> list[str]:
+    """`vllm serve` of `model` on 127.0.0.1:`port` (fp32, eager, speculation as `speculative` says), run by the
+    virtualenv's python; start it with `worker_env(python, threads)`."""
+    argv = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
+            str(port), "--served-model-name", name, "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", str(max_model_len)]
+    if speculative is not None:
+        argv += ["--speculative-config", json.dumps(speculative)]
+    return argv
+
+
 @dataclass(frozen=True, slots=True)
 class PeerMethod:
     label: str                 # the table's row
@@ -89,8 +104,7 @@ class PeerMethod:
 
 def methods_for(target: str, draft_folder: str | None) -> list[PeerMethod]:
     rows = [PeerMethod("target-only", None, "target"),
-            PeerMethod(f"n-gram K={K}", {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
-                                        "prompt_lookup_max": 4}, f"ngram:{K}")]
+            PeerMethod(f"n-gram K={K}", NGRAM_SPEC, f"ngram:{K}")]
     if draft_folder:
         rows.append(PeerMethod(f"draft model K={K}", {"method": "draft_model", "model": draft_folder,
                                                     "num_speculative_tokens": K}, f"v2:{K}"))
@@ -182,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="vLLM block, specplay block: this many times")
     ap.add_argument("--venv", type=Path, default=None, help=f"vLLM's virtualenv (default: {default_venv()})")
     ap.add_argument("--compile", action="store_true", help="let vLLM compile (slower start; default: enforce_eager)")
+    ap.add_argument("--install-only", action="store_true",
+                    help="make vLLM's virtualenv (for `vllm serve` and the integration test), then stop")
     a = ap.parse_args(argv)
     log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
     try:
@@ -189,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except PeerUnavailable as exc:
         print(exc, file=sys.stderr)
         return 1
+    if a.install_only:
+        print(f"vLLM {VLLM_VERSION} is importable by {python}")
+        return 0
     draft = BUILTIN if a.target == BUILTIN else None
     try:
         with quiet_transformers():
