@@ -129,7 +129,13 @@ def local_presets() -> tuple[PairPreset, ...]:
                       eagle=SMOLLM2 if has_head[SMOLLM2] else None, examples=CHAT_EXAMPLES, chat=True,
                       recommended=SMOLLM2_RECOMMENDED if has_head[SMOLLM2] else
                       replace(SMOLLM2_RECOMMENDED, drafter=DrafterKind.NGRAM))
-    return (smol, builtin) if smollm2_gguf() is not None else (builtin, smol)
+    smols = (smol,)
+    second = f"{SMOLLM2}-eagle3"
+    if eagle_folder(second).is_dir():   # the EAGLE-3-style head, beside the first one: each named
+        smols += (replace(smol, key=second, eagle=second,
+                          label=f"SmolLM2-135M-Instruct (real model, {where}): prompt lookup or its EAGLE-3 head "
+                                "(three fused layers, trained on its own chat)"),)
+    return (*smols, builtin) if smollm2_gguf() is not None else (builtin, *smols)
 
 
 def default_target() -> str:
@@ -254,14 +260,13 @@ class ModelRegistry:
                  calibrate_fn: Callable[[LoadedModel], RCurve] | None = None,
                  deadlines: Deadlines = Deadlines()) -> None:
         local = local_presets()
-        known = {(p.draft, p.target): p for p in local}
-        first = known.get((default_draft, default_target))
-        if first is not None:   # the server's default is a local pair: it goes first, under the key "default"
-            first = replace(first, key="default", draft_device=draft_device, target_device=target_device)
+        chosen = next((p for p in local if (p.draft, p.target) == (default_draft, default_target)), None)
+        if chosen is not None:   # the server's default is a local pair: it goes first, under the key "default"
+            first = replace(chosen, key="default", draft_device=draft_device, target_device=target_device)
         else:
             first = PairPreset("default", f"{default_draft or '(no draft model)'} → {default_target} (server default)",
                                default_draft, default_target, draft_device, target_device)
-        others = tuple(p for p in local if (p.draft, p.target) != (first.draft, first.target))
+        others = tuple(p for p in local if p is not chosen)
         self.presets: tuple[PairPreset, ...] = (first, *others, *HUB_PRESETS)
         self._eagle_loader = eagle_loader
         self._eagles: dict[tuple[str, int], EagleRuntime] = {}

@@ -199,3 +199,19 @@ def test_sampled_bench_counts_every_prompt_and_rejects_greedy(builtin_pair, caps
         with pytest.raises(SystemExit):
             main(bad)
         assert message in capsys.readouterr().err
+
+
+def test_two_eagle_heads_are_compared_in_one_bench(tmp_path, capsys):
+    """The eagle3 methods draft with the second head (--eagle3), the eagle ones with the first (--eagle); here
+    both are the built-in target's head loaded twice, so they must draft alike, and decode like target-only."""
+    assert Method("eagle3-hybrid-tree-dynamic", 4).drafter == "eagle-hybrid" and Method("eagle3", 2).head == "eagle3"
+    assert Method("eagle", 2).head == "" and Method("eagle3", 2).spec_config(4).drafter is DrafterKind.EAGLE
+    out = tmp_path / "b.json"
+    assert main(["--quick", "--ks", "2", "--new-tokens", str(NEW), "--no-progress", "--methods", "eagle,eagle3",
+                 "--eagle3", "builtin", "--json", str(out)]) == 0
+    by = {r["label"]: r for r in json.loads(out.read_text())["records"]}
+    assert by["eagle3 K=2"]["identical_tokens"] and by["eagle K=2"]["identical_tokens"]
+    assert (by["eagle3 K=2"]["accepted"], by["eagle3 K=2"]["drafted"]) == (by["eagle K=2"]["accepted"],
+                                                                          by["eagle K=2"]["drafted"])
+    assert main(["--quick", "--ks", "2", "--no-progress", "--methods", "eagle3", "--eagle3", "no-such-head"]) != 0
+    assert "eagle3" in capsys.readouterr().err

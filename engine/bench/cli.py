@@ -28,6 +28,7 @@ from engine.bench.results import summarize_all
 from engine.bench.runs import BenchModels, run_bench
 from engine.calibration import calibrate
 from engine.cli import DTYPES, Parser, UsageError, check_device, quiet_transformers
+from engine.drafters.eagle import EagleLoadError, load_eagle
 from engine.models import ModelLoadError
 from engine.pair import ModelPair, load_pair
 from engine.prompts import PromptError
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None,
                    help="draft model, sharing the target's tokenizer, or 'none' (default: builtin for the built-in "
                         "target, else none: methods that need a draft model are then left out)")
+    p.add_argument("--eagle3", default=None,
+                   help="a second EAGLE head, for the eagle3 methods (default: <target>-eagle3 under assets/eagle)")
     p.add_argument("--eagle", default=None,
                    help="EAGLE head for the eagle methods: a folder or a source name under assets/eagle "
                         "(default: the target's source)")
@@ -102,15 +105,24 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
         raise UsageError(str(exc)) from None
 
 
-def load_models(a: argparse.Namespace, needs_draft: bool, needs_eagle: bool) -> ModelPair:
+def load_models(a: argparse.Namespace, needs_draft: bool, needs_eagle: bool, needs_eagle3: bool = False) -> BenchModels:
     for spec in (a.draft_device, a.target_device):
         if spec is not None:
             check_device(spec)
     try:
-        return load_pair(a.target, a.draft if needs_draft else None, (a.eagle or a.target) if needs_eagle else None,
+        pair = load_pair(a.target, a.draft if needs_draft else None, (a.eagle or a.target) if needs_eagle else None,
                          draft_device=a.draft_device, target_device=a.target_device, dtype=a.dtype)
+        second = None
+        if needs_eagle3:
+            source = a.eagle3 or f"{a.target}-eagle3"
+            try:
+                second = ModelPair(pair.target, pair.draft, load_eagle(source, pair.target))
+            except EagleLoadError as exc:
+                raise ModelLoadError(f"{exc} (the eagle3 methods draft with --eagle3, default {a.target}-eagle3)") \
+                    from None
     except ModelLoadError as exc:
         raise UsageError(str(exc)) from None
+    return BenchModels(pair, eagle3=second)
 
 
 def draft_source(a: argparse.Namespace) -> str | None:
@@ -137,8 +149,8 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
             raise UsageError(f"{chosen.name} needs a draft model: pass --draft")
     drafters = [chosen] if chosen else build_methods(settings.methods, settings.ks)
     with quiet_transformers():  # assisted generation warns on every call about its own internal kwargs
-        models = BenchModels(load_models(a, any(m.uses_draft_model or m.name == "hf-assisted" for m in drafters),
-                                         any(m.uses_eagle for m in drafters)))
+        models = load_models(a, any(m.uses_draft_model or m.name == "hf-assisted" for m in drafters),
+                             any(m.uses_eagle and not m.head for m in drafters), any(m.head for m in drafters))
         target, draft = models.target, models.draft
         prompts = make_prompts(settings, target)
         if chosen:

@@ -14,7 +14,10 @@ METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "
                 "v2", "v1", "v2-heuristic", "v1-heuristic", "ngram", "hybrid", "hybrid-heuristic",
                 "eagle", "eagle-heuristic", "eagle-hybrid", "tree-static", "tree-dynamic", "eagle-tree-static",
                 "eagle-tree-dynamic", "tree-static-q", "tree-dynamic-q", "eagle-tree-static-q", "eagle-tree-dynamic-q",
-                "hybrid-tree-static", "hybrid-tree-dynamic", "eagle-hybrid-tree-static", "eagle-hybrid-tree-dynamic")
+                "hybrid-tree-static", "hybrid-tree-dynamic", "eagle-hybrid-tree-static", "eagle-hybrid-tree-dynamic",
+                "eagle3", "eagle3-hybrid", "eagle3-tree-dynamic", "eagle3-hybrid-tree-dynamic")
+# "eagle3...": the eagle methods with the target's second head (--eagle3: its EAGLE-3-style head), beside the
+# first (--eagle) in the same process.
 # Tree methods grow by the draft's measured confidence (engine.tree.Confidence); "-q": by raw q, as EAGLE-2;
 # "hybrid-": with prompt lookup merged into the tree.
 TREE_METHODS = tuple(m for m in METHOD_NAMES if "tree-" in m)
@@ -50,10 +53,15 @@ class Method:
         return "hf" if self.name.startswith("hf-") else "engine"
 
     @property
+    def head(self) -> str:
+        """Which EAGLE head an eagle method drafts with: "eagle3" (the bench's --eagle3) or "" (--eagle)."""
+        return "eagle3" if self.name.startswith("eagle3") else ""
+
+    @property
     def drafter(self) -> str:
         if self.k is None:
             return "none"
-        base = self.name.removesuffix("-heuristic")
+        base = self.name.removesuffix("-heuristic").replace("eagle3", "eagle", 1)
         for hybrid in ("eagle-hybrid", "hybrid"):
             if base.startswith(hybrid):
                 return hybrid

@@ -64,6 +64,14 @@ class BenchModels:
 
     pair: ModelPair
     assistants: dict[int, torch.nn.Module] = field(default_factory=dict)
+    eagle3: ModelPair | None = None   # the same target with its second head, for the "eagle3" methods
+
+    def pair_for(self, method: Method) -> ModelPair:
+        if method.head == "eagle3":
+            if self.eagle3 is None:
+                raise ValueError(f"{method.name} needs the target's second head (--eagle3)")
+            return self.eagle3
+        return self.pair
 
     @property
     def target(self) -> LoadedModel:
@@ -109,7 +117,8 @@ def run_engine(method: Method, models: BenchModels, prompt: list[int], new_token
     tree grows by the confidence table in `learned` (the method's own, kept across its runs), else a fresh one."""
     t0 = time.perf_counter()
     config = method.spec_config(new_tokens)
-    engine = SpeculativeEngine(models.pair, prompt, config, confidence=learned.for_run(config) if learned else None)
+    engine = SpeculativeEngine(models.pair_for(method), prompt, config,
+                               confidence=learned.for_run(config) if learned else None)
     engine.step()
     ttft = time.perf_counter() - t0
     engine.run()
