@@ -199,6 +199,11 @@ def test_sampled_bench_counts_every_prompt_and_rejects_greedy(builtin_pair, caps
         with pytest.raises(SystemExit):
             main(bad)
         assert message in capsys.readouterr().err
+    # several heads in one process, one line each; a head that is not there gets its sentence
+    assert main(["--eagle", "builtin,builtin", "--num-prompts", "1", "--new-tokens", "4", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["eagle"] for x in lines] == ["builtin", "builtin"] and all(x["tokens"] == 4 for x in lines)
+    assert main(["--eagle", "no-such-head", "--num-prompts", "1"]) == 2 and "no-such-head" in capsys.readouterr().err
 
 
 def test_two_eagle_heads_are_compared_in_one_bench(tmp_path, capsys):

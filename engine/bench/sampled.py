@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--eagle", default=None,
+                    help="the EAGLE head(s) for an eagle drafter: sources under assets/eagle or folders, comma-"
+                         "separated to measure several in one process (default: the target's own)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     a = ap.parse_args(argv)
     drafter = DrafterKind(a.drafter)
@@ -92,15 +95,29 @@ def main(argv: list[str] | None = None) -> int:
                              f"built-in target only")
     except ValueError as exc:
         ap.error(str(exc))
-    with quiet_transformers():
-        pair = load_pair(a.target, BUILTIN if drafter.uses_model else None, a.target if drafter.uses_eagle else None)
-    result = measure(pair, prompts_for(pair.target, a.num_prompts), config)
-    if a.json:
-        print(json.dumps({**asdict(result), "speedup": result.speedup}))
-    else:
-        print(f"{result.target}, {result.drafter} K={result.k}, T={result.temperature:g}, top-p {result.top_p:g}, "
-              f"{result.prompts} prompts: {result.tokens_per_s:.1f} tokens/s against target-only "
-              f"{result.baseline_tokens_per_s:.1f}: {result.speedup:.2f}x, alpha {result.alpha:.3f}")
+    heads = [h.strip() for h in (a.eagle or a.target).split(",") if h.strip()] if drafter.uses_eagle else [None]
+    from engine.drafters.eagle import EagleLoadError, load_eagle
+    from engine.models import ModelLoadError
+    from engine.pair import ModelPair
+
+    try:
+        with quiet_transformers():
+            base = load_pair(a.target, BUILTIN if drafter.uses_model else None)
+            pairs = [(head, ModelPair(base.target, base.draft, load_eagle(head, base.target) if head else None))
+                     for head in heads]
+    except (ModelLoadError, EagleLoadError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    prompts = prompts_for(base.target, a.num_prompts)
+    for head, pair in pairs:
+        result = measure(pair, prompts, config)
+        if a.json:
+            print(json.dumps({**asdict(result), "speedup": result.speedup, "eagle": head}))
+        else:
+            print(f"{result.target}, {result.drafter}{f' ({head})' if head else ''} K={result.k}, "
+                  f"T={result.temperature:g}, top-p {result.top_p:g}, {result.prompts} prompts: "
+                  f"{result.tokens_per_s:.1f} tokens/s against target-only {result.baseline_tokens_per_s:.1f}: "
+                  f"{result.speedup:.2f}x, alpha {result.alpha:.3f}")
     return 0
 
 

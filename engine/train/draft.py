@@ -39,6 +39,9 @@ class DraftEval:
     c: float                      # median head forward / median target decode step, the engine's clock
     draft_ms: float
     target_ms: float
+    temperature: float = 0.0      # 0: greedy
+    tokens_per_s: float | None = None          # the head's run, prompts one after another
+    target_tokens_per_s: float | None = None   # target-only on the same prompts, run beside it
 
 
 def training_prompts(target, source: str, count: int | None = None) -> list[list[int]]:
@@ -75,8 +78,10 @@ def heldout_prompts(target) -> list[list[int]]:
     return [w.tolist() for w in heldout_windows(16, 128, seed=99)]
 
 
-def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: list[list[int]] | None = None) -> DraftEval:
-    """Run the engine with the head in `folder` on the held-out prompts (or `prompts`) and measure what it did."""
+def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: list[list[int]] | None = None,
+             sampling=None, seed: int = 0) -> DraftEval:
+    """Run the engine with the head in `folder` on the held-out prompts (or `prompts`) and measure what it did,
+    greedy (or with `sampling`, prompt i seeded seed + i), target-only decoded beside it prompt by prompt."""
     from engine import metrics
     from engine.config import DrafterKind, Mode, SpecConfig
     from engine.drafters.eagle import load_runtime
@@ -86,20 +91,30 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: li
     pair = ModelPair(target, None, load_runtime(folder, target))
     # stop at the end of the turn, as in use: the training answers end there, and what a target writes
     # past its EOS is text no head was trained on
-    config = SpecConfig(drafter=DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False)
+    from engine.sampling import SamplingParams
+
+    sampling = sampling or SamplingParams()
+    config = SpecConfig(drafter=DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False, sampling=sampling)
     rounds, baseline = [], []
+    tokens, seconds = {Mode.V2: 0, Mode.TARGET: 0}, {Mode.V2: 0.0, Mode.TARGET: 0.0}
     prompts = prompts if prompts is not None else heldout_prompts(target)
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         for mode, out in ((Mode.V2, rounds), (Mode.TARGET, baseline)):
-            engine = SpeculativeEngine(pair, ids, replace(config, mode=mode))
-            out += engine.run()
+            engine = SpeculativeEngine(pair, ids, replace(config, mode=mode, seed=seed + i))
+            done = engine.run()
             engine.close()
+            out += done
+            if done:
+                tokens[mode] += done[-1].tokens_total
+                seconds[mode] += done[-1].elapsed_s
     drafted = metrics.drafted_rounds(rounds)
     step = metrics.target_step_ms(baseline)
     draft = metrics.draft_forward_ms(rounds)
     return DraftEval(len(prompts), new_tokens, k, metrics.alpha(drafted), metrics.draft_acceptance(drafted),
                      metrics.position_rates(drafted), sum(len(r.emitted) for r in drafted) / len(drafted),
-                     draft / step, draft, step)
+                     draft / step, draft, step, sampling.temperature,
+                     tokens[Mode.V2] / seconds[Mode.V2] if seconds[Mode.V2] else None,
+                     tokens[Mode.TARGET] / seconds[Mode.TARGET] if seconds[Mode.TARGET] else None)
 
 
 def write_card(folder: Path, target_source: str, figures: DraftEval, meta: dict) -> None:

@@ -325,24 +325,51 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              + ", ".join(f"{a:.2f}" for a in meta["heldout_top1_by_step"]),
              f"- wall-clock time of this training run: {wall_s / 3600:.2f} h", ""]
     for name, e in evals.items():
-        lines += [f"## Measured by the engine: {name} ({e['prompts']} prompts, greedy, K = {e['k']}, up to "
+        how = "greedy" if not e.get("temperature") else f"T = {e['temperature']:g}"
+        speed = ""
+        if e.get("tokens_per_s") and e.get("target_tokens_per_s"):
+            speed = (f"; {e['tokens_per_s']:.1f} tok/s against target-only {e['target_tokens_per_s']:.1f}, decoded "
+                     f"beside it prompt by prompt: **{e['tokens_per_s'] / e['target_tokens_per_s']:.2f}×**")
+        lines += [f"## Measured by the engine: {name} ({e['prompts']} prompts, {how}, K = {e['k']}, up to "
                   f"{e['new_tokens']} new tokens)",
                   f"- per-position acceptance α: **{e['alpha']:.3f}**; at positions 1..{e['k']}: "
                   + ", ".join(f"{r:.2f}" for r in e["position_rates"]),
-                  f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}", ""]
+                  f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}{speed}", ""]
     lines += ["## Commands", "```", "python -m engine draft-data --target " + target_source, command, "```", ""]
     (folder / "MODEL_CARD.md").write_text("\n".join(lines))
     (folder / "card.json").write_text(json.dumps({"eval": evals, **{k: v for k, v in meta.items() if k != "log"}},
                                                  indent=1) + "\n")
 
 
+def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log) -> dict:
+    """The engine's measure of the new head (and of today's head in `today`, on the same prompts, in the same
+    process): greedy on the 16 held-out chat prompts and on 32 held-out Magpie prompts, and at T = 0.7,
+    top-p 0.95 on the chat prompts. Keyed by a sentence naming the head, the prompts and the sampling."""
+    from engine.prompts import ChatPrompt, encode_chat
+    from engine.sampling import SamplingParams
+    from engine.train.draft import evaluate
+
+    magpie = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in heldout[:32]]
+    sets = [("the 16 held-out chat prompts", None, None),
+            (f"{len(magpie)} held-out Magpie prompts", magpie, None),
+            ("the 16 held-out chat prompts, T = 0.7, top-p 0.95", None, SamplingParams(temperature=0.7, top_p=0.95))]
+    heads = [("this head", head)] + ([("today's head", today)] if today is not None and today.is_dir() else [])
+    evals = {}
+    for what, prompts, sampling in sets:
+        for name, folder in heads:
+            key = f"{name}: {what}"
+            evals[key] = asdict(evaluate(target, folder, prompts=prompts, sampling=sampling))
+            e = evals[key]
+            log(f"{key}: alpha {e['alpha']:.3f}, tokens/round {e['tokens_per_round']:.2f}, "
+                f"{e['tokens_per_s']:.1f} against {e['target_tokens_per_s']:.1f} tok/s target-only")
+    return evals
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import re
 
-    from engine.prompts import ChatPrompt, encode_chat
     from engine.sources import REPO_ROOT, SMOLLM2, eagle_folder
-    from engine.train.draft import evaluate
 
     ap = argparse.ArgumentParser(prog="python -m engine train-eagle3", description=(
         "Train an EAGLE-3-style head on the shards of `python -m engine draft-data`; resumable; then measure it "
@@ -375,13 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not result["finished"] or a.skip_eval:
         return 0
-    heldout = read_prompts(data)["heldout"]
-    evals = {}
-    for name, prompts in (("the 16 held-out chat prompts", None),
-                          (f"{min(32, len(heldout))} held-out Magpie prompts", heldout[:32])):
-        ids = None if prompts is None else [encode_chat(target.tokenizer, ChatPrompt(p)) for p in prompts]
-        evals[name] = asdict(evaluate(target, out, prompts=ids))
-        log(f"{name}: alpha {evals[name]['alpha']:.3f}, tokens/round {evals[name]['tokens_per_round']:.2f}")
+    evals = evaluate_heads(target, out, eagle_folder(a.target), read_prompts(data)["heldout"], log)
     command = "python -m engine train-eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])
     write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals, command,
                time.time() - t0)
