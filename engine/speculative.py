@@ -20,18 +20,17 @@ import torch
 from engine.clock import Now, PhaseClock
 from engine.config import DRAFT_SEED_OFFSET, K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
-from engine.drafters.base import TreeProposal
+from engine.drafters.base import NO_DRAFT, NoDraft, TreeProposal
 from engine.drafters.eagle import EagleDrafter
 from engine.metrics import summarize
 from engine.pair import ModelPair
 from engine.prompts import PromptError
 from engine.recorder import RoundRecorder, RoundResult, RunState, drafter_of, kv_state
-from engine.records import Outcome, RoundRecord, RoundTimings, RunSummary
+from engine.records import RoundRecord, RoundTimings, RunSummary
 from engine.runner import ModelRunner, pool_blocks, pool_bytes
-from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.sequence import Sequence
-from engine.tree import Confidence, TreeVerdict, attention_mask, verify_tree
-from engine.verify import VerifyResult, verify, verify_greedy
+from engine.tree import Confidence, TreeVerdict
+from engine.verify import VerifyResult
 
 
 def kv_capacity(prompt_tokens: int, config: SpecConfig) -> int:
@@ -85,7 +84,6 @@ class SpeculativeEngine:
         self.drafter = self._make_drafter(capacity, kv_blocks)
         self._needs_features = self.drafter is not None and self.drafter.needs_features
         self._taps = self.drafter.feature_layers if self._needs_features else ()
-        self._features: torch.Tensor | None = None   # the last target forward's features, for the drafter
         self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config), self.sequence.prompt)
         self.k = config.k
         # greedy trees grow by the draft's calibrated confidence, learned round by round: from `confidence`
@@ -145,7 +143,9 @@ class SpeculativeEngine:
 
         The first round is the prefill: one target forward over the whole prompt, whose last row
         gives the first token (as `generate` does), while the draft prefills alongside. Every
-        later round drafts, verifies and commits.
+        later round drafts, verifies and commits. A round holds a chain, a tree or nothing drafted
+        (engine.drafters.base), and asks each the same four things: what to feed the verify
+        forward, how to verify, which fed rows to keep, and the next K.
         """
         if self.finished:
             raise RuntimeError("the run is finished; reset to decode again")
@@ -153,32 +153,33 @@ class SpeculativeEngine:
         proposal = None
         if not self._started:
             with clock.phase("prefill"):
-                logits = self._prefill()
+                logits, features = self._prefill()
         else:
             with clock.phase("draft"):
                 proposal = self._draft()
             with clock.phase("verify"):
-                logits = self._verify_forward(proposal)
+                logits, features = self._verify_forward(proposal or NO_DRAFT)
+        drafted = proposal or NO_DRAFT
         with clock.phase("verify"):
-            p_rows, verdict = self._verify(logits, proposal)
+            p_rows, verdict = drafted.verify(logits, self.config, self.gen_verify)
         with clock.phase("commit"):
             emitted = self.sequence.accept(verdict.tokens)
-            self._commit(proposal, verdict)
-        self._schedule(proposal, verdict)
+            self._commit(drafted, verdict, features)
+        self.k = drafted.next_k(self.config, self.k, verdict, self.confidence)
         record = self._record(RoundResult(proposal, p_rows, verdict, emitted), clock, forwards_before)
         self.rounds.append(record)
         self._busy_s = record.elapsed_s
         return record
 
-    def _prefill(self) -> torch.Tensor:
+    def _prefill(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write the whole prompt's K/V (the invariant: every committed token but the last, which
-        will be the first generated one) and return the target's logits row after it."""
+        will be the first generated one); (the target's logits row after it, the prompt's features)."""
         self._started = True
-        logits, self._features = self.target_runner.forward_features(self.target_cache, self.prompt, last_only=True,
-                                                                     features=self._needs_features, taps=self._taps)
+        logits, features = self.target_runner.forward_features(self.target_cache, self.prompt, last_only=True,
+                                                               features=self._needs_features, taps=self._taps)
         if self.drafter is not None:
-            self.drafter.prefill(self.prompt, self._features)
-        return logits
+            self.drafter.prefill(self.prompt, features)
+        return logits, features
 
     def _draft(self) -> Proposal | TreeProposal | None:
         """Up to K drafts (or a tree), never more than the tokens still to generate leave room to verify."""
@@ -192,67 +193,29 @@ class SpeculativeEngine:
         proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1))
         return proposal if proposal.tokens else None
 
-    def _verify_forward(self, proposal: Proposal | TreeProposal | None) -> torch.Tensor:
-        """Target logits for [last, d1..dK]: K+1 rows, row K the bonus row; for a tree, one row per node
-        (the root first), each node at its depth and attending to its ancestors."""
-        extra: dict = {}
-        if isinstance(proposal, TreeProposal):
-            tree, past = proposal.tree, len(self.tokens) - 1
-            feed = tree.tokens
-            extra = {"positions": [past + d for d in tree.depths], "attn_mask": attention_mask(tree, past)}
-        else:
-            feed = [self.sequence.last, *(proposal.tokens if proposal else [])]
+    def _verify_forward(self, drafted: Proposal | TreeProposal | NoDraft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(target logits, features) for what the round feeds: [last, d1..dK] for a chain (row K the bonus
+        row), one row per node for a tree. v1 verifies without writing the cache."""
+        feed, extra = drafted.feed(self.sequence.last, len(self.tokens) - 1)
         forward = self.target_runner.forward_features
         if self.config.mode is Mode.V1:
             with self.target_cache.read_only():
-                logits, self._features = forward(self.target_cache, feed, features=self._needs_features,
-                                                 taps=self._taps, **extra)
-        else:
-            logits, self._features = forward(self.target_cache, feed, features=self._needs_features, taps=self._taps,
-                                             **extra)
-        return logits
+                return forward(self.target_cache, feed, features=self._needs_features, taps=self._taps, **extra)
+        return forward(self.target_cache, feed, features=self._needs_features, taps=self._taps, **extra)
 
-    def _verify(self, logits: torch.Tensor,
-                proposal: Proposal | TreeProposal | None) -> tuple[torch.Tensor, VerifyResult | TreeVerdict]:
-        """(processed target rows, the round's verdict). Greedy rounds verify from the argmaxes
-        (`verify_greedy`, the same result as `verify` on one-hot rows, without the [K+1, V] work)."""
-        if isinstance(proposal, TreeProposal):
-            greedy = self.config.sampling.greedy
-            p_rows = one_hot_rows(greedy_ids(logits), logits.shape[1]) if greedy else \
-                logits_to_probs(logits, self.config.sampling)
-            return p_rows, verify_tree(proposal.tree, p_rows, self.gen_verify, greedy, self.config.tree.rule)
-        if self.config.sampling.greedy:
-            ids = greedy_ids(logits)
-            p_rows = one_hot_rows(ids, logits.shape[1])
-            if proposal is not None:
-                return p_rows, verify_greedy(proposal.tokens, ids.tolist(), logits.shape[1], self.gen_verify)
-            return p_rows, self._sample_only(p_rows, int(ids[-1]))
-        p_rows = logits_to_probs(logits, self.config.sampling)
-        if proposal is not None:
-            return p_rows, verify(proposal.q_draft, p_rows, proposal.tokens, self.gen_verify, validate=False)
-        return p_rows, self._sample_only(p_rows)
-
-    def _sample_only(self, p_rows: torch.Tensor, greedy_token: int | None = None) -> VerifyResult:
-        """K = 0: the token comes from the bonus row alone (target-only decoding, or no n-gram match).
-        Consumes one uniform, as verify does for its final sample."""
-        u = draw_uniform(1, self.gen_verify, p_rows.device)
-        token = greedy_token if greedy_token is not None else int(sample_from(p_rows[-1:], u)[0])
-        return VerifyResult(tokens=[token], accepted_count=0, rejected=False, target_positions_checked=0,
-                            positions=[], final_token=token, final_outcome=Outcome.BONUS, final_row=0,
-                            final_u=float(u[0]), residual=None)
-
-    def _commit(self, proposal: Proposal | TreeProposal | None, verdict: VerifyResult | TreeVerdict) -> None:
-        """Bring both caches back to the invariant: K/V of tokens[:-1]. A tree round first moves its
-        accepted path's K/V next to the root's, into consecutive slots, and hands the drafter the
-        features of the root and the path."""
+    def _commit(self, drafted: Proposal | TreeProposal | NoDraft, verdict: VerifyResult | TreeVerdict,
+                features: torch.Tensor | None) -> None:
+        """Bring both caches back to the invariant: K/V of tokens[:-1]. When the kept rows are not a prefix of
+        the fed ones (a tree's root and accepted path), their K/V first move into consecutive slots, and the
+        drafter is handed the features of those rows only."""
         keep = len(self.tokens) - 1
         cache = self.target_cache
-        if isinstance(proposal, TreeProposal):
-            rows = [0, *verdict.path]
-            if self.config.mode is not Mode.V1:   # v2 wrote the whole tree: its last len(tree) slots
-                cache.compact(cache.table.length - len(proposal.tree.tokens), rows)
-            if self._features is not None:
-                self._features = self._features[rows]
+        rows = drafted.kept_rows(verdict)
+        if rows is not None:
+            if self.config.mode is not Mode.V1:   # v2 wrote every fed row: the cache's last slots
+                cache.compact(cache.table.length - drafted.fed_rows, rows)
+            if features is not None:
+                features = features[rows]
         if self.config.mode is Mode.V1:
             # The seed system's second forward: commit the accepted tokens' K/V.
             feed = self.tokens[cache.table.length : keep]
@@ -260,15 +223,7 @@ class SpeculativeEngine:
                 self.target_runner.forward(cache, feed, last_only=True)
         cache.rollback(cache.table.length - keep)
         if self.drafter is not None:
-            self.drafter.commit(self.tokens, self._features)
-
-    def _schedule(self, proposal: Proposal | TreeProposal | None, verdict: VerifyResult | TreeVerdict) -> None:
-        """The next round's K (the heuristic schedule reacts to a fully accepted round); a tree round
-        teaches the calibration what its children's q was worth."""
-        if isinstance(proposal, TreeProposal) and self.confidence is not None:
-            self.confidence.observe(proposal.tree, verdict)
-        if isinstance(proposal, Proposal):
-            self.k = self.config.next_k(self.k, verdict.accepted_count == len(proposal.tokens))
+            self.drafter.commit(self.tokens, features)
 
     # -- records ----------------------------------------------------------------------------------
     def _record(self, result: RoundResult, clock: PhaseClock, forwards_before: int) -> RoundRecord:

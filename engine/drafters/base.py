@@ -1,16 +1,27 @@
-"""The drafter interface: a proposal of K tokens with the q_draft rows they were drawn from."""
+"""The drafter interface, and what a round verifies: a chain of K drafts (`Proposal`), a tree of them
+(`TreeProposal`), or nothing (`NO_DRAFT`).
+
+The three share one interface, so the round (engine.speculative) never asks which it holds:
+- `feed(last, past)`: the verify forward's ids and, for a tree, its positions and attention mask;
+- `verify(logits, config, generator)`: the processed target rows and the verdict (the accept rule lives
+  in engine.verify for chains and engine.tree for trees);
+- `kept_rows(verdict)`: the fed rows (`fed_rows` of them) whose K/V and features survive (None: a prefix,
+  as in a chain);
+- `next_k(config, k, verdict, confidence)`: the next round's K, after the round taught what it learns.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from engine.config import DrafterKind
+from engine.config import DrafterKind, SpecConfig
 from engine.kv_cache import PagedCache
-
-if TYPE_CHECKING:
-    from engine.tree import DraftTree
+from engine.records import Outcome
+from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
+from engine.tree import Confidence, DraftTree, TreeVerdict, attention_mask, verify_tree
+from engine.verify import VerifyResult, verify, verify_greedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +32,66 @@ class Proposal:
     q_draft: torch.Tensor    # [len(tokens), V_target] float32 on the target's device
     forwards: int            # draft-model forwards spent
     source: DrafterKind      # the drafter that proposed them (a hybrid's copy is NGRAM)
+
+    @property
+    def fed_rows(self) -> int:
+        return len(self.tokens) + 1
+
+    def feed(self, last: int, past: int) -> tuple[list[int], dict]:
+        """[last, d1..dK]: K+1 rows at consecutive positions, causal; row K is the bonus row."""
+        return [last, *self.tokens], {}
+
+    def verify(self, logits: torch.Tensor, config: SpecConfig,
+               generator: torch.Generator) -> tuple[torch.Tensor, VerifyResult]:
+        """Greedy rounds verify from the argmaxes (`verify_greedy`, the same result as `verify` on one-hot
+        rows, without the [K+1, V] work)."""
+        if config.sampling.greedy:
+            ids = greedy_ids(logits)
+            return one_hot_rows(ids, logits.shape[1]), verify_greedy(self.tokens, ids.tolist(), logits.shape[1],
+                                                                     generator)
+        p_rows = logits_to_probs(logits, config.sampling)
+        return p_rows, verify(self.q_draft, p_rows, self.tokens, generator, validate=False)
+
+    def kept_rows(self, verdict: VerifyResult) -> list[int] | None:
+        return None   # the accepted drafts are a prefix of the fed rows: a rollback keeps them
+
+    def next_k(self, config: SpecConfig, k: int, verdict: VerifyResult, confidence: Confidence | None) -> int:
+        """The schedule's next K (the heuristic one grows after a fully accepted round)."""
+        return config.next_k(k, verdict.accepted_count == len(self.tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class NoDraft:
+    """A round that drafted nothing (the prefill, target-only, no n-gram match): one row, one token."""
+
+    tokens: tuple[int, ...] = ()
+    forwards: int = 0
+    fed_rows: int = 1
+
+    def feed(self, last: int, past: int) -> tuple[list[int], dict]:
+        return [last], {}
+
+    def verify(self, logits: torch.Tensor, config: SpecConfig,
+               generator: torch.Generator) -> tuple[torch.Tensor, VerifyResult]:
+        """The token comes from the last (bonus) row alone. Consumes one uniform, as verify does for its
+        final sample."""
+        greedy = config.sampling.greedy
+        ids = greedy_ids(logits) if greedy else None
+        p_rows = one_hot_rows(ids, logits.shape[1]) if greedy else logits_to_probs(logits, config.sampling)
+        u = draw_uniform(1, generator, p_rows.device)
+        token = int(ids[-1]) if greedy else int(sample_from(p_rows[-1:], u)[0])
+        return p_rows, VerifyResult(tokens=[token], accepted_count=0, rejected=False, target_positions_checked=0,
+                                    positions=[], final_token=token, final_outcome=Outcome.BONUS, final_row=0,
+                                    final_u=float(u[0]), residual=None)
+
+    def kept_rows(self, verdict: VerifyResult) -> list[int] | None:
+        return None
+
+    def next_k(self, config: SpecConfig, k: int, verdict: VerifyResult, confidence: Confidence | None) -> int:
+        return k
+
+
+NO_DRAFT = NoDraft()
 
 
 class Drafter(Protocol):
@@ -48,9 +119,35 @@ class Drafter(Protocol):
 class TreeProposal:
     """A round's draft tree (engine.tree.DraftTree), the draft forwards it took, and who drafted it."""
 
-    tree: "DraftTree"
+    tree: DraftTree
     forwards: int
     source: DrafterKind
+
+    @property
+    def fed_rows(self) -> int:
+        return len(self.tree.tokens)
+
+    def feed(self, last: int, past: int) -> tuple[list[int], dict]:
+        """One row per node, the root (`last`, at position `past`) first: a node at depth d sits at past + d
+        and attends to the committed text and its own ancestors."""
+        tree = self.tree
+        return tree.tokens, {"positions": [past + d for d in tree.depths], "attn_mask": attention_mask(tree, past)}
+
+    def verify(self, logits: torch.Tensor, config: SpecConfig,
+               generator: torch.Generator) -> tuple[torch.Tensor, TreeVerdict]:
+        greedy = config.sampling.greedy
+        p_rows = one_hot_rows(greedy_ids(logits), logits.shape[1]) if greedy else \
+            logits_to_probs(logits, config.sampling)
+        return p_rows, verify_tree(self.tree, p_rows, generator, greedy, config.tree.rule)
+
+    def kept_rows(self, verdict: TreeVerdict) -> list[int] | None:
+        return [0, *verdict.path]   # the root and the accepted path, moved next to each other
+
+    def next_k(self, config: SpecConfig, k: int, verdict: TreeVerdict, confidence: Confidence | None) -> int:
+        """A tree's size is its spec's; what the round teaches is how much its children's q was worth."""
+        if confidence is not None:
+            confidence.observe(self.tree, verdict)
+        return k
 
 
 @dataclass(frozen=True, slots=True)
