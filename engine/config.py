@@ -25,11 +25,6 @@ def check_seed(seed: object) -> int:
 TREE_BOUND = K_BOUND   # a tree's drafted nodes at most: its verify forward covers TREE_BOUND + 1 rows
 
 
-class TreeRule(str, Enum):
-    RECURSIVE = "recursive"                        # recursive rejection sampling without replacement
-    NO_RESIDUAL_UPDATE = "no-residual-update"      # deliberately wrong: siblings tested against the same p
-
-
 @dataclass(frozen=True, slots=True)
 class TreeSpec:
     """A tree's shape: fixed widths per depth (static), or a node budget and a depth (dynamic)."""
@@ -37,16 +32,10 @@ class TreeSpec:
     widths: tuple[int, ...] = ()
     budget: int = 0
     depth: int = 4
-    rule: TreeRule = TreeRule.RECURSIVE
     # greedy trees grow by the draft's confidence as measured (engine.tree.Confidence); False: by raw q
     calibrated: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rule, TreeRule):
-            try:
-                object.__setattr__(self, "rule", TreeRule(self.rule))
-            except ValueError:
-                raise ValueError(f"tree rule must be one of {[r.value for r in TreeRule]}, not {self.rule!r}") from None
         object.__setattr__(self, "widths", tuple(self.widths))
         if self.widths:
             if self.budget:

@@ -93,7 +93,7 @@ def config_to_dict(config: SpecConfig) -> dict:
             out[name] = value.value
     out["sampling"] = asdict(config.sampling)
     if config.tree is not None:
-        out["tree"] = {**asdict(config.tree), "widths": list(config.tree.widths), "rule": config.tree.rule.value}
+        out["tree"] = {**asdict(config.tree), "widths": list(config.tree.widths)}
     return out
 
 
@@ -107,7 +107,9 @@ def config_from_dict(data: dict) -> SpecConfig:
         if tree is not None:
             if not isinstance(tree, dict):
                 raise ValueError("tree must be an object")
-            # traces written before calibrated growth existed grew their trees by raw q
+            # traces written before calibrated growth existed grew their trees by raw q; older traces also
+            # named the tree's verification rule, which was always the recursive one outside the lab
+            tree = {k: v for k, v in tree.items() if k != "rule"}
             tree = TreeSpec(**{"calibrated": False, **tree, "widths": tuple(tree.get("widths", ()))})
         return SpecConfig(**{**data, "sampling": sampling, "tree": tree})
     except (TypeError, ValueError) as exc:

@@ -31,9 +31,9 @@ Why it is lossless: each test is one step of ordinary speculative sampling with 
 p_i, whose output (the accepted c_i, or a draw from the residual) is distributed as p_i; a rejected
 c_i has p_i(c_i) < q_i(c_i), so the residual gives it no mass, and drawing the next child from q
 without c_1..c_i is exactly drawing from q_{i+1}. By induction from the last child, the token emitted
-at v is distributed as p_v, and so is the whole accepted path. `TreeRule.NO_RESIDUAL_UPDATE` skips
-the residual update between siblings: the classic mistake, kept so that the losslessness test and the
-lab can show it fail.
+at v is distributed as p_v, and so is the whole accepted path. Skipping the residual update between
+siblings is the classic mistake; it lives with the lab (playground.teach.losslessness.no_residual_update),
+which hands it to `verify_tree` to show the losslessness test fail.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.config import SpecConfig, TreeRule, TreeSpec
+from engine.config import SpecConfig, TreeSpec
 from engine.records import Outcome
 from engine.sampling import draw_uniform, sample_from
 
@@ -333,11 +333,21 @@ class TreeVerdict:
         return len(self.path) + (1 if self.final_outcome is Outcome.CORRECTED else 0)
 
 
+def residual_after_rejection(p: Tensor, q_i: Tensor) -> Tensor:
+    """The target distribution the next sibling is tested against once child i is rejected: the residual
+    normalise(max(0, p - q_i)). ValueError when it has no mass (the child was not drawn from q_i)."""
+    residual = (p - q_i).clamp(min=0.0)
+    if float(residual.sum()) <= 0:
+        raise ValueError("a rejection left a residual with zero mass: the child was not drawn from q")
+    return residual / residual.sum()
+
+
 def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | None, greedy: bool,
-                rule: TreeRule = TreeRule.RECURSIVE) -> TreeVerdict:
+                after_rejection: Callable[[Tensor, Tensor], Tensor] = residual_after_rejection) -> TreeVerdict:
     """Walk the tree: p_rows [size + 1, V] are the target's processed rows at every node (row 0 the
     root). Greedy: descend to the child equal to the target's argmax. Otherwise recursive rejection
-    sampling without replacement (the module docstring). Every tested child draws one uniform, and
+    sampling without replacement (the module docstring); `after_rejection(p, q_i)` gives the p the next
+    sibling is tested against (only the lab passes another). Every tested child draws one uniform, and
     the final token one more."""
     if p_rows.dim() != 2 or p_rows.shape[0] != len(tree.tokens):
         raise ValueError(f"need one p row per tree node ({len(tree.tokens)}), got shape {tuple(p_rows.shape)}")
@@ -380,11 +390,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
             if ok:
                 accepted = c
                 break
-            if rule is TreeRule.RECURSIVE:
-                residual = (p - q_i).clamp(min=0.0)
-                if float(residual.sum()) <= 0:
-                    raise ValueError("a rejection left a residual with zero mass: the child was not drawn from q")
-                p = residual / residual.sum()
+            p = after_rejection(p, q_i)
             q[token] = 0.0   # without replacement: the next child was drawn from q without this one
         if accepted is None:
             u = draw_uniform(1, generator, p.device)

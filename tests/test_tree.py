@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeRule, TreeSpec
+from engine.config import TREE_BOUND, DrafterKind, Mode, SpecConfig, TreeSpec
 from engine.pair import ModelPair
 from engine.prompts import encode_prompt
 from engine.records import Outcome
@@ -28,8 +28,7 @@ def test_specs_validate_and_parse():
     assert TreeSpec.parse("4-2q").label() == "4-2q" and TreeSpec.parse("4-2").label() == "4-2"
     for bad, message in [(dict(widths=(8, 8, 8, 8, 4)), "36 nodes; the bound is 32"),
                          (dict(widths=(2, 0)), "positive integer"), (dict(budget=0), "node budget"),
-                         (dict(budget=TREE_BOUND + 1), "node budget"), (dict(widths=(2,), budget=4), "not both"),
-                         (dict(budget=4, rule="magic"), "tree rule")]:
+                         (dict(budget=TREE_BOUND + 1), "node budget"), (dict(widths=(2,), budget=4), "not both")]:
         with pytest.raises(ValueError, match=message):
             TreeSpec(**bad)
     with pytest.raises(ValueError, match="widths per depth"):
@@ -263,9 +262,10 @@ def test_a_copied_child_is_verified_as_proposed_with_certainty():
     assert 0.15 < sum(t.outcome is Outcome.ACCEPTED for t in first) / 400 < 0.35
 
 
-def test_a_wrong_rule_is_only_selectable_by_name():
-    assert TreeSpec(budget=4).rule is TreeRule.RECURSIVE
-    assert TreeSpec(budget=4, rule="no-residual-update").rule is TreeRule.NO_RESIDUAL_UPDATE
+def test_a_tree_spec_has_no_verification_rule_to_pick():
+    """The wrong rule lives with the lab, not in the engine's configuration."""
+    with pytest.raises(TypeError):
+        TreeSpec(budget=4, rule="no-residual-update")
 
 
 def unsure_but_right(v: int = 50):

@@ -138,7 +138,7 @@ class TreeProposal:
         greedy = config.sampling.greedy
         p_rows = one_hot_rows(greedy_ids(logits), logits.shape[1]) if greedy else \
             logits_to_probs(logits, config.sampling)
-        return p_rows, verify_tree(self.tree, p_rows, generator, greedy, config.tree.rule)
+        return p_rows, verify_tree(self.tree, p_rows, generator, greedy)
 
     def kept_rows(self, verdict: TreeVerdict) -> list[int] | None:
         return [0, *verdict.path]   # the root and the accepted path, moved next to each other

@@ -44,15 +44,22 @@ def _series(points: list[Point], value) -> tuple[list[float], list[float | None]
 
 
 def acceptance_over_time(points: list[Point]) -> go.Figure:
-    """Acceptance rate (left axis) and mean acceptance length (right axis), one point per interval."""
+    """Acceptance rate and each position's rate (left axis) and mean acceptance length (right axis), one point
+    per interval."""
     if not points:
         return empty_figure("Waiting for a second reading.")
     xs, rate = _series(points, lambda iv: iv.acceptance_rate)
     _, length = _series(points, lambda iv: iv.mean_acceptance_length)
+    positions = max(len(p.interval.position_rates) for p in points)
+    per_position = [go.Scatter(x=xs, y=_series(points, lambda iv, i=i: iv.position_rates[i]
+                                               if i < len(iv.position_rates) else None)[1],
+                               name=f"position {i + 1}: accepted / drafts", mode="lines",
+                               line=dict(color=ENGINE_COLOUR, width=1), opacity=max(0.25, 1 - 0.2 * i))
+                    for i in range(positions)]
     fig = chart_figure([go.Scatter(x=xs, y=rate, name="acceptance rate: accepted / drafted", mode="lines+markers",
                               line=dict(color=GREEN)),
                    go.Scatter(x=xs, y=length, name="mean acceptance length: tokens per verify", mode="lines+markers",
-                              line=dict(color=SPEC_COLOUR, dash="dot"), yaxis="y2")],
+                              line=dict(color=SPEC_COLOUR, dash="dot"), yaxis="y2"), *per_position],
                   "Acceptance over time (per interval)", "seconds since watching began", "acceptance rate",
                   yaxis_range=[0, 1.05])
     fig.update_layout(yaxis2=dict(title="tokens per verify", overlaying="y", side="right", rangemode="tozero"),

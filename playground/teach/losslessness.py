@@ -36,6 +36,13 @@ class Rule(str, Enum):
     CORRECTION_FROM_P = "correction from p instead of the residual"
 
 
+def no_residual_update(p: Tensor, q_i: Tensor) -> Tensor:
+    """The classic tree mistake, for `engine.tree.verify_tree(after_rejection=...)`: every sibling is tested
+    against the same p, with no residual update after a rejection. It over-produces the tokens the draft
+    proposes; the losslessness test shows it."""
+    return p
+
+
 @dataclass(frozen=True, slots=True)
 class FitResult:
     """Pearson chi-square of observed counts against a distribution.
