@@ -49,6 +49,7 @@ from torch import Tensor
 from engine.config import SpecConfig, TreeSpec
 from engine.records import Outcome
 from engine.sampling import draw_uniform, sample_from
+from engine.verify import acceptance_probability
 
 
 @dataclass(slots=True)
@@ -382,7 +383,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
         for c in kids:
             token = tree.tokens[c]
             q_i = torch.zeros_like(q).index_fill_(0, torch.tensor([token]), 1.0) if tree.copied(c) else q / q.sum()
-            alpha = min(1.0, float(p[token]) / float(q_i[token])) if q_i[token] > 0 else float(p[token] > 0)
+            alpha = float(acceptance_probability(p[token], q_i[token]))   # the chain's rule, one home
             u = float(draw_uniform(1, generator, p.device)[0])
             ok = u < alpha
             tested.append(NodeVerdict(c, float(p[token]), float(q_i[token]), alpha, u,

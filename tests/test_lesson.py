@@ -41,10 +41,18 @@ def raw():
     return json.loads((LESSONS_DIR / "en.json").read_text(encoding="utf-8"))
 
 
-@pytest.fixture()
-def driver(builtin_pair, text):
+@pytest.fixture(scope="module")
+def builtin_plan(builtin_pair):
+    """The seed search on the built-in pair, run once for the module (it is deterministic: tested below)."""
     draft, target = builtin_pair
-    d = LessonDriver.start(ModelPair(target, draft), text)
+    pair = ModelPair(target, draft)
+    return pair, find_plan(pair)
+
+
+@pytest.fixture()
+def driver(builtin_plan, text):
+    pair, plan = builtin_plan
+    d = LessonDriver(pair, text, plan)   # a fresh learner's driver over the searched plan
     yield d
     d.close()
 
@@ -92,10 +100,8 @@ def test_a_translation_is_one_more_file(tmp_path, raw):
 
 
 # -- the search -------------------------------------------------------------------------------------
-def test_seed_search_is_deterministic_and_finds_every_case(builtin_pair):
-    draft, target = builtin_pair
-    pair = ModelPair(target, draft)
-    plan = find_plan(pair)
+def test_seed_search_is_deterministic_and_finds_every_case(builtin_plan):
+    pair, plan = builtin_plan
     assert plan == find_plan(pair)
     assert plan.reject_round < plan.settings.max_rounds and plan.bonus_round < plan.settings.max_rounds
 
