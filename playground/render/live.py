@@ -53,8 +53,9 @@ def acceptance_over_time(points: list[Point]) -> go.Figure:
     positions = max(len(p.interval.position_rates) for p in points)
     per_position = [go.Scatter(x=xs, y=_series(points, lambda iv, i=i: iv.position_rates[i]
                                                if i < len(iv.position_rates) else None)[1],
-                               name=f"position {i + 1}: accepted / drafts", mode="lines",
-                               line=dict(color=ENGINE_COLOUR, width=1), opacity=max(0.25, 1 - 0.2 * i))
+                               name="positions 1, 2, …: accepted there / drafts (fainter: later)", mode="lines",
+                               line=dict(color=ENGINE_COLOUR, width=1), opacity=max(0.25, 1 - 0.2 * i),
+                               legendgroup="positions", showlegend=i == 0, hovertemplate=f"position {i + 1}: %{{y:.3f}}")
                     for i in range(positions)]
     fig = chart_figure([go.Scatter(x=xs, y=rate, name="acceptance rate: accepted / drafted", mode="lines+markers",
                               line=dict(color=GREEN)),
@@ -63,7 +64,7 @@ def acceptance_over_time(points: list[Point]) -> go.Figure:
                   "Acceptance over time (per interval)", "seconds since watching began", "acceptance rate",
                   yaxis_range=[0, 1.05])
     fig.update_layout(yaxis2=dict(title="tokens per verify", overlaying="y", side="right", rangemode="tozero"),
-                      margin=dict(l=50, r=55, t=50, b=45))
+                      margin=dict(l=50, r=55, t=50, b=45), height=340, legend=dict(orientation="h", y=-0.35))
     return fig
 
 
