@@ -87,3 +87,16 @@ def launched_app(pair: tuple[LoadedModel, LoadedModel], root, *, max_sessions: i
         yield f"http://127.0.0.1:{port}/", served.ctx.pool
     finally:
         served.close()
+
+
+CHROMIUM = "/usr/bin/chromium"   # Debian's chromium, driven by Playwright in the browser tests
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium for a browser test module (which skips itself first when Chromium is missing)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with sync_api.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        yield launched
+        launched.close()

@@ -12,12 +12,13 @@ import pytest
 
 from engine.records import Outcome
 from playground.render.palette import chip_class
+from tests.conftest import CHROMIUM as CHROMIUM_PATH
 from tests.conftest import launched_app
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(CHROMIUM_PATH)
 if not CHROMIUM.exists():
     pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 MAX_STEPS = 30   # with the default prompt, seed and temperature 1, every outcome appears well before this
 
@@ -26,14 +27,6 @@ MAX_STEPS = 30   # with the default prompt, seed and temperature 1, every outcom
 def url(builtin_pair, tmp_path_factory):
     with launched_app(builtin_pair, tmp_path_factory.mktemp("sessions"), max_sessions=4, max_new_tokens=128) as (u, _):
         yield u
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox", "--disable-gpu"])
-        yield browser
-        browser.close()
 
 
 def open_page(browser, url: str, width: int, height: int):

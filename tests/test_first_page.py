@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 
 from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
+from tests.conftest import CHROMIUM as CHROMIUM_PATH
 from tests.conftest import launched_app
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path(CHROMIUM_PATH)
 if not CHROMIUM.exists():
     pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
 if smollm2_gguf() is None:
     pytest.skip(f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +36,6 @@ def url(smol, tmp_path_factory):
     with launched_app((None, smol), tmp_path_factory.mktemp("sessions"), max_sessions=4, max_new_tokens=64,
                       registry=registry) as (u, _):
         yield u
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox", "--disable-gpu"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture()
