@@ -138,7 +138,7 @@ class RoundRecorder:
         """Every node of a tree round with its test (or UNCHECKED), read after the committed text and its
         ancestors; the candidates of a tested node are its parent's p and q rows."""
         tree, verdict = result.proposal.tree, result.verdict
-        tests = {t.node: t for t in verdict.tested}
+        tests = {t.index: t for t in verdict.tested}
         readers = {0: self.stream.copy()}
         nodes = []
         for i in range(1, len(tree.tokens)):

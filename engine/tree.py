@@ -49,7 +49,7 @@ from torch import Tensor
 from engine.config import SpecConfig, TreeSpec
 from engine.records import Outcome
 from engine.sampling import draw_uniform, sample_from
-from engine.verify import acceptance_probability
+from engine.verify import PositionVerdict, acceptance_probability
 
 
 @dataclass(slots=True)
@@ -301,24 +301,12 @@ def raw_q(q: float, rank: int, depth: int) -> float:
 
 # -- verification ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class NodeVerdict:
-    """The accept test of one child: accepted iff u < alpha = min(1, p(c) / q_i(c))."""
-
-    node: int
-    p_target: float
-    q_draft: float
-    alpha: float
-    u: float
-    outcome: Outcome
-
-
-@dataclass(frozen=True, slots=True)
 class TreeVerdict:
     """A tree round's outcome: the accepted path, each test, and the final token."""
 
     path: list[int]                 # accepted node indices, root's child first
     tokens: list[int]               # their tokens, then the final token
-    tested: list[NodeVerdict]       # in the order the tests ran
+    tested: list[PositionVerdict]   # one per tested child (index: its node), in the order the tests ran
     final_token: int
     final_outcome: Outcome          # CORRECTED (no child accepted) or BONUS (a leaf was accepted)
     final_node: int                 # the node whose p row the final token came from
@@ -366,7 +354,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
             u = draw_uniform(len(kids), generator, p.device).tolist()
             hit = next((c for c in kids if tree.tokens[c] == best), None)
             for c, uc in zip(kids, u):
-                tested.append(NodeVerdict(c, float(c == hit), 1.0, float(c == hit), uc,
+                tested.append(PositionVerdict(c, tree.tokens[c], float(c == hit), 1.0, float(c == hit), uc,
                                           Outcome.ACCEPTED if c == hit else Outcome.REJECTED))
                 if c == hit:
                     break
@@ -386,7 +374,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
             alpha = float(acceptance_probability(p[token], q_i[token]))   # the chain's rule, one home
             u = float(draw_uniform(1, generator, p.device)[0])
             ok = u < alpha
-            tested.append(NodeVerdict(c, float(p[token]), float(q_i[token]), alpha, u,
+            tested.append(PositionVerdict(c, token, float(p[token]), float(q_i[token]), alpha, u,
                                       Outcome.ACCEPTED if ok else Outcome.REJECTED))
             if ok:
                 accepted = c

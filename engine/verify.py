@@ -25,7 +25,8 @@ ROW_SUM_TOL = 1e-3
 
 @dataclass(frozen=True, slots=True)
 class PositionVerdict:
-    """The accept test at one drafted position: accepted iff u < alpha = min(1, p_target/q_draft)."""
+    """The accept test of one drafted token: accepted iff u < alpha = min(1, p_target/q_draft). `index` is its
+    position in a chain, or its node in a tree (engine.tree.TreeVerdict.tested)."""
 
     index: int
     token: int
