@@ -17,7 +17,7 @@ from functools import lru_cache
 from engine.sources import ASSETS
 
 CHAT_PROMPTS = ASSETS / "prompts" / "chat.json"
-SETS = ("bench", "heldout")
+SETS = ("bench", "heldout", "fresh")
 
 # Words that mark a held-out prompt's subject; no training prompt may contain one.
 HELDOUT_SUBJECTS = ("airplane", "aeroplane", "aircraft", "api", "limerick", "climate", "egg", "virus",
@@ -31,7 +31,8 @@ def _chat_file() -> dict:
 
 
 def chat_prompts(which: str) -> list[str]:
-    """The hand-written chat prompts: 'bench' (32) or 'heldout' (16, never trained on)."""
+    """The hand-written chat prompts: 'bench' (32), 'heldout' (16, never trained on) or 'fresh' (12, written
+    after the EAGLE-3-style head's data, never trained on nor used for a choice)."""
     if which not in SETS:
         raise ValueError(f"chat prompt set must be one of {SETS}, not {which!r}")
     return list(_chat_file()[which])

@@ -343,15 +343,19 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
 
 def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log) -> dict:
     """The engine's measure of the new head (and of today's head in `today`, on the same prompts, in the same
-    process): greedy on the 16 held-out chat prompts and on 32 held-out Magpie prompts, and at T = 0.7,
-    top-p 0.95 on the chat prompts. Keyed by a sentence naming the head, the prompts and the sampling."""
+    process): greedy on the 16 held-out chat prompts, on 32 held-out Magpie prompts and on the 12 fresh
+    chat prompts, and at T = 0.7, top-p 0.95 on the held-out chat prompts. Keyed by a sentence naming the head, the prompts and the sampling."""
     from engine.prompts import ChatPrompt, encode_chat
     from engine.sampling import SamplingParams
     from engine.train.draft import evaluate
 
+    from engine.train.chat_prompts import chat_prompts
+
     magpie = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in heldout[:32]]
+    fresh = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in chat_prompts("fresh")]
     sets = [("the 16 held-out chat prompts", None, None),
             (f"{len(magpie)} held-out Magpie prompts", magpie, None),
+            (f"the {len(fresh)} fresh chat prompts (written after the data)", fresh, None),
             ("the 16 held-out chat prompts, T = 0.7, top-p 0.95", None, SamplingParams(temperature=0.7, top_p=0.95))]
     heads = [("this head", head)] + ([("today's head", today)] if today is not None and today.is_dir() else [])
     evals = {}
