@@ -347,9 +347,8 @@ def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout:
     chat prompts, and at T = 0.7, top-p 0.95 on the held-out chat prompts. Keyed by a sentence naming the head, the prompts and the sampling."""
     from engine.prompts import ChatPrompt, encode_chat
     from engine.sampling import SamplingParams
-    from engine.train.draft import evaluate
-
     from engine.train.chat_prompts import chat_prompts
+    from engine.train.draft import evaluate
 
     magpie = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in heldout[:32]]
     fresh = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in chat_prompts("fresh")]
