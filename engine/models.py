@@ -33,6 +33,7 @@ class LoadedModel:
     vocab_size: int        # rows of the LM head (can exceed len(tokenizer))
     max_context: int
     fused: FusedLlama | None = field(default=None, compare=False, repr=False)
+    weight_bytes: int = field(default=0, compare=False)   # the module's parameters, counted once at load
 
     @staticmethod
     def of(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
@@ -43,15 +44,13 @@ class LoadedModel:
         config = model.config
         context = max_context or int(getattr(config, "max_position_embeddings", 2048) or 2048)
         fused = None if not fuse or FusedLlama.unsupported(model) else FusedLlama(model)
-        return LoadedModel(name, model, tokenizer, weight.device, weight.dtype, int(weight.shape[0]), context, fused)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        return LoadedModel(name, model, tokenizer, weight.device, weight.dtype, int(weight.shape[0]), context, fused,
+                           size)
 
     @property
     def kv_shape(self) -> KVShape:
         return KVShape.of(self.model.config)
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

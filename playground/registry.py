@@ -187,6 +187,11 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# r(n) of each loaded module, measured once per process: registries that share a loaded model (tests, or a
+# registry rebuilt after close) reuse it; `calibration(again=True)` measures afresh.
+_MEASURED: "weakref.WeakKeyDictionary[torch.nn.Module, RCurve]" = weakref.WeakKeyDictionary()
+
+
 def weight_bytes(source: str, role: str, device: torch.device) -> int:
     """Estimated weight bytes of `source` on `device`, from its config.json alone (a Hub read for a Hub id:
     slow, and never done under a shared lock). Raises ModelLoadError when there is no config to read."""
@@ -357,6 +362,10 @@ class ModelRegistry:
             start = future is None or (again and future.done())
             if start:
                 future = self._curves[id(target)] = Future()
+                known = _MEASURED.get(target.model) if self._calibrate is None and not again else None
+                if known is not None:    # measured already in this process (another registry, same weights)
+                    future.set_result(known)
+                    start = False
         if start:
             thread = threading.Thread(target=self._measure, args=(target, future), daemon=True,
                                       name=f"calibrate {target.name}")
@@ -371,7 +380,10 @@ class ModelRegistry:
         try:
             measure = self._calibrate or (lambda t: calibrate(t, context=128, repeats=3 if t.weight_bytes > 2**28 else 5,
                                                               stop=self._stop))
-            future.set_result(measure(target))
+            curve = measure(target)
+            if self._calibrate is None:
+                _MEASURED[target.model] = curve
+            future.set_result(curve)
         except Exception as exc:  # a failed calibration leaves predictions "not measured", never assumed
             future.set_exception(exc)
 

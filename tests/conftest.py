@@ -1,6 +1,7 @@
 """Shared fixtures: the built-in pair and SmolLM2 (each loaded once) and tiny random pairs built in the test."""
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import pytest
@@ -10,6 +11,10 @@ from engine.models import LoadedModel, load_model
 from engine.sources import BUILTIN, SMOLLM2
 
 torch.set_num_threads(2)
+# Gradio notices a closed page by its heartbeat, every 15 s by default, and a closing gradio_client waits up to
+# a second for its heartbeat thread. The tests (in-process servers, the `python app.py` they start, which inherit
+# this, and every client) beat four times a second, as Gradio's own end-to-end tests do.
+os.environ.setdefault("GRADIO_HEARTBEAT_INTERVAL", "0.25")
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from tests.conftest import tiny_model
 from tests.test_eagle import random_head
 
 SAMPLING = SamplingParams(temperature=0.9, top_k=4, top_p=0.95)
-RUNS = 1000
+RUNS = 600         # the wrong rules below are still rejected at p < 1e-7 with these counts
 LEVEL = 1e-3
 SHARPEN = 50.0
 PROMPT = [5, 17, 230, 9, 17, 230, 9]   # a repeat, so that prompt lookup finds something to copy

@@ -67,10 +67,8 @@ def references(smol):
     return {q: hf_greedy(smol, encode_chat(smol.tokenizer, ChatPrompt(q)), NEW, eos_id=2) for q in QUESTIONS}
 
 
-@pytest.mark.parametrize("mode, drafter", [(Mode.V2, DrafterKind.NGRAM), (Mode.V1, DrafterKind.NGRAM),
-                                           (Mode.TARGET, DrafterKind.NGRAM)])
-@pytest.mark.parametrize("k", [1, 4])
-def test_greedy_parity_with_generate(smol, references, mode, drafter, k):
+@pytest.mark.parametrize("mode, k", [(Mode.V2, 1), (Mode.V2, 4), (Mode.V1, 1), (Mode.V1, 4), (Mode.TARGET, 4)])
+def test_greedy_parity_with_generate(smol, references, mode, k, drafter=DrafterKind.NGRAM):
     """v2 and v1 with prompt lookup, and target-only, token for token against generate on chat turns.
     (SmolLM2 has no separate draft model; its EAGLE head is tested in test_eagle_smollm2.)"""
     for q in QUESTIONS:

@@ -192,12 +192,9 @@ class EagleRuntime:
         else:
             self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
         self._rope = target.fused._rope
-
-    @property
-    def weight_bytes(self) -> int:
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
-        borrowed = 0 if self.config.own_head else self.head_weight.numel() * self.head_weight.element_size()
-        return own + borrowed
+        borrowed = 0 if head.config.own_head else self.head_weight.numel() * self.head_weight.element_size()
+        self.weight_bytes = own + borrowed   # counted once: read every round for the cache panel
 
     @torch.inference_mode()
     def forward(self, cache: PagedCache, tokens: list[int], feats: torch.Tensor, positions: list[int] | None = None,
