@@ -26,8 +26,7 @@ from engine.records import (
     TreeRecord,
 )
 from engine.text import StreamDecoder, TokenText
-from engine.tree import TreeVerdict
-from engine.verify import VerifyResult
+from engine.verify import Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +35,12 @@ class RoundResult:
 
     proposal: Proposal | TreeProposal | None   # None: nothing drafted (the prefill, target-only, no n-gram match)
     p_rows: torch.Tensor           # [K+1, V] the target's processed rows (one-hot when greedy); a tree: one per node
-    verdict: VerifyResult | TreeVerdict
+    verdict: Verdict
     emitted: list[int]             # what the sequence kept (cut at EOS or the budget)
 
     @property
     def drafted(self) -> list[int]:
-        if isinstance(self.proposal, TreeProposal):
-            return self.proposal.tree.tokens[1:]
-        return self.proposal.tokens if self.proposal is not None else []
+        return self.proposal.drafted if self.proposal is not None else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +103,7 @@ class RoundRecorder:
     def positions(self, result: RoundResult) -> list[PositionRecord]:
         """One record per draft: its verdict, or UNCHECKED after the rejection. Each draft is read after
         the committed text and the drafts before it."""
-        verdicts = {v.index: v for v in result.verdict.positions}
+        verdicts = {v.index: v for v in result.verdict.tested}
         out, reader = [], self.stream.copy()
         for i, token in enumerate(result.drafted):
             v, q_row = verdicts.get(i), result.proposal.q_draft[i]
@@ -121,12 +118,14 @@ class RoundRecorder:
         return out
 
     def final(self, result: RoundResult) -> FinalRecord:
+        """The round's last token, read after the committed text and the accepted drafts (a chain's prefix or
+        a tree's path); a correction's candidates show p, q and the residual it was drawn from."""
         v = result.verdict
         corrected = v.final_outcome is Outcome.CORRECTED
-        q_row = result.proposal.q_draft[v.final_row] if corrected else None
+        q_row = result.proposal.q_row(v.final_row) if corrected else None
         context = self.stream.copy()
         if self.config.record:
-            context.feed_all(result.drafted[: v.accepted_count])
+            context.feed_all(v.tokens[:-1])
         text = self._text(context.copy(), v.final_token)
         return FinalRecord(
             token=v.final_token, text=text.text, outcome=v.final_outcome, row=v.final_row,
@@ -156,28 +155,12 @@ class RoundRecorder:
                 t.outcome if t else Outcome.UNCHECKED,
                 self.candidates(context, result.p_rows[parent], q_row, [token]) if t else [], _pending(text),
                 copied))
-        return TreeRecord(self.config.tree.label(), nodes, list(verdict.path), verdict.final_node)
-
-    def tree_final(self, result: RoundResult) -> FinalRecord:
-        tree, v = result.proposal.tree, result.verdict
-        context = self.stream.copy()
-        if self.config.record:
-            context.feed_all([tree.tokens[n] for n in v.path])
-        text = self._text(context.copy(), v.final_token)
-        corrected = v.final_outcome is Outcome.CORRECTED
-        q_row = tree.q_rows.get(v.final_node) if corrected else None
-        return FinalRecord(
-            token=v.final_token, text=text.text, outcome=v.final_outcome, row=v.final_node, u=v.final_u,
-            p_target=float(result.p_rows[v.final_node][v.final_token]),
-            candidates=self.candidates(context, result.p_rows[v.final_node], q_row, [v.final_token],
-                                       v.residual if corrected else None), pending=_pending(text))
+        return TreeRecord(self.config.tree.label(), nodes, list(verdict.path), verdict.final_row)
 
     def round(self, result: RoundResult, timings: RoundTimings, kv: list[KVState], run: RunState) -> RoundRecord:
         proposal = result.proposal
-        if isinstance(proposal, TreeProposal):
-            positions, final, tree = [], self.tree_final(result), self.tree(result)
-        else:
-            positions, final, tree = self.positions(result), self.final(result), None
+        tree = self.tree(result) if proposal is not None and proposal.tree is not None else None
+        positions, final = self.positions(result) if tree is None else [], self.final(result)
         emitted_text = "".join(t.text for t in self.stream.feed_all(result.emitted)) if self.config.record else ""
         return RoundRecord(
             index=run.index, mode=self.config.mode, drafter=self.drafter,

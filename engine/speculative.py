@@ -29,8 +29,8 @@ from engine.recorder import RoundRecorder, RoundResult, RunState, drafter_of, kv
 from engine.records import RoundRecord, RoundTimings, RunSummary
 from engine.runner import ModelRunner, pool_blocks, pool_bytes
 from engine.sequence import Sequence
-from engine.tree import Confidence, TreeVerdict
-from engine.verify import VerifyResult
+from engine.tree import Confidence
+from engine.verify import Verdict
 
 
 def kv_capacity(prompt_tokens: int, config: SpecConfig) -> int:
@@ -203,7 +203,7 @@ class SpeculativeEngine:
                 return forward(self.target_cache, feed, features=self._needs_features, taps=self._taps, **extra)
         return forward(self.target_cache, feed, features=self._needs_features, taps=self._taps, **extra)
 
-    def _commit(self, drafted: Proposal | TreeProposal | NoDraft, verdict: VerifyResult | TreeVerdict,
+    def _commit(self, drafted: Proposal | TreeProposal | NoDraft, verdict: Verdict,
                 features: torch.Tensor | None) -> None:
         """Bring both caches back to the invariant: K/V of tokens[:-1]. When the kept rows are not a prefix of
         the fed ones (a tree's root and accepted path), their K/V first move into consecutive slots, and the

@@ -49,7 +49,7 @@ from torch import Tensor
 from engine.config import SpecConfig, TreeSpec
 from engine.records import Outcome
 from engine.sampling import draw_uniform, sample_from
-from engine.verify import PositionVerdict, acceptance_probability
+from engine.verify import PositionVerdict, Verdict, acceptance_probability
 
 
 @dataclass(slots=True)
@@ -267,7 +267,7 @@ class Confidence:
         r, b = self._cell(q, rank, depth)
         return min(1.0, (1.0 if rank == COPIED else q) * self.hits[r][b] / self.mass[r][b])
 
-    def observe(self, tree: DraftTree, verdict: "TreeVerdict") -> None:
+    def observe(self, tree: DraftTree, verdict: Verdict) -> None:
         """Count every child of every node the greedy walk reached: a hit iff it is the token the
         target chose there (the next accepted token, or the final one)."""
         for node, chosen in zip([0, *verdict.path], verdict.tokens):
@@ -300,28 +300,6 @@ def raw_q(q: float, rank: int, depth: int) -> float:
 
 
 # -- verification ------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class TreeVerdict:
-    """A tree round's outcome: the accepted path, each test, and the final token."""
-
-    path: list[int]                 # accepted node indices, root's child first
-    tokens: list[int]               # their tokens, then the final token
-    tested: list[PositionVerdict]   # one per tested child (index: its node), in the order the tests ran
-    final_token: int
-    final_outcome: Outcome          # CORRECTED (no child accepted) or BONUS (a leaf was accepted)
-    final_node: int                 # the node whose p row the final token came from
-    final_u: float
-    residual: Tensor | None         # the normalised distribution the correction came from
-
-    @property
-    def accepted_count(self) -> int:
-        return len(self.path)
-
-    def depths_verified(self) -> int:
-        """Depths at which children were tested: the path length, plus one if it ended in a correction."""
-        return len(self.path) + (1 if self.final_outcome is Outcome.CORRECTED else 0)
-
-
 def residual_after_rejection(p: Tensor, q_i: Tensor) -> Tensor:
     """The target distribution the next sibling is tested against once child i is rejected: the residual
     normalise(max(0, p - q_i)). ValueError when it has no mass (the child was not drawn from q_i)."""
@@ -332,7 +310,7 @@ def residual_after_rejection(p: Tensor, q_i: Tensor) -> Tensor:
 
 
 def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | None, greedy: bool,
-                after_rejection: Callable[[Tensor, Tensor], Tensor] = residual_after_rejection) -> TreeVerdict:
+                after_rejection: Callable[[Tensor, Tensor], Tensor] = residual_after_rejection) -> Verdict:
     """Walk the tree: p_rows [size + 1, V] are the target's processed rows at every node (row 0 the
     root). Greedy: descend to the child equal to the target's argmax. Otherwise recursive rejection
     sampling without replacement (the module docstring); `after_rejection(p, q_i)` gives the p the next
@@ -347,7 +325,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
         if not kids:
             u = draw_uniform(1, generator, p.device)
             token = int(p.argmax()) if greedy else int(sample_from(p[None], u)[0])
-            return TreeVerdict(path, [tree.tokens[n] for n in path] + [token], tested, token, Outcome.BONUS, node,
+            return Verdict(path, [tree.tokens[n] for n in path] + [token], tested, token, Outcome.BONUS, node,
                                float(u[0]), None)
         if greedy:
             best = int(p.argmax())
@@ -361,7 +339,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
             if hit is None:
                 final_u = draw_uniform(1, generator, p.device)
                 residual = torch.zeros_like(p, dtype=torch.float32).index_fill_(0, torch.tensor([best]), 1.0)
-                return TreeVerdict(path, [tree.tokens[n] for n in path] + [best], tested, best, Outcome.CORRECTED,
+                return Verdict(path, [tree.tokens[n] for n in path] + [best], tested, best, Outcome.CORRECTED,
                                    node, float(final_u[0]), residual)
             node = hit
             path.append(node)
@@ -384,7 +362,7 @@ def verify_tree(tree: DraftTree, p_rows: Tensor, generator: torch.Generator | No
         if accepted is None:
             u = draw_uniform(1, generator, p.device)
             token = int(sample_from(p[None], u)[0])
-            return TreeVerdict(path, [tree.tokens[n] for n in path] + [token], tested, token, Outcome.CORRECTED,
+            return Verdict(path, [tree.tokens[n] for n in path] + [token], tested, token, Outcome.CORRECTED,
                                node, float(u[0]), p.float().cpu())
         node = accepted
         path.append(node)

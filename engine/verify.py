@@ -26,7 +26,7 @@ ROW_SUM_TOL = 1e-3
 @dataclass(frozen=True, slots=True)
 class PositionVerdict:
     """The accept test of one drafted token: accepted iff u < alpha = min(1, p_target/q_draft). `index` is its
-    position in a chain, or its node in a tree (engine.tree.TreeVerdict.tested)."""
+    position in a chain, or its node in a tree (Verdict.tested)."""
 
     index: int
     token: int
@@ -38,28 +38,41 @@ class PositionVerdict:
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyResult:
-    """What one round emitted and why.
+class Verdict:
+    """What one round's verification decided, for a chain of drafts or a tree of them.
 
-    tokens: accepted drafts followed by the final token (correction or bonus); len = accepted_count + 1.
-    target_positions_checked: drafted positions whose accept test ran (= len(positions)): K if
-        all were accepted, else the rejection index + 1.
-    positions: one verdict per checked position, ACCEPTED..., then REJECTED if there was a rejection.
-    final_row: the p_target row the final token came from (the rejection index, or K for a bonus).
+    path: the accepted drafts: positions 0..n-1 of a chain, node indices of a tree (the root's child first).
+    tokens: their tokens followed by the final token (correction or bonus); len = accepted_count + 1.
+    tested: one verdict per accept test that ran, in order: a chain's ACCEPTED..., then REJECTED if there was
+        a rejection; a tree's every tested child, siblings after a rejection included.
+    final_row: the p_target row the final token came from (a chain: the rejection index, or K for a bonus;
+        a tree: the node whose children were all rejected, or the accepted leaf).
     final_u: the uniform used to sample the final token.
-    residual: Tensor[V] CPU float32, normalised max(0, p - q) at the rejection; None without one.
+    residual: Tensor[V] CPU float32, the normalised distribution a correction came from; None for a bonus.
     """
 
+    path: list[int]
     tokens: list[int]
-    accepted_count: int
-    rejected: bool
-    target_positions_checked: int
-    positions: list[PositionVerdict]
+    tested: list[PositionVerdict]
     final_token: int
     final_outcome: Outcome
     final_row: int
     final_u: float
     residual: Tensor | None
+
+    @property
+    def accepted_count(self) -> int:
+        return len(self.path)
+
+    @property
+    def rejected(self) -> bool:
+        return self.final_outcome is Outcome.CORRECTED
+
+    @property
+    def depths_verified(self) -> int:
+        """Depths (chain positions) whose drafts were tested: the accepted ones, plus one if a correction ended
+        the round. A chain's K if all were accepted, else the rejection index + 1."""
+        return len(self.path) + (1 if self.rejected else 0)
 
 
 def verify(
@@ -69,7 +82,7 @@ def verify(
     generator: torch.Generator | None = None,
     *,
     validate: bool = True,
-) -> VerifyResult:
+) -> Verdict:
     """Run one round's accept/reject walk, vectorised over positions.
 
     q_draft: Tensor[K, V], the draft's processed distribution at each drafted position.
@@ -108,7 +121,7 @@ def verify_greedy(
     target_ids: Sequence[int],
     vocab_size: int,
     generator: torch.Generator | None = None,
-) -> VerifyResult:
+) -> Verdict:
     """`verify` for greedy rows, from the row argmaxes alone: the same result, draws and record.
 
     With temperature 0 every processed row is one-hot, so for draft i: q = 1, p = 1 if it is the
@@ -134,10 +147,9 @@ def verify_greedy(
     final = int(target_ids[n])
     rejected = n < k
     residual = torch.zeros(vocab_size).index_fill_(0, torch.tensor([final]), 1.0) if rejected else None
-    return VerifyResult(tokens=[int(t) for t in draft_tokens[:n]] + [final], accepted_count=n, rejected=rejected,
-                        target_positions_checked=checked, positions=positions, final_token=final,
-                        final_outcome=Outcome.CORRECTED if rejected else Outcome.BONUS, final_row=n,
-                        final_u=float(u_final[0]), residual=residual)
+    return Verdict(path=list(range(n)), tokens=[int(t) for t in draft_tokens[:n]] + [final], tested=positions,
+                   final_token=final, final_outcome=Outcome.CORRECTED if rejected else Outcome.BONUS, final_row=n,
+                   final_u=float(u_final[0]), residual=residual)
 
 
 def verify_reference(
@@ -147,7 +159,7 @@ def verify_reference(
     generator: torch.Generator | None = None,
     *,
     validate: bool = True,
-) -> VerifyResult:
+) -> Verdict:
     """The textbook per-position loop; same contract and same random consumption as `verify`.
 
     Kept for tests (the vectorised version must match it exactly for the same generator state)
@@ -176,7 +188,7 @@ def verify_reference(
 
 def _finish(
     tokens: list[int], positions: list[PositionVerdict], dist: Tensor, row: int, u_final: Tensor
-) -> VerifyResult:
+) -> Verdict:
     """Reference path's ending: sample the final token from `dist` (unnormalised, float64)."""
     final = int(sample_from(dist.unsqueeze(0), u_final, check_mass=False)[0])
     return _make_result(tokens, positions, final, row, u_final.item(), dist, dist.sum().item())
@@ -190,16 +202,14 @@ def _make_result(
     u_final: float,
     dist: Tensor,
     mass: float,
-) -> VerifyResult:
+) -> Verdict:
     rejected = n_accepted < len(tokens)
     if mass <= 0:
         raise ValueError(_zero_mass_message(n_accepted, rejected))
-    return VerifyResult(
+    return Verdict(
+        path=list(range(n_accepted)),
         tokens=tokens[:n_accepted] + [final],
-        accepted_count=n_accepted,
-        rejected=rejected,
-        target_positions_checked=len(positions),
-        positions=positions,
+        tested=positions,
         final_token=final,
         final_outcome=Outcome.CORRECTED if rejected else Outcome.BONUS,
         final_row=n_accepted,
@@ -259,7 +269,7 @@ def _draw_round_uniforms(k: int, generator: torch.Generator | None, device: torc
     return draw_uniform(k, generator, source).to(device), draw_uniform(1, generator, source).to(device)
 
 
-def _build_result(scalars: list[float], final_dist: Tensor, k: int) -> VerifyResult:
+def _build_result(scalars: list[float], final_dist: Tensor, k: int) -> Verdict:
     """Assemble the record from the one host transfer laid out by `verify`."""
     tokens, p_tok, q_tok, alpha, u = (scalars[j * k : (j + 1) * k] for j in range(5))
     tokens = [int(t) for t in tokens]

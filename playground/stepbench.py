@@ -1,9 +1,11 @@
 """`python -m playground.stepbench --tokens 64 256`: what one Step click costs the server.
 
-Builds the app on the built-in pair, presses Reset, then Step until the run ends, each time through
+Builds the app on the server's default pair (SmolLM2 and its EAGLE head where the wheel is installed, else
+the built-in pair), presses Reset, then Step until the run ends, each time through
 Gradio's own `Blocks.process_api`: preprocessing, the handler, and postprocessing of every output,
 which is what the server does for a click before it sends the reply (the transport and the
-browser's drawing are left out). Prints the median and 95th percentile per Step, and splits each
+browser's drawing are left out). Prints the first Step (the prefill round), the median and 95th
+percentile per Step, and splits each
 Step into the engine's share (the decode time the run's own clocks add: the speculative round and
 the target-only rounds measured beside it) and the rest (rendering, the trace, Gradio).
 
@@ -42,7 +44,8 @@ class StepTimes:
 
     def line(self) -> str:
         rest = [s - e for s, e in zip(self.seconds, self.engine)]
-        return (f"{self.tokens:4d} tokens · tab {self.tab:7s} · {len(self.seconds):3d} steps · per Step: median "
+        return (f"{self.tokens:4d} tokens · tab {self.tab:7s} · {len(self.seconds):3d} steps · "
+                f"first {_ms(self.seconds[0])} · per Step: median "
                 f"{_ms(statistics.median(self.seconds))}, p95 {_ms(p95(self.seconds))} · engine: median "
                 f"{_ms(statistics.median(self.engine))} · the rest: median {_ms(statistics.median(rest))}, "
                 f"p95 {_ms(p95(rest))}")
@@ -106,7 +109,7 @@ def main(argv: list[str]) -> None:
     from playground.settings import AppSettings
     from playground.ui import build_app, make_context
 
-    ap = argparse.ArgumentParser(description="Server-side time per Step click on the built-in pair.")
+    ap = argparse.ArgumentParser(description="Server-side time per Step click on the default pair.")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="Max new tokens of each run")
     ap.add_argument("--tab", choices=TABS, nargs="+", default=list(TABS), help="the tab shown while stepping")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")

@@ -12,5 +12,5 @@ def test_p95_is_the_nearest_rank():
 
 def test_a_line_reports_the_step_the_engine_and_the_rest():
     line = StepTimes(64, "charts", (0.1, 0.3, 0.2), (0.05, 0.2, 0.1)).line()
-    assert "3 steps" in line and "median  200.0 ms, p95  300.0 ms" in line
+    assert "3 steps" in line and "first  100.0 ms" in line and "median  200.0 ms, p95  300.0 ms" in line
     assert "engine: median  100.0 ms" in line and "the rest: median  100.0 ms, p95  100.0 ms" in line

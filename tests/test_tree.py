@@ -179,12 +179,12 @@ def test_verify_tree_greedy_walk_and_errors():
         rows[node, best] = 1.0
     verdict = verify_tree(tree, rows, torch.Generator().manual_seed(0), greedy=True)
     assert verdict.path == [1, 4, 5] and verdict.tokens == [11, 14, 15, 3]
-    assert verdict.final_outcome is Outcome.BONUS and verdict.final_node == 5
+    assert verdict.final_outcome is Outcome.BONUS and verdict.final_row == 5
     rows[4] = 0.0
     rows[4, 9] = 1.0   # the target wants 9 after d: no child matches
     verdict = verify_tree(tree, rows, torch.Generator().manual_seed(0), greedy=True)
     assert verdict.path == [1, 4] and verdict.final_token == 9 and verdict.final_outcome is Outcome.CORRECTED
-    assert verdict.depths_verified() == 3
+    assert verdict.depths_verified == 3
     with pytest.raises(ValueError, match="one p row per tree node"):
         verify_tree(tree, rows[:3], None, greedy=True)
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.records import Outcome
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
-from engine.verify import ROW_SUM_TOL, VerifyResult, align_vocab, verify, verify_greedy, verify_reference
+from engine.verify import ROW_SUM_TOL, Verdict, align_vocab, verify, verify_greedy, verify_reference
 from playground.teach.losslessness import Rule, check_rule, goodness_of_fit, passes, simulate
 
 SIGNIFICANCE = 1e-3
@@ -32,8 +32,8 @@ def random_rows(n: int, v: int, g: torch.Generator, scale: float = 2.0) -> torch
     return torch.softmax(torch.randn(n, v, generator=g) * scale, dim=-1)
 
 
-def assert_same_result(a: VerifyResult, b: VerifyResult) -> None:
-    for field in ("tokens", "accepted_count", "rejected", "target_positions_checked", "positions",
+def assert_same_result(a: Verdict, b: Verdict) -> None:
+    for field in ("path", "tokens", "accepted_count", "rejected", "depths_verified", "tested",
                   "final_token", "final_outcome", "final_row", "final_u"):
         assert getattr(a, field) == getattr(b, field), field
     assert (a.residual is None) == (b.residual is None)
@@ -53,9 +53,9 @@ def test_certain_accept_then_bonus(impl):
     p = t([one_hot(4, 1), one_hot(4, 2), one_hot(4, 3)])
     r = impl(q, p, [1, 2], gen())
     assert r.tokens == [1, 2, 3]
-    assert (r.accepted_count, r.rejected, r.target_positions_checked) == (2, False, 2)
-    assert [v.outcome for v in r.positions] == [Outcome.ACCEPTED, Outcome.ACCEPTED]
-    assert [v.alpha for v in r.positions] == [1.0, 1.0]
+    assert (r.accepted_count, r.rejected, r.depths_verified) == (2, False, 2)
+    assert [v.outcome for v in r.tested] == [Outcome.ACCEPTED, Outcome.ACCEPTED]
+    assert [v.alpha for v in r.tested] == [1.0, 1.0]
     assert (r.final_token, r.final_outcome, r.final_row) == (3, Outcome.BONUS, 2)
     assert r.residual is None
 
@@ -67,9 +67,9 @@ def test_certain_reject_with_single_support_residual(impl):
     p = t([[0.5, 0, 0.5, 0], one_hot(4, 0), one_hot(4, 0), one_hot(4, 0)])
     r = impl(q, p, [1, 0, 0], gen())
     assert r.tokens == [2]
-    assert (r.accepted_count, r.rejected, r.target_positions_checked) == (0, True, 1)
-    assert len(r.positions) == 1
-    v = r.positions[0]
+    assert (r.accepted_count, r.rejected, r.depths_verified) == (0, True, 1)
+    assert len(r.tested) == 1
+    v = r.tested[0]
     assert (v.index, v.token, v.p_target, v.q_draft, v.alpha, v.outcome) == (0, 1, 0.0, 0.5, 0.0, Outcome.REJECTED)
     assert (r.final_token, r.final_outcome, r.final_row) == (2, Outcome.CORRECTED, 0)
     assert torch.equal(r.residual, t([0, 0, 1, 0]))
@@ -82,8 +82,8 @@ def test_reject_midway_reports_checked_prefix(impl):
     p = t([one_hot(3, 0), one_hot(3, 2), one_hot(3, 2), one_hot(3, 0)])
     r = impl(q, p, [0, 1, 2], gen())
     assert r.tokens == [0, 2]
-    assert [v.outcome for v in r.positions] == [Outcome.ACCEPTED, Outcome.REJECTED]
-    assert (r.accepted_count, r.target_positions_checked, r.final_row) == (1, 2, 1)
+    assert [v.outcome for v in r.tested] == [Outcome.ACCEPTED, Outcome.REJECTED]
+    assert (r.accepted_count, r.depths_verified, r.final_row) == (1, 2, 1)
 
 
 @both_impls
@@ -100,10 +100,10 @@ def test_zero_q_token_is_accepted_iff_target_can_emit_it(impl):
     q = t([[1.0, 0, 0, 0]])
     p = t([[0.5, 0, 0.5, 0], one_hot(4, 3)])
     accepted = impl(q, p, [2], gen())  # q = 0, p = 0.5 -> alpha 1
-    assert accepted.positions[0].alpha == 1.0
+    assert accepted.tested[0].alpha == 1.0
     assert accepted.tokens == [2, 3]
     rejected = impl(q, p, [1], gen())  # q = 0, p = 0 -> alpha 0; residual [0, 0, 0.5, 0]
-    assert rejected.positions[0].alpha == 0.0
+    assert rejected.tested[0].alpha == 0.0
     assert rejected.tokens == [2]
     assert rejected.final_outcome is Outcome.CORRECTED
 
@@ -114,7 +114,7 @@ def test_partial_acceptance_probability_uses_u(impl):
     p = t([[0.4, 0.6], [1.0, 0.0]])
     r = impl(q, p, [0], gen(3))
     u = draw_uniform(1, gen(3), "cpu").item()
-    v = r.positions[0]
+    v = r.tested[0]
     assert v.alpha == pytest.approx(0.5)
     assert v.u == u
     assert (v.outcome is Outcome.ACCEPTED) == (u < 0.5)

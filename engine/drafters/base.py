@@ -20,8 +20,8 @@ from engine.config import DrafterKind, SpecConfig
 from engine.kv_cache import PagedCache
 from engine.records import Outcome
 from engine.sampling import draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
-from engine.tree import Confidence, DraftTree, TreeVerdict, attention_mask, verify_tree
-from engine.verify import VerifyResult, verify, verify_greedy
+from engine.tree import Confidence, DraftTree, attention_mask, verify_tree
+from engine.verify import Verdict, verify, verify_greedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,16 @@ class Proposal:
     q_draft: torch.Tensor    # [len(tokens), V_target] float32 on the target's device
     forwards: int            # draft-model forwards spent
     source: DrafterKind      # the drafter that proposed them (a hybrid's copy is NGRAM)
+    tree = None              # a chain (a TreeProposal's is its DraftTree)
+
+    @property
+    def drafted(self) -> list[int]:
+        return self.tokens
+
+    def q_row(self, row: int) -> torch.Tensor | None:
+        """The draft distribution that p row `row`'s tests were against: a correction there came from the
+        residual of p and this."""
+        return self.q_draft[row]
 
     @property
     def fed_rows(self) -> int:
@@ -42,7 +52,7 @@ class Proposal:
         return [last, *self.tokens], {}
 
     def verify(self, logits: torch.Tensor, config: SpecConfig,
-               generator: torch.Generator) -> tuple[torch.Tensor, VerifyResult]:
+               generator: torch.Generator) -> tuple[torch.Tensor, Verdict]:
         """Greedy rounds verify from the argmaxes (`verify_greedy`, the same result as `verify` on one-hot
         rows, without the [K+1, V] work)."""
         if config.sampling.greedy:
@@ -52,10 +62,10 @@ class Proposal:
         p_rows = logits_to_probs(logits, config.sampling)
         return p_rows, verify(self.q_draft, p_rows, self.tokens, generator, validate=False)
 
-    def kept_rows(self, verdict: VerifyResult) -> list[int] | None:
+    def kept_rows(self, verdict: Verdict) -> list[int] | None:
         return None   # the accepted drafts are a prefix of the fed rows: a rollback keeps them
 
-    def next_k(self, config: SpecConfig, k: int, verdict: VerifyResult, confidence: Confidence | None) -> int:
+    def next_k(self, config: SpecConfig, k: int, verdict: Verdict, confidence: Confidence | None) -> int:
         """The schedule's next K (the heuristic one grows after a fully accepted round)."""
         return config.next_k(k, verdict.accepted_count == len(self.tokens))
 
@@ -72,7 +82,7 @@ class NoDraft:
         return [last], {}
 
     def verify(self, logits: torch.Tensor, config: SpecConfig,
-               generator: torch.Generator) -> tuple[torch.Tensor, VerifyResult]:
+               generator: torch.Generator) -> tuple[torch.Tensor, Verdict]:
         """The token comes from the last (bonus) row alone. Consumes one uniform, as verify does for its
         final sample."""
         greedy = config.sampling.greedy
@@ -80,14 +90,13 @@ class NoDraft:
         p_rows = one_hot_rows(ids, logits.shape[1]) if greedy else logits_to_probs(logits, config.sampling)
         u = draw_uniform(1, generator, p_rows.device)
         token = int(ids[-1]) if greedy else int(sample_from(p_rows[-1:], u)[0])
-        return p_rows, VerifyResult(tokens=[token], accepted_count=0, rejected=False, target_positions_checked=0,
-                                    positions=[], final_token=token, final_outcome=Outcome.BONUS, final_row=0,
-                                    final_u=float(u[0]), residual=None)
+        return p_rows, Verdict(path=[], tokens=[token], tested=[], final_token=token, final_outcome=Outcome.BONUS,
+                               final_row=0, final_u=float(u[0]), residual=None)
 
-    def kept_rows(self, verdict: VerifyResult) -> list[int] | None:
+    def kept_rows(self, verdict: Verdict) -> list[int] | None:
         return None
 
-    def next_k(self, config: SpecConfig, k: int, verdict: VerifyResult, confidence: Confidence | None) -> int:
+    def next_k(self, config: SpecConfig, k: int, verdict: Verdict, confidence: Confidence | None) -> int:
         return k
 
 
@@ -124,6 +133,14 @@ class TreeProposal:
     source: DrafterKind
 
     @property
+    def drafted(self) -> list[int]:
+        return self.tree.tokens[1:]
+
+    def q_row(self, row: int) -> torch.Tensor | None:
+        """Node `row`'s children were drawn from this (None: a node the draft never expanded)."""
+        return self.tree.q_rows.get(row)
+
+    @property
     def fed_rows(self) -> int:
         return len(self.tree.tokens)
 
@@ -134,16 +151,16 @@ class TreeProposal:
         return tree.tokens, {"positions": [past + d for d in tree.depths], "attn_mask": attention_mask(tree, past)}
 
     def verify(self, logits: torch.Tensor, config: SpecConfig,
-               generator: torch.Generator) -> tuple[torch.Tensor, TreeVerdict]:
+               generator: torch.Generator) -> tuple[torch.Tensor, Verdict]:
         greedy = config.sampling.greedy
         p_rows = one_hot_rows(greedy_ids(logits), logits.shape[1]) if greedy else \
             logits_to_probs(logits, config.sampling)
         return p_rows, verify_tree(self.tree, p_rows, generator, greedy)
 
-    def kept_rows(self, verdict: TreeVerdict) -> list[int] | None:
+    def kept_rows(self, verdict: Verdict) -> list[int] | None:
         return [0, *verdict.path]   # the root and the accepted path, moved next to each other
 
-    def next_k(self, config: SpecConfig, k: int, verdict: TreeVerdict, confidence: Confidence | None) -> int:
+    def next_k(self, config: SpecConfig, k: int, verdict: Verdict, confidence: Confidence | None) -> int:
         """A tree's size is its spec's; what the round teaches is how much its children's q was worth."""
         if confidence is not None:
             confidence.observe(self.tree, verdict)
