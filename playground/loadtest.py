@@ -257,10 +257,20 @@ def call(http, name: str, data: list, session: str) -> list:
     event = http.post(f"/gradio_api/call/{name}", json={"data": data, "session_hash": session})
     event.raise_for_status()
     reply = http.get(f"/gradio_api/call/{name}/{event.json()['event_id']}").text
-    kind, _, payload = reply.partition("\ndata: ")
-    if kind.strip() != "event: complete":
-        raise RuntimeError(f"{name}: {reply[:200]}")
-    return json.loads(payload.strip())
+    return reply_data(name, reply)
+
+
+def reply_data(name: str, reply: str) -> list:
+    """The outputs of a /gradio_api/call stream: its `complete` event's data. Heartbeats (sent while a call
+    waits, every GRADIO_HEARTBEAT_INTERVAL) and progress events before it are skipped; any other ending
+    is an error that quotes the reply."""
+    for block in reply.strip().split("\n\n"):
+        kind, _, payload = block.strip().partition("\ndata: ")
+        if kind.strip() == "event: complete":
+            return json.loads(payload.strip())
+        if kind.strip() not in ("event: heartbeat", "event: generating"):
+            break
+    raise RuntimeError(f"{name}: {reply[:200]}")
 
 
 # -- the checks -------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from playground import loadtest
-from playground.loadtest import Visitor, isolation
+from playground.loadtest import Visitor, isolation, reply_data
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -57,3 +57,12 @@ def test_the_hostile_verdict_fails_on_any_answer_that_is_not_its_refusal(tmp_pat
     attacks.wrong.clear()
     attacks.traces = 0                                      # no surrogate trace was refused with its sentence
     assert not attacks.held()
+
+
+def test_a_reply_is_read_past_its_heartbeats_and_an_error_is_quoted():
+    reply = 'event: heartbeat\ndata: null\n\nevent: heartbeat\ndata: null\n\nevent: complete\ndata: [null, "Round 1"]\n\n'
+    assert reply_data("step", reply) == [None, "Round 1"]
+    with pytest.raises(RuntimeError, match="step: event: heartbeat"):
+        reply_data("step", "event: heartbeat\ndata: null\n\n")            # never completed
+    with pytest.raises(RuntimeError, match="event: error"):
+        reply_data("step", "event: heartbeat\ndata: null\n\nevent: error\ndata: null\n\n")
