@@ -242,9 +242,13 @@ def test_closing_the_client_ends_its_session(server):
     run_pool = session.run.spec.target_runner.pool.manager
     client.close()   # its heartbeat stops: Gradio fires the app's unload event
     deadline = time.monotonic() + 120
-    while len(pool) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(pool) == 0 and session.run is None and run_pool.free_blocks == run_pool.num_blocks
+
+    def ended() -> bool:   # the pool lets go of the session first, then the session frees its run
+        return len(pool) == 0 and session.run is None and run_pool.free_blocks == run_pool.num_blocks
+
+    while not ended() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ended(), (len(pool), session.run, run_pool.free_blocks)
 
 
 def test_the_session_limit_gives_a_message_not_a_crash(server):
