@@ -182,6 +182,11 @@ class SessionPool:
         with self._lock:
             self._held[key] = self._held.get(key, 0) + 1
 
+    def connected(self, key: str) -> bool:
+        """Whether a heartbeat connection for `key` is open."""
+        with self._lock:
+            return key in self._held
+
     def detach(self, key: str) -> None:
         """A heartbeat connection for `key` closed; the session's lease runs from now."""
         with self._lock:

@@ -28,6 +28,16 @@ def no_sessions_left_over(server):
     server[1].close_all()
 
 
+def open_page(url: str, pool) -> Client:
+    """A client whose heartbeat the server has seen, as a browser page's is before anyone can upload: the
+    server takes uploads only from an address with a page open."""
+    client = Client(url, verbose=False)
+    deadline = time.monotonic() + 60
+    while not pool.connected(client.session_hash) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return client
+
+
 def step(client: Client, n: int = 1) -> tuple:
     for _ in range(n):
         out = client.predict(api_name="/step")
@@ -292,7 +302,7 @@ def test_concurrent_visitors_are_isolated(builtin_pair, tmp_path):
 def test_script_in_a_trace_is_shown_as_text(server, tmp_path):
     if not EXAMPLES:
         pytest.skip("needs the example traces in assets/traces")
-    url, _ = server
+    url, pool = server
     lines = [json.loads(line) for line in EXAMPLES[0].read_text().splitlines()]
     attack = "<script>alert(1)</script><img src=x onerror=alert(2)>"
     for obj in lines:
@@ -303,7 +313,7 @@ def test_script_in_a_trace_is_shown_as_text(server, tmp_path):
                 p["text"] = attack
     hostile = tmp_path / "<b>hostile<b>.jsonl"
     hostile.write_text("".join(json.dumps(o) + "\n" for o in lines))
-    client = Client(url, verbose=False)
+    client = open_page(url, pool)
     client.predict(handle_file(str(hostile)), api_name="/replay_upload")
     out = client.predict(api_name="/run_to_end")
     assert "&lt;script&gt;" in out[STREAM] and "<script" not in out[STREAM] and "<img" not in out[STREAM]
