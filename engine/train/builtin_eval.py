@@ -60,10 +60,7 @@ def heldout_windows(count: int, length: int, seed: int) -> torch.Tensor:
     tok = AutoTokenizer.from_pretrained(str(BUILTIN_DIR / "target"))
     files = corpus.list_sources("heldout")
     eos = tok.eos_token_id
-    ids: list[int] = []
-    for f in files:
-        ids.extend(tok(f.text, add_special_tokens=False)["input_ids"])
-        ids.append(eos)
+    ids = [i for each in tok([f.text for f in files], add_special_tokens=False)["input_ids"] for i in (*each, eos)]
     stream = torch.tensor(ids)
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - length, (count,), generator=g)
