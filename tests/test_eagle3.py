@@ -3,6 +3,7 @@ the data, its export loads, and the engine with it stays exact (greedy: the targ
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from engine.runner import ModelRunner
 from engine.sources import SMOLLM2_PIP, smollm2_gguf
 from engine.speculative import SpeculativeEngine
 from engine.train import eagle3, eagle3_data
+from engine.train.eagle import target_rope
 from engine.train.eagle3_data import DataFolder, Eagle3DataPlan
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
@@ -60,6 +62,64 @@ def test_greedy_with_an_eagle3_head_is_the_target_alone(smol):
         engine.close()
     assert runs[Mode.V2] == runs[Mode.TARGET]
     assert all(r.k for r in rounds[Mode.V2][1:-1])
+
+
+def test_the_engine_drafts_what_training_computes(smol):
+    """Every draft the engine makes with an EAGLE-3 head (K = 3, greedy) has the logits that training's unrolled
+    steps give for the same inputs: the committed tokens' real layer inputs, then the drafts as the chain's
+    tokens. A feature, a token or a rotary position fed one place off in either would break this."""
+    runtime = random_head(smol, kept=2048)
+    captured: list[torch.Tensor] = []
+    draft_logits = runtime.logits
+
+    def recording(feats):
+        out = draft_logits(feats)
+        captured.append(out[0].clone())
+        return out
+
+    runtime.logits = recording
+    ids = encode_chat(smol.tokenizer, ChatPrompt("Why do cats purr?"))
+    k = 3
+    engine = SpeculativeEngine(ModelPair(smol, None, runtime), ids,
+                               SpecConfig(drafter=DrafterKind.EAGLE, k=k, max_new_tokens=14, record=False))
+    engine.step()   # the prefill
+    rounds = []
+    while not engine.finished:
+        n, before = len(engine.tokens), len(captured)
+        engine.step()
+        rounds.append((n, captured[before:]))
+    tokens = list(engine.tokens)
+    engine.close()
+    with torch.inference_mode():
+        hidden = smol.model(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    real = torch.cat([hidden[i][0] for i in LAYERS], dim=-1)          # [len, 3d]: feature of each token
+    embed = smol.model.get_input_embeddings().weight.detach()
+    head = runtime.head
+    compared = 0
+    for n, logits in rounds:
+        assert len(logits) <= k                # the last rounds draft only what is left to generate
+        drafts = [int(runtime.kept_ids[row.argmax()]) for row in logits]
+        chain = tokens[:n] + drafts
+        feats = torch.zeros(1, len(chain) - 1, real.shape[1])
+        feats[0, : n - 1] = real[: n - 1]          # only the committed tokens' features are real
+        cos, sin = target_rope(smol, head.config.head_dim, len(chain))
+        with torch.inference_mode():
+            outs = list(eagle3.unrolled(head, torch.nn.functional.embedding(torch.tensor([chain[1:]]), embed),
+                                        feats, k, cos[1:], sin[1:]))
+        for step, row in enumerate(logits, start=1):
+            column = n + step - 3                  # draft position n - 2 + step, column = position - 1
+            offline = torch.nn.functional.linear(outs[step - 1][0, column], head.lm).float()
+            assert (offline - row).abs().max() < 1e-3 * row.abs().max(), (n, step)
+            compared += 1
+    assert compared >= 3 * 4
+
+
+def test_no_pass_over_the_held_out_prompts_is_trained_on():
+    paths = sorted(Path(f"shard-p{p}-{c:05d}.pt") for c in range(3) for p in range(2))
+    held, train = eagle3.heldout_split(paths)
+    assert held.name == "shard-p0-00000.pt"
+    assert [p.name for p in train] == ["shard-p0-00001.pt", "shard-p0-00002.pt", "shard-p1-00001.pt",
+                                       "shard-p1-00002.pt"]
 
 
 def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path):

@@ -102,6 +102,14 @@ def rope_tables(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[t
     return emb.cos(), emb.sin()
 
 
+def target_rope(target: LoadedModel, head_dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's rotary cos/sin [length, head_dim] at positions 0..length - 1 (its own theta)."""
+    config = target.model.config
+    theta = float(getattr(config, "rope_parameters", {}).get("rope_theta", None)
+                  or getattr(config, "rope_theta", 10000.0))
+    return rope_tables(head_dim, theta, torch.arange(length))
+
+
 def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, head_kept: torch.Tensor, plan: EaglePlan,
                   cos: torch.Tensor, sin: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, list[float]]:
     """The plan's weighted loss over `depth` unrolled steps, and each step's top-1 agreement with the target."""
@@ -172,9 +180,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: EaglePla
     head = EagleHead(config)
     embed = target.model.get_input_embeddings().weight.detach().float()
     head_kept = target.model.get_output_embeddings().weight.detach().float().index_select(0, kept)
-    theta = float(getattr(target.model.config, "rope_parameters", {}).get("rope_theta", None)
-                  or getattr(target.model.config, "rope_theta", 10000.0))
-    cos_all, sin_all = rope_tables(config.head_dim, theta, torch.arange(plan.max_len + 1))
+    cos_all, sin_all = target_rope(target, config.head_dim, plan.max_len + 1)
     opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
     state = TrainState()
     if ckpt is None:

@@ -27,6 +27,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from engine.drafters.eagle import EagleConfig, EagleHead, save_head
 from engine.models import LoadedModel
-from engine.train.eagle import rope_tables, ttt_mask
+from engine.train.eagle import target_rope, ttt_mask
 from engine.train.eagle3_data import (
     DataError,
     Example,
@@ -123,26 +124,43 @@ def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int) 
     return Batch(emb_ids, feats, label_ids, label_p, valid)
 
 
+def unrolled(head: EagleHead, emb: torch.Tensor, feats: torch.Tensor, depth: int, cos: torch.Tensor,
+             sin: torch.Tensor, bf16: bool = False) -> Iterator[torch.Tensor]:
+    """Each training-time-test step's predicted features [B, N, d], for draft positions t = 1..N whose inputs
+    are the embeddings `emb` of x_t and the target's layer inputs `feats` after x_{t-1} ([B, N, L * d]).
+
+    Step 1 reads the real features; step s + 1 at position t reads step s's output at t - 1 and attends as the
+    s + 1-th draft of a chain started at t - s does in the engine (engine.train.eagle.ttt_mask). This is what
+    the engine's drafter computes for a chain of drafts equal to x_t, x_{t+1}, ... (tests/test_eagle3.py)."""
+    n = emb.shape[1]
+    layer = head.layer()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        inputs = head.real_features(feats)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+
+    def keys_values(ks, vs):
+        keys.append(ks)
+        values.append(vs)
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    for step in range(1, depth + 1):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = head.step(emb, inputs, layer, keys_values, cos[None, None], sin[None, None], ttt_mask(n, step))
+        yield out
+        inputs = torch.cat([inputs[:, :1], out[:, :-1].to(inputs.dtype)], dim=1)  # step s+1 reads step s at t-1
+
+
 def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagle3Plan, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
     """The weighted soft-label loss over `depth` unrolled steps, and each step's top-1 agreement."""
     n = batch.emb_ids.shape[1]
     emb = F.embedding(batch.emb_ids, embed)
-    layer = head.layer()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
-        inputs = head.real_features(batch.feats)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
     total, weights, agree = torch.zeros(()), 0.0, []
     positions = torch.arange(1, n + 1)
     top1 = batch.label_ids[..., 0]
-    for step in range(1, plan.depth + 1):
-        def keys_values(ks, vs):
-            keys.append(ks)
-            values.append(vs)
-            return torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
-            out = head.step(emb, inputs, layer, keys_values, cos[None, None], sin[None, None], ttt_mask(n, step))
+    steps = unrolled(head, emb, batch.feats, plan.depth, cos, sin, plan.bf16)
+    for step, out in enumerate(steps, start=1):
         rows = batch.valid & (positions >= step)[None]
         if rows.any():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
@@ -154,7 +172,6 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
             agree.append(float((logq.argmax(-1) == top1[rows]).float().mean()))
         else:
             agree.append(math.nan)
-        inputs = torch.cat([inputs[:, :1], out[:, :-1].to(inputs.dtype)], dim=1)  # step s+1 reads step s at t-1
     return total / max(weights, 1e-9), agree
 
 
@@ -175,6 +192,15 @@ def shard_order(paths: list[Path], plan: Eagle3Plan, epoch: int) -> list[Path]:
     return order
 
 
+def heldout_split(paths: list[Path]) -> tuple[Path, list[Path]]:
+    """(the shard that measures the held-out loss, the shards to train on). The held-out shard is the first
+    one; every other pass over the same prompts (its chunk: `shard-p<pass>-<chunk>`) is left out of training
+    too, or the sampled answers to the very prompts whose greedy answers measure the loss would be learnt."""
+    held = paths[0]
+    chunk = held.stem.rsplit("-", 1)[-1]
+    return held, [p for p in paths[1:] if p.stem.rsplit("-", 1)[-1] != chunk]
+
+
 def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
           log=print, deadline: float | None = None) -> dict:
     """Train (or resume) on every whole shard under `data`; export to `out` when done."""
@@ -183,7 +209,10 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
     paths = list(iter_shards(data))
     if not paths:
         raise DataError(f"no shards under {data}: run `python -m engine draft-data` first")
-    held_path, paths = paths[0], paths[1:]        # the first shard measures held-out loss, never trained on
+    held_path, paths = heldout_split(paths)
+    if not paths:
+        raise DataError(f"the shards under {data} answer one chunk of prompts, which is held out to measure the "
+                        "loss: run `python -m engine draft-data` further")
     work.mkdir(parents=True, exist_ok=True)
     ckpt_path = work / "checkpoint.pt"
     eos = target.tokenizer.eos_token_id
@@ -202,9 +231,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
     embed = target.model.get_input_embeddings().weight.detach().float()
     kept_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
     kept_index[kept] = torch.arange(len(kept))
-    theta = float(getattr(target.model.config, "rope_parameters", {}).get("rope_theta", None)
-                  or getattr(target.model.config, "rope_theta", 10000.0))
-    cos_all, sin_all = rope_tables(config.head_dim, theta, torch.arange(plan.max_len + 1))
+    cos_all, sin_all = target_rope(target, config.head_dim, plan.max_len + 1)
     opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
     if ckpt is None:
         head.init_for_training(torch.Generator().manual_seed(plan.seed))
