@@ -10,7 +10,9 @@ import torch
 from engine.models import LoadedModel, load_model
 from engine.sources import BUILTIN, SMOLLM2
 
-torch.set_num_threads(2)
+# Under pytest-xdist (two workers on two cores) each worker computes on one core: OpenMP threads that outnumber
+# the cores spin against each other. Alone, a run uses both.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # Gradio notices a closed page by its heartbeat, every 15 s by default, and a closing gradio_client waits up to
 # a second for its heartbeat thread. The tests (in-process servers, the `python app.py` they start, which inherit
 # this, and every client) beat four times a second, as Gradio's own end-to-end tests do.
