@@ -71,6 +71,17 @@ def alpha(rounds: Rounds) -> float | None:
     return alpha_rate(sum(r.accepted for r in rounds), verified) if verified else None
 
 
+def running_acceptance(rounds: Rounds) -> tuple[list[float | None], list[float | None]]:
+    """(draft_acceptance, alpha) over rounds[:i + 1] for each i: the cumulative curves the charts draw."""
+    drafted_rates, alphas = [], []
+    accepted = drafted = verified = 0
+    for r in rounds:
+        accepted, drafted, verified = accepted + r.accepted, drafted + r.k, verified + r.verified
+        drafted_rates.append(acceptance_rate(accepted, drafted) if drafted else None)
+        alphas.append(alpha_rate(accepted, verified) if verified else None)
+    return drafted_rates, alphas
+
+
 def tokens_per_round(rounds: Rounds) -> float | None:
     """Tokens emitted per drafted round (the correction or bonus included): the quantity Leviathan's
     E(alpha, K) predicts, the literature's tau. The prefill, and rounds that drafted nothing (a target-only

@@ -97,7 +97,7 @@ class RoundRecorder:
         for t in ids:
             text = self._text(context.copy(), t)
             out.append(Candidate(t, text.text, float(p_row[t]), float(q_row[t]) if q_row is not None else 0.0,
-                                 float(residual[t]) if residual is not None else None, _pending(text)))
+                                 float(residual[t]) if residual is not None else None, text.pending))
         return sorted(out, key=lambda c: -max(c.p_target, c.q_draft, c.residual or 0.0))
 
     def positions(self, result: RoundResult) -> list[PositionRecord]:
@@ -114,7 +114,7 @@ class RoundRecorder:
                 p_target=v.p_target if v else None, alpha=v.alpha if v else None, u=v.u if v else None,
                 outcome=v.outcome if v else Outcome.UNCHECKED,
                 candidates=self.candidates(context, result.p_rows[i], q_row, [token]) if v else [],
-                pending=_pending(text)))
+                pending=text.pending))
         return out
 
     def final(self, result: RoundResult) -> FinalRecord:
@@ -131,7 +131,7 @@ class RoundRecorder:
             token=v.final_token, text=text.text, outcome=v.final_outcome, row=v.final_row,
             u=v.final_u, p_target=float(result.p_rows[v.final_row][v.final_token]),
             candidates=self.candidates(context, result.p_rows[v.final_row], q_row, [v.final_token],
-                                       v.residual if corrected else None), pending=_pending(text))
+                                       v.residual if corrected else None), pending=text.pending)
 
     def tree(self, result: RoundResult) -> TreeRecord:
         """Every node of a tree round with its test (or UNCHECKED), read after the committed text and its
@@ -153,7 +153,7 @@ class RoundRecorder:
                 i, parent, tree.depths[i], token, text.text, tree.scores[i], q,
                 t.p_target if t else None, t.alpha if t else None, t.u if t else None,
                 t.outcome if t else Outcome.UNCHECKED,
-                self.candidates(context, result.p_rows[parent], q_row, [token]) if t else [], _pending(text),
+                self.candidates(context, result.p_rows[parent], q_row, [token]) if t else [], text.pending,
                 copied))
         return TreeRecord(self.config.tree.label(), nodes, list(verdict.path), verdict.final_row)
 
@@ -170,24 +170,6 @@ class RoundRecorder:
             accepted=min(result.verdict.accepted_count, len(result.emitted)), kv=kv, timings=timings,
             target_forwards=run.target_forwards, draft_forwards=proposal.forwards if proposal else 0,
             tokens_total=run.tokens_total, elapsed_s=run.elapsed_s, finished=run.finished, tree=tree)
-
-
-def _pending(text: TokenText) -> str:
-    """Hex of the bytes a partial token leaves for a later one, e.g. "e6 97"; "" when it completes its text."""
-    if not text.partial:
-        return ""
-    tail = text.raw[len(text.raw) - _unfinished(text.raw):]
-    return " ".join(f"{b:02x}" for b in tail)
-
-
-def _unfinished(raw: bytes) -> int:
-    """How many trailing bytes of `raw` belong to a UTF-8 character that is not finished."""
-    for n in range(1, min(4, len(raw)) + 1):
-        lead = raw[-n]
-        if lead & 0xC0 != 0x80:      # a lead byte: does the character it starts fit in n bytes?
-            need = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
-            return n if need > n else 0
-    return min(4, len(raw))
 
 
 def drafter_of(config: SpecConfig) -> DrafterKind | None:

@@ -23,6 +23,24 @@ class TokenText:
     partial: bool         # its last bytes start a character that a later token completes
     raw: bytes            # the token's own bytes
 
+    @property
+    def pending(self) -> str:
+        """Hex of the bytes a partial token leaves for a later one, e.g. "e6 97"; "" when it completes its text."""
+        if not self.partial:
+            return ""
+        tail = self.raw[len(self.raw) - _unfinished(self.raw):]
+        return " ".join(f"{b:02x}" for b in tail)
+
+
+def _unfinished(raw: bytes) -> int:
+    """How many trailing bytes of `raw` belong to a UTF-8 character that is not finished."""
+    for n in range(1, min(4, len(raw)) + 1):
+        lead = raw[-n]
+        if lead & 0xC0 != 0x80:      # a lead byte: does the character it starts fit in n bytes?
+            need = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+            return n if need > n else 0
+    return min(4, len(raw))
+
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:

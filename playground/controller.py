@@ -18,12 +18,14 @@ from engine.models import ModelLoadError
 from engine.pair import ModelPair
 from engine.prompts import ChatPrompt, PromptError, encode_chat, encode_prompt, has_chat_template
 from engine.sampling import SamplingParams
+from engine.text import StreamDecoder
 from engine.trace import TraceError, load_trace
 from playground.inputs import as_float, as_int, as_seed, as_text
 from playground.registry import ModelRegistry
+from playground.render.tokens import chip_text
 from playground.sessions import Session, SessionBusy, SessionLimitReached, SessionPool
 from playground.settings import AppSettings
-from playground.teach.lesson import RoundRows, round_rows
+from playground.teach.lesson import RoundRows, round_context, round_rows
 from playground.view import Cursor, Panel, RunView, info_for_run, view_from_trace
 
 E = TypeVar("E", bound=Enum)
@@ -305,4 +307,12 @@ def lab_rows(session: Session) -> tuple[RoundRows, Callable[[int], str]]:
         raise ValueError("The lab re-runs the round's forwards, so it needs a live run, not a replayed trace.")
     spec = session.run.spec
     rows = round_rows(spec.target, spec.pair.draft, spec.prompt, spec.rounds, selection[0], spec.config)
-    return rows, lambda t: spec.target.tokenizer.decode([t])
+    reader = StreamDecoder(spec.target.tokenizer)
+    reader.feed_all(round_context(spec.prompt, spec.rounds, selection[0]))
+
+    def label(token: int) -> str:
+        """The token as a chip shows it, read after the round's committed text (engine.text)."""
+        text = reader.copy().feed(token)
+        return chip_text(text.text, text.pending)
+
+    return rows, label

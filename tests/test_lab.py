@@ -15,6 +15,7 @@ from engine.speculative import SpeculativeEngine
 from playground import controller
 from playground.pages import lab as page_lab
 from playground.render import lab as render_lab
+from playground.render.tokens import chip_text
 from playground.sessions import Session
 from playground.teach import lab
 from playground.teach.lesson import WRONG_RULES, RoundRows, best_window, round_rows, rule_output, separation, window
@@ -179,6 +180,10 @@ def test_the_lab_page_builds_and_runs_on_a_playground_session(builtin_pair, tmp_
         session.run.step()
         session.cursor = Cursor(shown=2)
         rows, decode = controller.lab_rows(session)
+        first = session.run.spec.rounds[1].positions[0]        # read by the recorder after the same context
+        assert decode(first.token) == chip_text(first.text, first.pending)
+        lead = target.tokenizer.convert_tokens_to_ids("Ã")     # byte 0xc3 alone: the start of a character
+        assert decode(lead) == "‹c3›"
         result = lab.run_lab(rows, Rule.CORRECT, 4000, 0)
         out = page_lab.render(result, lab.token_texts(result, decode))
         held, verdict = out[0], out[1]

@@ -59,6 +59,14 @@ def test_alpha_counts_verified_positions_and_draft_rate_counts_drafts():
     assert [r.verified for r in rounds] == [0, 3, 4, 1]
 
 
+def test_running_acceptance_is_each_prefix_measured_again():
+    rounds = [make_round(0, ""), make_round(1, "aaru"), make_round(2, ""), make_round(3, "ruuu"), make_round(4, "aaaa")]
+    drafted, alphas = metrics.running_acceptance(rounds)
+    assert drafted == [metrics.draft_acceptance(rounds[: i + 1]) for i in range(len(rounds))]
+    assert alphas == [metrics.alpha(rounds[: i + 1]) for i in range(len(rounds))]
+    assert drafted[:2] == [None, pytest.approx(2 / 4)] and alphas[3] == pytest.approx(2 / 4)
+
+
 def test_the_formula_is_fed_alpha_not_the_draft_rate():
     """Under i.i.d. acceptance, accepted / drafted = a (1 - a^K) / (K (1 - a)): plugging it into E(a, K)
     under-predicts the tokens per round; alpha reproduces them."""

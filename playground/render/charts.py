@@ -39,14 +39,9 @@ def acceptance_figure(view: RunView) -> go.Figure:
     alpha = accepted / verified positions (the one Leviathan's formula takes)."""
     if (msg := _no_drafts(view)) is not None:
         return empty_figure(msg)
-    xs, per_round, drafted, verified = [], [], [], []
-    accepted = k = checked = 0
-    for r in view.rounds:
-        accepted, k, checked = accepted + r.accepted, k + r.k, checked + r.verified
-        xs.append(r.index + 1)
-        per_round.append(r.accepted / r.k if r.k else None)
-        drafted.append(accepted / k if k else None)
-        verified.append(accepted / checked if checked else None)
+    xs = [r.index + 1 for r in view.rounds]
+    per_round = [metrics.draft_acceptance([r]) for r in view.rounds]
+    drafted, verified = metrics.running_acceptance(view.rounds)
     return chart_figure([go.Bar(x=xs, y=per_round, name="this round (accepted / drafted)", marker_color=GREEN, opacity=0.7),
                     go.Scatter(x=xs, y=drafted, name="draft acceptance rate: accepted / drafted", mode="lines",
                                line=dict(color="#000")),
