@@ -289,21 +289,35 @@ def predicted_over_rounds(tokens_at: Callable[[int], float], rounds_k: Sequence[
     exactly E(K) / (cK + r(K + 1)). A tree round of N nodes verifies N + 1 rows and can accept as many
     tokens as it is deep: `depths[i]` (default: rounds_k[i]) is what tokens_at is asked about.
     """
+    tokens, cost = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_of_n, depths)
+    return tokens / cost if cost > 0 else math.nan
+
+
+def formula_terms(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draft_forwards: Sequence[int],
+                  c: float, r_of_n: Callable[[int], float], depths: Sequence[int] | None = None) -> tuple[float, float]:
+    """(the tokens the rounds are expected to yield, what they cost in target steps): the numerator and the
+    denominator of `predicted_over_rounds`, for the bench to say which of the two a measurement departs from."""
     depths = rounds_k if depths is None else depths
     if len(rounds_k) != len(draft_forwards) or len(rounds_k) != len(depths):
         raise ValueError(f"one draft-forward count and one depth per round: {len(rounds_k)} rounds, "
                          f"{len(draft_forwards)} counts, {len(depths)} depths")
-    return _over_mix(tokens_at, Counter(zip(rounds_k, depths)), sum(draft_forwards), c, r_of_n)
+    return _mix_terms(tokens_at, Counter(zip(rounds_k, depths)), sum(draft_forwards), c, r_of_n)
 
 
 def _over_mix(tokens_at: Callable[[int], float], rounds_by: Mapping[tuple[int, int], int], draft_forwards: int,
               c: float, r_of_n: Callable[[int], float]) -> float:
-    """predicted_over_rounds from the number of rounds at each (K, depth) and the draft forwards of them
-    all: the sums depend on nothing else, so they need not be taken round by round. A round's tokens
+    tokens, cost = _mix_terms(tokens_at, rounds_by, draft_forwards, c, r_of_n)
+    return tokens / cost if cost > 0 else math.nan
+
+
+def _mix_terms(tokens_at: Callable[[int], float], rounds_by: Mapping[tuple[int, int], int], draft_forwards: int,
+               c: float, r_of_n: Callable[[int], float]) -> tuple[float, float]:
+    """The formula's two sums from the number of rounds at each (K, depth) and the draft forwards of them
+    all: they depend on nothing else, so they need not be taken round by round. A round's tokens
     follow its depth (a chain's K, a tree's deepest node); its verify cost its width K + 1."""
     tokens = math.fsum(n * (tokens_at(d) if k else 1.0) for (k, d), n in rounds_by.items())
     cost = c * draft_forwards + math.fsum(n * (r_of_n(k + 1) if k else 1.0) for (k, _), n in rounds_by.items())
-    return tokens / cost if cost > 0 else math.nan
+    return tokens, cost
 
 
 # -- running sums: a measure after every round ---------------------------------------------------------

@@ -91,11 +91,14 @@ def _sample(prompt: int, tokens: list[int], rounds_k: list[int], accepted: int, 
                      checks=[[True, False], [False]])
 
 
+BASELINE = [_sample(0, [1, 2, 3, 4], [0, 0, 0], 0, None)]   # 8 tokens/s; 7.5 after the first token
+
+
 def test_summarize_flags_mismatched_tokens_and_reads_c_and_r_from_the_runs():
     method = Method("v2", 2)
     reference = {0: [1, 2, 3, 4], 1: [5, 6, 7, 8]}
     samples = [_sample(0, [1, 2, 3, 4], [2, 2], 1, 3), _sample(1, [5, 6, 9, 8], [2, 2], 1, 3)]
-    result = summarize(method, samples, t1=0.01, fastest_tps=8.0, reference=reference, r_of_n=lambda n: 1.5)
+    result = summarize(method, samples, t1=0.01, fastest=BASELINE, reference=reference, r_of_n=lambda n: 1.5)
     assert result.identical_tokens is False and result.mismatched_prompts == [1]
     assert result.draft_acceptance_rate == 0.25 and result.mean_accepted_length == 2.0
     assert result.alpha == pytest.approx(2 / 6)   # accepted / verified over the first repeat of each prompt
@@ -105,20 +108,28 @@ def test_summarize_flags_mismatched_tokens_and_reads_c_and_r_from_the_runs():
     assert result.predicted_speedup == pytest.approx(expected)
     assert result.predicted_from_rates == pytest.approx(
         (1 + 0.5 + 0.5 * 0.0) / (0.2 * 2 + 1.5))   # rates [1/2, 0/1] from the checks
+    # meas/pred compares the decode speed-up (6 tokens in 2 x 0.4 s against 7.5 tokens/s) with the prediction,
+    # and is taken apart: 8 tokens against 4 E(1/3, 2); the cost with r cal 1.5 against the rounds' 1.2
+    assert result.decode_speedup == pytest.approx(1.0) and result.efficiency == pytest.approx(1.0 / expected)
+    gap = result.gap
+    assert gap.tokens == pytest.approx(8 / (4 * (1 + 1 / 3 + 1 / 9)))
+    assert gap.verify == pytest.approx((0.2 * 8 + 4 * 1.5) / (0.2 * 8 + 4 * 1.2))
+    assert gap.tokens * gap.verify * gap.rest == pytest.approx(result.efficiency)
+    assert gap.forward_share == pytest.approx((2 * 0.012 + 4 * 0.002) / 0.4)   # decode forwards / wall - TTFT
 
 
 @pytest.mark.parametrize("name, c", [("eagle", 0.2), ("eagle-hybrid", 0.2), ("ngram", 0.0)])
 def test_an_eagle_heads_step_is_its_draft_cost(name, c):
     """The head's forwards are draft forwards: c is their cost (prompt lookup's is 0)."""
     samples = [_sample(0, [1, 2, 3, 4], [2, 2], 1, 3)]
-    result = summarize(Method(name, 2), samples, t1=0.01, fastest_tps=8.0, reference={0: [1, 2, 3, 4]},
+    result = summarize(Method(name, 2), samples, t1=0.01, fastest=BASELINE, reference={0: [1, 2, 3, 4]},
                        r_of_n=lambda n: 1.5)
     assert result.c == pytest.approx(c)
 
 
 def test_generate_gets_no_prediction_without_verified_positions():
     samples = [_sample(0, [1, 2, 3, 4], [2, 2], 2, None)]
-    result = summarize(Method("hf-assisted", 2), samples, t1=0.01, fastest_tps=8.0, reference={0: [1, 2, 3, 4]},
+    result = summarize(Method("hf-assisted", 2), samples, t1=0.01, fastest=BASELINE, reference={0: [1, 2, 3, 4]},
                        r_of_n=lambda n: 1.5)
     assert result.alpha is None and math.isnan(result.predicted_speedup) and result.draft_acceptance_rate == 0.5
 

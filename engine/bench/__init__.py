@@ -30,6 +30,9 @@ Measures (what the JSON records and the table show)
   With a constant K this is exactly E(alpha, K) / (cK + r). Target-only methods predict 1. The model
   has no term for v1's commit forward, sampling, verification or Python around the forwards: those
   show up as measured / predicted < 1.
-- speed-up = tokens/s over the fastest target-only baseline; efficiency = measured / predicted.
+- speed-up = tokens/s over the fastest target-only baseline; decode speed-up the same after each run's first
+  token (the prefill is the TTFT column's); efficiency = meas/pred = decode speed-up / predicted, which the
+  report takes apart: tokens counted against E(alpha, K), the calibrated r against the rounds' own r, and
+  the rest (time outside the forwards).
 - identical_tokens: every repeat of every prompt equals `hf-generate`'s tokens (all methods are greedy).
 """

@@ -94,6 +94,7 @@ COLUMNS = (("method", 22, lambda r: r.label), ("tok/s", 8, lambda r: _fmt(r.toke
            ("c", 6, lambda r: _fmt(r.c, ".3f") if r.k else "-"), ("r", 5, lambda r: _fmt(r.r, ".2f") if r.k else "-"),
            ("r cal", 5, lambda r: _fmt(r.r_calibrated, ".2f") if r.k else "-"),
            ("speed-up", 8, lambda r: _fmt(r.speedup, ".2f") + "x"),
+           ("decode", 6, lambda r: _fmt(r.decode_speedup, ".2f") + "x"),
            ("predicted", 9, lambda r: _fmt(r.predicted_speedup, ".2f") + "x"),
            ("pred(a_i)", 9, lambda r: _fmt(r.predicted_from_rates, ".2f") + "x"),
            ("meas/pred", 9, lambda r: _fmt(r.efficiency, ".2f")),
@@ -138,6 +139,28 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
     return lines
 
 
+def gap_lines(results: Sequence[MethodResult]) -> list[str]:
+    """meas/pred taken apart (results.PredictionGap): which of the formula's inputs the rounds departed from."""
+    gapped = [r for r in results if r.gap is not None]
+    if not gapped:
+        return []
+    base = next((r for r in results if r.method == "target" and r.phases_ms_per_token), None)
+    lines = ["", "meas/pred (decode speed-up / predicted) = tokens counted / E(alpha, K)  x  cost with r cal / cost "
+             "with the rounds' r  x  the rest (time outside the forwards)"]
+    for r in gapped:
+        g = r.gap
+        lines.append(f"  {r.label:<22} {_fmt(r.efficiency, '.2f')} = {g.tokens:.2f} x {g.verify:.2f} x {g.rest:.2f}"
+                     f"   (forwards: {g.forward_share:.0%} of its decode time)")
+    if base is not None:
+        lines.append(f"  target-only's forwards: {base_forward_share(base):.0%} of its decode time")
+    return lines
+
+
+def base_forward_share(target: MethodResult) -> float:
+    """The forwards' share of target-only's decode time: one forward per token, at its reference forward."""
+    return target.target_forward_ms / target.tpot_ms if target.tpot_ms else math.nan
+
+
 def format_table(results: Sequence[MethodResult], meta: BenchMeta) -> str:
     """The stdout report: one row per method and K, then the headline comparisons."""
     head = " ".join(name.rjust(w) if i else name.ljust(w) for i, (name, w, _) in enumerate(COLUMNS))
@@ -149,6 +172,7 @@ def format_table(results: Sequence[MethodResult], meta: BenchMeta) -> str:
     lines.append(f"speed-up is over the fastest target-only baseline: {meta.fastest_baseline} "
                  f"({meta.fastest_baseline_tokens_per_s:.1f} tokens/s)")
     lines += headlines(results)
+    lines += gap_lines(results)
     bad = [r.label for r in results if not r.identical_tokens]
     lines.append("identical tokens: all methods" if not bad else f"identical tokens: NO for {', '.join(bad)}")
     return "\n".join(lines)

@@ -41,10 +41,12 @@ class MethodResult:
     c: float
     r: float                     # this method's own verify forwards at K (heuristic: the rounded mean K)
     r_calibrated: float          # r(K + 1) from the calibration: what the prediction uses
-    speedup: float               # over the fastest target-only baseline
+    speedup: float               # over the fastest target-only baseline, whole runs (the prefill included)
+    decode_speedup: float        # the same after the first token (wall - TTFT): what the prediction speaks of
     predicted_speedup: float     # E(alpha, k_i) / (c f_i + r(k_i + 1)) over the rounds; NaN without alpha
     predicted_from_rates: float  # the same from the per-position rates (no i.i.d. assumption)
-    efficiency: float            # speedup / predicted_speedup
+    efficiency: float            # decode_speedup / predicted_speedup
+    gap: PredictionGap | None    # efficiency as factors (drafted engine methods)
     identical_tokens: bool
     mismatched_prompts: list[int]
     phases_ms_per_token: Phases | None  # engine methods only
@@ -88,6 +90,14 @@ def tokens_per_s(samples: Sequence[RunSample]) -> float:
     return sum(len(runs[0].tokens) for runs in groups) / sum(median([s.wall_s for s in runs]) for runs in groups)
 
 
+def decode_tokens_per_s(samples: Sequence[RunSample]) -> float:
+    """Tokens after the first over the sum of each prompt's median time after its first token (wall - TTFT):
+    the decode rate Leviathan's formula speaks of, with the prefill left out."""
+    groups = by_prompt(samples).values()
+    decode = sum(median([s.wall_s - s.ttft_s for s in runs]) for runs in groups)
+    return sum(len(runs[0].tokens) - 1 for runs in groups) / decode if decode > 0 else math.nan
+
+
 def phases_per_token(samples: Sequence[RunSample]) -> Phases:
     """Engine phase times summed over the samples, per generated token."""
     tokens = sum(len(s.tokens) for s in samples)
@@ -96,16 +106,35 @@ def phases_per_token(samples: Sequence[RunSample]) -> Phases:
 
 
 @dataclass(frozen=True, slots=True)
+class PredictionGap:
+    """measured/predicted as a product of factors, each read from the same runs:
+    tokens × verify × rest. `tokens`: the tokens the rounds yielded over those E(alpha, k_i) expects (the
+    i.i.d. acceptance model); `verify`: the formula's cost in target steps with the calibrated r(K + 1) over
+    its cost with the r the rounds' own verify forwards measured; `rest`: what the formula leaves out (time
+    outside the forwards, the prefill, the target-only baseline's own overhead). `forward_share`: the
+    forwards' share of the method's decode time."""
+
+    tokens: float
+    verify: float
+    rest: float
+    forward_share: float
+
+
+@dataclass(frozen=True, slots=True)
 class Prediction:
     iid: float
     rates: float
     alpha: float | None
     position_rates: list[float]
+    tokens_factor: float = math.nan    # PredictionGap.tokens
+    verify_factor: float = math.nan    # PredictionGap.verify
 
 
-def predict_runs(method: Method, first: Sequence[RunSample], c: float, r_of_n: Callable[[int], float]) -> Prediction:
+def predict_runs(method: Method, first: Sequence[RunSample], c: float, r_of_n: Callable[[int], float],
+                 r_run: dict[int, float] | None = None) -> Prediction:
     """The model's speed-up for the method's rounds, from alpha and from per-position rates (engine runs
-    only: `generate` does not report which positions it verified, so it gets no prediction)."""
+    only: `generate` does not report which positions it verified, so it gets no prediction), and the first
+    two factors of PredictionGap (`r_run`: the rounds' own r by K, as `cost_ratios` gives it)."""
     if method.k is None:
         return Prediction(1.0, 1.0, None, [])
     verified = [s.verified for s in first]
@@ -118,14 +147,27 @@ def predict_runs(method: Method, first: Sequence[RunSample], c: float, r_of_n: C
     alpha = metrics.alpha_rate(accepted, sum(verified))
     checks = [c for s in first for c in s.checks]
     rates = metrics.per_position_acceptance(checks, max(depths)) if checks else []
-    iid = metrics.predicted_over_rounds(lambda k: metrics.expected_tokens_per_round(alpha, k), rounds_k, forwards,
-                                        c, r_of_n, depths)
+    e_iid = lambda k: metrics.expected_tokens_per_round(alpha, k)  # noqa: E731
+    tokens, cost = metrics.formula_terms(e_iid, rounds_k, forwards, c, r_of_n, depths)
+    iid = tokens / cost if cost > 0 else math.nan
     by_rates = metrics.predicted_over_rounds(lambda k: metrics.expected_tokens_from_rates(rates, k), rounds_k,
                                              forwards, c, r_of_n, depths) if rates else math.nan
-    return Prediction(iid, by_rates, alpha, rates)
+    tokens_factor = verify_factor = math.nan
+    if r_run:
+        _, cost_run = metrics.formula_terms(e_iid, rounds_k, forwards, c, lambda n: r_at(r_run, n - 1), depths)
+        tokens_factor = sum(len(s.tokens) for s in first) / tokens
+        verify_factor = cost / cost_run
+    return Prediction(iid, by_rates, alpha, rates, tokens_factor, verify_factor)
 
 
-def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest_tps: float,
+def forward_share(samples: Sequence[RunSample]) -> float:
+    """The decode forwards' time (target and draft, the prefill's left out) over the decode wall time."""
+    forwards = sum(t.seconds for s in samples for side in s.decode_forwards for t in side)
+    decode = sum(s.wall_s - s.ttft_s for s in samples)
+    return forwards / decode if decode > 0 else math.nan
+
+
+def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest: Sequence[RunSample],
               reference: dict[int, list[int]], r_of_n: Callable[[int], float]) -> MethodResult:
     """Medians over repeats per prompt, then totals over prompts. Token counts, rounds and
     acceptance come from each prompt's first repeat (greedy runs repeat exactly)."""
@@ -140,11 +182,17 @@ def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest_t
     verified = None if any(s.verified is None for s in first) else sum(s.verified for s in first)
     c, r = cost_ratios(method, samples, t1)
     tps = tokens_per_s(samples)
-    pred = predict_runs(method, first, c, r_of_n)
+    pred = predict_runs(method, first, c, r_of_n, r)
     mean_k = drafted / len(rounds_k) if rounds_k else 0.0
     k_for_r = (method.k if method.schedule == "constant" else max(1, round(mean_k))) if method.k else 0
     mismatched = sorted({s.prompt for s in samples if s.tokens != reference[s.prompt]})
-    speedup = tps / fastest_tps
+    speedup = tps / tokens_per_s(fastest)
+    decode_speedup = decode_tokens_per_s(samples) / decode_tokens_per_s(fastest)
+    efficiency = decode_speedup / pred.iid if pred.iid and math.isfinite(pred.iid) else math.nan
+    gap = None
+    if method.k and method.family == "engine" and math.isfinite(pred.tokens_factor * efficiency):
+        gap = PredictionGap(pred.tokens_factor, pred.verify_factor,
+                            efficiency / (pred.tokens_factor * pred.verify_factor), forward_share(samples))
     return MethodResult(
         method=method.name, label=method.label, family=method.family, drafter=method.drafter,
         schedule=method.schedule, k=method.k, mean_k=mean_k, prompts=len(groups),
@@ -155,8 +203,8 @@ def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest_t
         position_rates=pred.position_rates, mean_accepted_length=tokens / len(rounds_k) if rounds_k else 0.0,
         target_forwards_per_token=len(rounds_k) / max(tokens, 1), target_forward_ms=t1 * 1000, c=c,
         r=r_at(r, k_for_r), r_calibrated=r_of_n(k_for_r + 1) if k_for_r else 1.0,
-        speedup=speedup, predicted_speedup=pred.iid, predicted_from_rates=pred.rates,
-        efficiency=speedup / pred.iid if pred.iid and math.isfinite(pred.iid) else math.nan,
+        speedup=speedup, decode_speedup=decode_speedup, predicted_speedup=pred.iid, predicted_from_rates=pred.rates,
+        efficiency=efficiency, gap=gap,
         identical_tokens=not mismatched, mismatched_prompts=mismatched,
         phases_ms_per_token=phases_per_token(samples) if method.family == "engine" else None)
 
@@ -169,5 +217,5 @@ def summarize_all(methods: Sequence[Method], samples: dict[Method, list[RunSampl
     reference: dict[int, list[int]] = {}
     for s in samples[Method(REFERENCE)]:
         reference.setdefault(s.prompt, s.tokens)
-    fastest = max(tokens_per_s(samples[m]) for m in methods if m.name in UNDRAFTED)
+    fastest = samples[max((m for m in methods if m.name in UNDRAFTED), key=lambda m: tokens_per_s(samples[m]))]
     return [summarize(m, samples[m], t1[m.family], fastest, reference, r_of_n) for m in methods]
