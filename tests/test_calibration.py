@@ -49,6 +49,26 @@ def test_calibrate_measures_the_runners_forwards_with_the_injected_clock(builtin
     assert curve.context == 16 and curve.model == target.name and curve.repeats == 2
 
 
+def test_with_a_draft_each_verify_comes_right_after_its_chain_of_draft_forwards(builtin_pair, monkeypatch):
+    from engine import calibration
+
+    draft, target = builtin_pair
+    chains, runners = [], []
+    real = calibration._Drafting.run
+
+    def spy(self, forwards):
+        chains.append(forwards)
+        runners.append(self.runner)
+        real(self, forwards)
+    monkeypatch.setattr(calibration._Drafting, "run", spy)
+    ticks = itertools.count()
+    curve = calibrate(target, context=16, grid=(1, 2, 4), repeats=2, now=lambda: next(ticks) / 1000, warmup=0,
+                      draft=draft)
+    assert chains == [0, 1, 3, 1, 3, 0]              # n - 1 before each timed n: 1, 2, 4, then rotated 2, 4, 1
+    assert runners[0].loaded is draft and runners[0].forwards == 1 + sum(chains)   # its context, then the chains
+    assert curve.ms == pytest.approx([1.0, 1.0, 1.0])   # the draft's forwards are not timed
+
+
 def test_a_set_stop_event_ends_a_calibration_at_its_next_forward(builtin_pair):
     import threading
 

@@ -158,9 +158,12 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
         t0 = time.perf_counter()
         context = sorted(len(p.ids) for p in prompts)[len(prompts) // 2]
         curve = calibrate(target, context=context, repeats=settings.calibration_repeats)
+        drafted = None
+        if draft is not None and any(m.uses_draft_model for m in drafters):   # a verify right after a chain
+            drafted = calibrate(target, context=context, repeats=settings.calibration_repeats, draft=draft)
         samples = run_bench(settings, models, prompts, progress=not a.no_progress)
-    results = summarize_all(list(samples), samples, curve.at)
-    meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0, curve)
+    results = summarize_all(list(samples), samples, curve.at, drafted.at if drafted else None)
+    meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0, curve, drafted)
     report = format_table(results, meta)
     if a.json:
         write_json(a.json, meta, results)

@@ -40,6 +40,7 @@ class BenchMeta:
     dtype: str
     forward: str                     # the engine's forward for the target (forward_name)
     calibration: RCurve              # the target's r(n), measured before the runs; predictions use it
+    calibration_after_draft: RCurve | None           # the same after the draft's chain (draft-model methods)
     prompt_set: str
     prompt_names: list[str]
     prompt_lengths: list[int]
@@ -55,7 +56,7 @@ class BenchMeta:
 
 def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel, draft: LoadedModel | None,
               prompts: Sequence[Prompt], results: Sequence[MethodResult], wall_s: float,
-              calibration: RCurve) -> BenchMeta:
+              calibration: RCurve, after_draft: RCurve | None = None) -> BenchMeta:
     import transformers
 
     fastest = max((r for r in results if r.method in UNDRAFTED), key=lambda r: r.tokens_per_s)
@@ -65,7 +66,7 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
         torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads(),
         target=target.name, draft=draft.name if draft else "", target_device=str(target.device),
         draft_device=str(draft.device) if draft else "", dtype=str(target.dtype).replace("torch.", ""),
-        forward=forward_name(target), calibration=calibration,
+        forward=forward_name(target), calibration=calibration, calibration_after_draft=after_draft,
         prompt_set=settings.prompt_set, prompt_names=[p.name for p in prompts], prompt_lengths=[len(p.ids) for p in prompts],
         new_tokens=settings.new_tokens, repeats=settings.repeats, warmup=settings.warmup, ks=list(settings.ks),
         fastest_baseline=fastest.label, fastest_baseline_tokens_per_s=fastest.tokens_per_s,
@@ -169,6 +170,9 @@ def format_table(results: Sequence[MethodResult], meta: BenchMeta) -> str:
              f"x{len(meta.prompt_names)}, {meta.new_tokens} new tokens, greedy, median of {meta.repeats}; "
              f"{meta.dtype}, {meta.forward} forward",
              head, "-" * len(head), *rows, ""]
+    if meta.calibration_after_draft is not None:
+        lines.append("r cal of the methods that run the draft model: calibrated with the draft's chain before each "
+                     "verify, as in their rounds")
     lines.append(f"speed-up is over the fastest target-only baseline: {meta.fastest_baseline} "
                  f"({meta.fastest_baseline_tokens_per_s:.1f} tokens/s)")
     lines += headlines(results)

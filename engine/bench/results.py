@@ -210,12 +210,15 @@ def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest: 
 
 
 def summarize_all(methods: Sequence[Method], samples: dict[Method, list[RunSample]],
-                  r_of_n: Callable[[int], float]) -> list[MethodResult]:
-    """Results for every method: the reference forward per implementation, the fastest baseline."""
+                  r_of_n: Callable[[int], float], r_after_draft: Callable[[int], float] | None = None
+                  ) -> list[MethodResult]:
+    """Results for every method: the reference forward per implementation, the fastest baseline. Methods that
+    run a draft model predict with `r_after_draft` (calibrated after the draft's chain) when it is given."""
     t1 = {"hf": reference_forward_s(samples[Method("hf-generate")]),
           "engine": reference_forward_s(samples[Method("target")])}
     reference: dict[int, list[int]] = {}
     for s in samples[Method(REFERENCE)]:
         reference.setdefault(s.prompt, s.tokens)
     fastest = samples[max((m for m in methods if m.name in UNDRAFTED), key=lambda m: tokens_per_s(samples[m]))]
-    return [summarize(m, samples[m], t1[m.family], fastest, reference, r_of_n) for m in methods]
+    return [summarize(m, samples[m], t1[m.family], fastest, reference,
+                      r_after_draft if r_after_draft and m.uses_draft_model else r_of_n) for m in methods]
