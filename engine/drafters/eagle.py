@@ -32,7 +32,7 @@ from torch import nn
 from engine.clock import ForwardTimer, Now
 from engine.config import DrafterKind
 from engine.drafters.base import DraftCache, Proposal, TreeProposal
-from engine.fused_llama import _rms_norm, decoder_block
+from engine.fused_llama import BlockedWeights, _rms_norm, decoder_block
 from engine.kv_cache import KVPool, KVShape, PagedCache
 from engine.models import LoadedModel
 from engine.runner import pool_blocks
@@ -149,17 +149,18 @@ class EagleHead(nn.Module):
                          torch.cat([self.gate_proj.weight, self.up_proj.weight]), c.intermediate,
                          self.down_proj.weight, (self.norm_in, eps), (self.norm_post, eps), c.head_dim ** -0.5)
 
-    def real_features(self, target_features: torch.Tensor) -> torch.Tensor:
+    def real_features(self, target_features: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """What a draft position reads for a committed token: the target's post-norm feature, or (EAGLE-3
-        style) its fused layer inputs."""
-        return self.fuse(target_features) if self.config.feature_layers else target_features
+        style) its fused layer inputs. `linear(x, weight, bias)` multiplies by a matrix (see step)."""
+        return linear(target_features, self.fuse.weight) if self.config.feature_layers else target_features
 
     def step(self, emb: torch.Tensor, feats: torch.Tensor, layer: LayerView, keys_values, cos: torch.Tensor,
-             sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Predicted features [1, q, d] from token embeddings and the previous features ([1, q, d] each)."""
-        x = self.fc(torch.cat([emb, feats], dim=-1))
+             sin: torch.Tensor, mask: torch.Tensor | None, linear=F.linear) -> torch.Tensor:
+        """Predicted features [1, q, d] from token embeddings and the previous features ([1, q, d] each).
+        `linear` is F.linear in training (differentiable), the blocked copies' product in the engine."""
+        x = linear(torch.cat([emb, feats], dim=-1), self.fc.weight, self.fc.bias)
         c = self.config
-        x = decoder_block(x, layer, keys_values, cos, sin, mask, c.heads, c.kv_heads, c.head_dim)
+        x = decoder_block(x, layer, keys_values, cos, sin, mask, c.heads, c.kv_heads, c.head_dim, linear)
         return _rms_norm(x, (self.norm_out, c.rms_eps))
 
 
@@ -192,9 +193,28 @@ class EagleRuntime:
         else:
             self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
         self._rope = target.fused._rope
+        self._blocked = self._blocked_copies(target)
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
         borrowed = 0 if head.config.own_head else self.head_weight.numel() * self.head_weight.element_size()
         self.weight_bytes = own + borrowed   # counted once: read every round for the cache panel
+
+    def _blocked_copies(self, target: LoadedModel) -> BlockedWeights | None:
+        """oneDNN blocked copies of the head's matrices (its layer, fc, the fusion and the LM head rows) when the
+        target's own forward uses them: the head reads them once per draft, where the blocked product is the
+        faster one (engine.fused_llama.blocked_min_rows)."""
+        if target.fused.blocked is None:
+            return None
+        layer = self.layer
+        matrices = [layer.qkv, layer.o, layer.gate_up, layer.down, self.head.fc.weight, self.head_weight]
+        if self.config.feature_layers:
+            matrices.append(self.head.fuse.weight)
+        return BlockedWeights(matrices) if BlockedWeights.unsupported(matrices) is None else None
+
+    def linear(self, rows: int):
+        """The matrix product for `rows` rows at once: the blocked copies' from the target's threshold on."""
+        if self._blocked is not None and rows >= self.target.fused.blocked_rows:
+            return self._blocked.linear
+        return F.linear
 
     @torch.inference_mode()
     def forward(self, cache: PagedCache, tokens: list[int], feats: torch.Tensor, positions: list[int] | None = None,
@@ -213,18 +233,19 @@ class EagleRuntime:
             index = torch.tensor(positions, device=ids.device)
             cos, sin, mask = cos[index], sin[index], attn_mask.to(ids.device)
         out = self.head.step(F.embedding(ids, self.embed), feats[None].to(self.target.dtype), self.layer,
-                             lambda ks, vs: cache.layer_update(0, ks, vs), cos[None, None], sin[None, None], mask)
+                             lambda ks, vs: cache.layer_update(0, ks, vs), cos[None, None], sin[None, None], mask,
+                             self.linear(n))
         cache.tokens.extend(tokens)
         return out[0]
 
     @torch.inference_mode()
     def real_features(self, target_features: torch.Tensor) -> torch.Tensor:
-        return self.head.real_features(target_features.to(self.target.dtype))
+        return self.head.real_features(target_features.to(self.target.dtype), self.linear(target_features.shape[0]))
 
     @torch.inference_mode()
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Logits [n, kept] float32 over the pruned vocabulary."""
-        return F.linear(feats, self.head_weight).float()
+        return self.linear(feats.shape[0])(feats, self.head_weight).float()
 
     def full_rows(self, probs_kept: torch.Tensor) -> torch.Tensor:
         """[n, kept] probabilities as [n, V_target] rows, exactly 0 outside the kept set."""
@@ -300,6 +321,17 @@ class EagleDrafter:
             out = self.runtime.forward(self.cache, tokens, feats, positions, attn_mask)
         return out
 
+    def _draft(self, tokens: list[int], feats: torch.Tensor, positions: list[int] | None = None,
+               attn_mask: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted features, their logits over the kept vocabulary), timed as one draft forward: the head's
+        LM-head product is part of what a draft costs, as a draft model's is part of its forward."""
+        with self._timer.time(self.forward_ms):
+            out = self.runtime.forward(self.cache, tokens, feats, positions, attn_mask)
+            if last_only:
+                out = out[-1:]
+            logits = self.runtime.logits(out)
+        return out, logits
+
     @torch.inference_mode()
     def prefill(self, prompt: list[int], features: torch.Tensor | None) -> None:
         """Take the prompt's real features and feed draft positions 1..p-1 (their inputs are all known)."""
@@ -315,17 +347,16 @@ class EagleDrafter:
         if self.features.shape[0] != n - 1:
             raise RuntimeError(f"the drafter holds {self.features.shape[0]} real features for {n} committed "
                                "tokens; it must be committed with every round's accepted features")
-        predicted = self._forward(committed[cached + 1:], self.features[cached:])[-1:]
+        predicted, logits = self._draft(committed[cached + 1:], self.features[cached:], last_only=True)
         tokens, rows = [], []
         for i in range(k):
-            logits = self.runtime.logits(predicted)
             u = draw_uniform(1, self.generator, logits.device)
             q = logits_to_probs(logits, self.sampling)
             choice = int(sample_from(q, u)[0])
             tokens.append(int(self.runtime.kept_ids[choice]))
             rows.append(q[0])
             if i + 1 < k:
-                predicted = self._forward([tokens[-1]], predicted)
+                predicted, logits = self._draft([tokens[-1]], predicted)
         q_draft = self.runtime.full_rows(torch.stack(rows))
         return Proposal(tokens, q_draft, k, self.kind)
 
@@ -342,22 +373,23 @@ class EagleDrafter:
             nonlocal forwards
             forwards += 1
             if nodes == [0]:
-                out = self._forward(committed[cached + 1:], self.features[cached:])[-1:]
+                out, logits = self._draft(committed[cached + 1:], self.features[cached:], last_only=True)
                 predicted[0] = out[0]
-                return {0: self._rows(out)[0]}
+                return {0: self._rows(logits)[0]}
             fed.extend(nodes)
             feats = torch.stack([predicted[tree.parents[i]] for i in nodes])
-            out = self._forward([tree.tokens[i] for i in nodes], feats,
-                                [root_position + tree.depths[i] for i in nodes], attention_mask(tree, base, nodes, fed))
+            out, logits = self._draft([tree.tokens[i] for i in nodes], feats,
+                                      [root_position + tree.depths[i] for i in nodes],
+                                      attention_mask(tree, base, nodes, fed))
             predicted.update(zip(nodes, out))
-            return dict(zip(nodes, self._rows(out)))
+            return dict(zip(nodes, self._rows(logits)))
 
         tree = grow(spec, committed[-1], rows_at, self.sampling.greedy, self.generator, weigh, copy_at)
         return TreeProposal(tree, forwards, self.kind)
 
-    def _rows(self, feats: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary draft rows for tree nodes (plain softmax when greedy: it only ranks children)."""
-        logits = self.runtime.logits(feats)
+    def _rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary draft rows for tree nodes from their kept-vocabulary logits (plain softmax when greedy:
+        it only ranks children)."""
         probs = torch.softmax(logits, dim=-1) if self.sampling.greedy else logits_to_probs(logits, self.sampling)
         return self.runtime.full_rows(probs)
 
