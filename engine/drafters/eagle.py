@@ -36,7 +36,7 @@ from engine.fused_llama import BlockedWeights, _rms_norm, decoder_block
 from engine.kv_cache import KVPool, KVShape, PagedCache
 from engine.models import LoadedModel
 from engine.runner import pool_blocks
-from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
+from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.sources import eagle_folder
 from engine.tree import CopyAt, DraftTree, TreeSpec, Weigh, attention_mask, grow
 
@@ -351,13 +351,19 @@ class EagleDrafter:
         tokens, rows = [], []
         for i in range(k):
             u = draw_uniform(1, self.generator, logits.device)
-            q = logits_to_probs(logits, self.sampling)
-            choice = int(sample_from(q, u)[0])
+            if self.sampling.greedy:      # one-hot rows, built once at the end (as the model drafter does)
+                choice = int(greedy_ids(logits)[0])
+            else:
+                q = logits_to_probs(logits, self.sampling)
+                choice = int(sample_from(q, u)[0])
+                rows.append(q[0])
             tokens.append(int(self.runtime.kept_ids[choice]))
-            rows.append(q[0])
             if i + 1 < k:
                 predicted, logits = self._draft([tokens[-1]], predicted)
-        q_draft = self.runtime.full_rows(torch.stack(rows))
+        if self.sampling.greedy:
+            q_draft = one_hot_rows(torch.tensor(tokens, device=logits.device), self.runtime.target.vocab_size)
+        else:
+            q_draft = self.runtime.full_rows(torch.stack(rows))
         return Proposal(tokens, q_draft, k, self.kind)
 
     @torch.inference_mode()
