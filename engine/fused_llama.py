@@ -319,6 +319,28 @@ class BatchForward:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(logits [rows, V] float32 of each row's last fed column, [taps' inputs, each [rows, q, d]])."""
+        x, taps = self._layers(ids, real)
+        fused = self.fused
+        last = _rms_norm(x[:, -1:], fused.norm)[:, 0]
+        head = fused.blocked.linear if fused.blocked is not None and last.shape[0] >= fused.blocked_rows else F.linear
+        return head(last, fused.lm_head).float(), taps
+
+    @torch.inference_mode()
+    def forward_features(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(post-norm features [rows, q, d] of every fed column, [taps' inputs, each [rows, q, d]]): a whole
+        sequence fed at once, whose every next-token distribution the caller reads (`logits_of`)."""
+        x, taps = self._layers(ids, real)
+        return _rms_norm(x, self.fused.norm), taps
+
+    def logits_of(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] float32 of post-norm features [n, d]."""
+        fused = self.fused
+        head = fused.blocked.linear if fused.blocked is not None and features.shape[0] >= fused.blocked_rows \
+            else F.linear
+        return head(features, fused.lm_head).float()
+
+    def _layers(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The residual stream after the last layer [rows, q, d], and the taps; writes the K/V."""
         fused, t0, q = self.fused, self.length, ids.shape[1]
         if t0 + q > self.keys.shape[3]:
             raise ValueError(f"the batch cache holds {self.keys.shape[3]} columns; {t0 + q} were asked for")
@@ -348,11 +370,8 @@ class BatchForward:
                 tapped[i] = x
             x = decoder_block(x, layer, keys_values(i), cos, sin, mask, fused.heads, fused.kv_heads,
                               fused.head_dim, linear)
-        taps = [tapped[i] for i in self._tap_order]
         self.length += q
-        last = _rms_norm(x[:, -1:], fused.norm)[:, 0]
-        head = linear if last.shape[0] >= fused.blocked_rows else F.linear
-        return head(last, fused.lm_head).float(), taps
+        return x, [tapped[i] for i in self._tap_order]
 
 
 def _copy_prefix(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sources import SMOLLM2_PIP, smollm2_gguf
+from engine.train import data_pack
 from engine.train import eagle3_data as data
 from engine.train.draft_data import SamplingPass
 from engine.train.eagle3_data import DataError, DataFolder, Eagle3DataPlan
@@ -106,3 +107,44 @@ def test_a_stopped_run_resumes_and_never_reads_half_a_shard(smol, tmp_path):
         e.ids.numel() for e in data.load_shard(shard, plan.fingerprint()))
     with pytest.raises(DataError, match="another plan"):
         DataFolder(root, tiny_plan(top_k=7), smol.name)
+
+
+def test_a_replayed_sequence_gives_the_generated_features_and_soft_labels(smol):
+    """Teacher forcing the whole sequence at once (engine.train.data_pack.replay) rebuilds what decoding made."""
+    plan = tiny_plan(max_new_tokens=12)
+    prompts = [encode_chat(smol.tokenizer, ChatPrompt(q)) for q in QUESTIONS]
+    for sampling in (SamplingPass(), SamplingPass(0.7, 0.95)):
+        made = data.answer_batch(smol.fused, prompts, sampling, plan, 2, seed=3)
+        again = data_pack.replay(smol.fused, [(e.ids, e.prompt_len) for e in made], plan, rows=2)
+        for a, b in zip(made, again):
+            assert b.check() is None and torch.equal(a.ids, b.ids) and a.prompt_len == b.prompt_len
+            scale = a.features.float().abs().max()
+            assert (a.features.float() - b.features.float()).abs().max() < 2e-3 * scale + 1e-2
+            assert torch.equal(a.top_ids[:, 0], b.top_ids[:, 0])
+            assert (a.top_logp[:, 0].float() - b.top_logp[:, 0].float()).abs().max() < 2e-2
+
+
+def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(smol, tmp_path):
+    plan, logs, pack = tiny_plan(), [], tmp_path / "pack"
+    with DataFolder(tmp_path / "a", plan, smol.name) as folder:
+        data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)
+        keep = lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)  # noqa: E731
+        made = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 200, logs.append, None, keep)
+        assert data_pack.save_pack(folder, pack, logs.append) == 0      # every shard was packed as it was made
+    assert made["shards"] == len(list((pack / "answers").glob("*.npz"))) >= 2
+    with DataFolder(tmp_path / "b", plan, smol.name) as folder:
+        assert data_pack.restore(folder, pack, smol.fused, logs.append) == made["shards"]
+        assert data.read_prompts(folder.root) == data.read_prompts(tmp_path / "a")
+    for shard in data.iter_shards(tmp_path / "a"):
+        twin = tmp_path / "b" / "answers" / shard.name
+        for a, b in zip(data.load_shard(shard, plan.fingerprint()), data.load_shard(twin, plan.fingerprint())):
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.top_ids[:, 0], b.top_ids[:, 0])
+    entry = sorted((pack / "answers").glob("*.npz"))[0]
+    entry.write_bytes(entry.read_bytes()[:100])                        # cut short
+    (tmp_path / "b" / "answers" / (entry.stem + ".pt")).unlink()
+    with DataFolder(tmp_path / "b", plan, smol.name) as folder:
+        with pytest.raises(DataError, match=entry.name):
+            data_pack.restore(folder, pack, smol.fused, logs.append)
+    with DataFolder(tmp_path / "c", tiny_plan(top_k=4), smol.name) as folder:   # another plan: not used
+        assert data_pack.restore(folder, pack, smol.fused, logs.append) == 0
+    assert "under another plan" in logs[-1]

@@ -412,11 +412,12 @@ def chunks_of(prompts: list[list[int]], size: int, seed: int) -> list[list[int]]
 
 
 def build_answers(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int, token_goal: int, log: Log,
-                  deadline: float | None) -> dict:
+                  deadline: float | None, on_shard: Callable[[Path, list[Example], dict], None] | None = None) -> dict:
     """Generate shards until `token_goal` tokens are held or every prompt is answered in every pass.
 
     Passes interleave chunk by chunk (greedy chunk 0, sampled chunk 0, greedy chunk 1, ...), so a run
-    stopped early still holds both kinds of answer. Returns the totals."""
+    stopped early still holds both kinds of answer. `on_shard(path, examples, meta)` is called once each
+    new shard is whole (engine.train.data_pack keeps its token ids). Returns the totals."""
     plan, fp = folder.plan, folder.plan.fingerprint()
     prompts = [encode_chat(tokenizer, ChatPrompt(p)) for p in read_prompts(folder.root)["train"]]
     chunks = chunks_of(prompts, plan.answer_batch, plan.seed)
@@ -443,7 +444,10 @@ def build_answers(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
         sampling = plan.passes[pi]
         examples = answer_batch(fused, [prompts[i] for i in chunks[ci]], sampling, plan, eos_id,
                                 plan.seed * 1_000_003 + pi * 10_007 + ci)
-        save_shard(path, examples, {"fingerprint": fp, "pass": sampling.label, "chunk": ci, "prompts": chunks[ci]})
+        meta = {"fingerprint": fp, "pass": sampling.label, "chunk": ci, "prompts": chunks[ci]}
+        save_shard(path, examples, meta)
+        if on_shard is not None:
+            on_shard(path, examples, meta)
         tokens = sum(e.ids.numel() for e in examples)
         answer = sum(e.ids.numel() - e.prompt_len for e in examples)
         held += tokens
@@ -493,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from engine.sources import SMOLLM2
+    from engine.train import data_pack
 
     ap = argparse.ArgumentParser(prog="python -m engine draft-data", description=(
         "Generate an EAGLE-3-style head's training data: Magpie prompts the target writes itself, then its "
@@ -508,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=Eagle3DataPlan().max_new_tokens)
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--pack", type=Path, default=None,
+                    help="the token ids kept in the repository: a fresh folder is rebuilt from them, and every new "
+                         "shard's ids are added (default: assets/draft-data/<target>)")
+    ap.add_argument("--no-pack", action="store_true", help="neither read nor write the pack")
     a = ap.parse_args(argv)
     deadline = time.time() + a.minutes * 60 if a.minutes else None
     target, log = command_start(a.target, a.threads)
@@ -523,9 +532,15 @@ def main(argv: list[str] | None = None) -> int:
             if target.fused is None:
                 raise DataError(f"{target.name} has no fused forward ({FusedLlama.unsupported(target.model)}); "
                                 "the data is generated with it")
+            pack = None if a.no_pack else (a.pack or data_pack.pack_folder(target.name))
+            if pack is not None:
+                data_pack.restore(folder, pack, target.fused, log, deadline)
             if build_prompts(folder, target.fused, target.tokenizer, eos, log, deadline) is None:
                 return 0
-            totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline)
+            keep = (lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)) if pack else None
+            totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline, keep)
+            if pack is not None:
+                data_pack.save_pack(folder, pack, log)
     except DataError as exc:
         print(exc, file=sys.stderr)
         return 2

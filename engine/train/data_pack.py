@@ -1,0 +1,180 @@
+"""The head's training data as token ids in the repository: what survives a fresh machine.
+
+The shards of `python -m engine draft-data` (engine.train.eagle3_data) hold features and soft labels, about
+3.4 KB a token: a million tokens are gigabytes, which live in `.cache/` and are gone with the machine. What
+took the hours to make is the text: the prompts the target wrote itself and its answers, decoded one token at
+a time. Those are kept here, a shard's token ids in one compressed file beside the frozen prompt list (about
+two bytes a token), so that the data grows from one session to the next.
+
+A fresh folder is rebuilt from the pack by feeding each whole sequence to the target at once (teacher
+forcing, `replay`): the same features and soft labels as the generation's, to float rounding, in a fraction
+of the decoding time. Every pack file is written under a temporary name and renamed when whole; one that
+cannot be read is refused with its path, and never half-used.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.fused_llama import BatchForward, FusedLlama
+from engine.train.eagle3_data import (
+    DataError,
+    DataFolder,
+    Eagle3DataPlan,
+    Example,
+    iter_shards,
+    load_shard,
+    save_shard,
+    shard_info,
+    write_atomic,
+)
+
+Log = Callable[[str], None]
+PACK_FORMAT = 1
+REPLAY_ROWS = 16     # sequences fed at once when rebuilding a shard
+SHARD_META = ("fingerprint", "pass", "chunk", "prompts")   # what a shard's own metadata holds
+
+
+def pack_folder(target_name: str) -> Path:
+    """Where a target's pack lives: assets/draft-data/<target> in the checkout."""
+    from engine.sources import REPO_ROOT
+
+    return REPO_ROOT / "assets" / "draft-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name)
+
+
+def pack_path(pack: Path, shard: Path) -> Path:
+    return pack / "answers" / (shard.stem + ".npz")
+
+
+# -- writing ------------------------------------------------------------------------------------------------
+def save_entry(pack: Path, shard: Path, examples: Sequence[Example], meta: dict) -> None:
+    """One shard's token ids (and the metadata its sidecar holds) as `answers/<shard>.npz`."""
+    ids = np.concatenate([e.ids.numpy().astype(np.int32) for e in examples])
+    lengths = np.array([e.ids.numel() for e in examples], dtype=np.int32)
+    prompt_lens = np.array([e.prompt_len for e in examples], dtype=np.int32)
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, ids=ids, lengths=lengths, prompt_lens=prompt_lens,
+                        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    path = pack_path(pack, shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buffer.getvalue())
+
+
+def save_pack(folder: DataFolder, pack: Path, log: Log) -> int:
+    """Bring the pack up to the folder: its plan, its frozen prompts and every whole shard not packed yet.
+    Returns the number of shards added."""
+    pack.mkdir(parents=True, exist_ok=True)
+    write_atomic(pack / "plan.json", (folder.root / "plan.json").read_text())
+    prompts = folder.root / "prompts.json"
+    if prompts.exists():
+        write_atomic(pack / "prompts.json", prompts.read_text())
+    fingerprint, added = folder.plan.fingerprint(), 0
+    for shard in iter_shards(folder.root):
+        info = None if pack_path(pack, shard).exists() else shard_info(shard, fingerprint)
+        if info is None:
+            continue
+        save_entry(pack, shard, load_shard(shard, fingerprint), {k: info[k] for k in SHARD_META if k in info})
+        added += 1
+    if added:
+        log(f"pack: {added} shard(s) added under {pack}")
+    return added
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+def read_entry(path: Path) -> tuple[list[tuple[torch.Tensor, int]], dict]:
+    """([(ids, prompt_len)] of each sequence, the shard's metadata), or DataError naming the file."""
+    try:
+        with np.load(path) as data:
+            ids, lengths, prompt_lens = data["ids"], data["lengths"], data["prompt_lens"]
+            meta = json.loads(data["meta"].tobytes().decode())
+    except Exception as exc:  # a truncated zip, missing arrays, bad JSON: the file is not whole
+        raise DataError(f"{path} cannot be read ({type(exc).__name__}); restore it from the repository "
+                        "(git checkout) or delete it") from None
+    if int(lengths.sum()) != ids.size or len(lengths) != len(prompt_lens) or (prompt_lens >= lengths).any():
+        raise DataError(f"{path} holds {ids.size} ids for sequences of {int(lengths.sum())}; restore it from the "
+                        "repository (git checkout) or delete it")
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    seqs = [(torch.from_numpy(ids[a:b].copy()), int(p)) for a, b, p in zip(bounds[:-1], bounds[1:], prompt_lens)]
+    return seqs, meta
+
+
+def pack_plan(pack: Path) -> dict | None:
+    try:
+        return json.loads((pack / "plan.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadline: float | None = None) -> int:
+    """Rebuild into `folder` every packed shard it lacks (and its frozen prompts), when the pack was made under
+    the same plan for the same target. Returns the number of shards rebuilt."""
+    import time
+
+    theirs = pack_plan(pack)
+    if theirs is None:
+        return 0
+    if (theirs.get("target"), theirs.get("fingerprint")) != (folder.target, folder.plan.fingerprint()):
+        log(f"pack: {pack} was made for {theirs.get('target')!r} under another plan; not used")
+        return 0
+    prompts = folder.root / "prompts.json"
+    if not prompts.exists() and (pack / "prompts.json").exists():
+        write_atomic(prompts, (pack / "prompts.json").read_text())
+    entries = sorted((pack / "answers").glob("shard-p*-*.npz"))
+    fingerprint, rebuilt, t0 = folder.plan.fingerprint(), 0, time.time()
+    for entry in entries:
+        shard = folder.root / "answers" / (entry.stem + ".pt")
+        if shard_info(shard, fingerprint) is not None:
+            continue
+        if deadline is not None and time.time() > deadline:
+            log("pack: stopping at the deadline; rerun to rebuild the rest")
+            break
+        seqs, meta = read_entry(entry)
+        if meta.get("fingerprint") != fingerprint:
+            raise DataError(f"{entry} was made with another data plan than {pack / 'plan.json'} says")
+        save_shard(shard, replay(fused, seqs, folder.plan), meta)
+        rebuilt += 1
+        tokens = sum(ids.numel() for ids, _ in seqs)
+        log(f"pack: rebuilt {shard.name} ({len(seqs)} sequences, {tokens:,} tokens; {rebuilt}/{len(entries)} "
+            f"in {time.time() - t0:.0f} s)")
+    return rebuilt
+
+
+# -- teacher forcing ----------------------------------------------------------------------------------------
+@torch.inference_mode()
+def replay(fused: FusedLlama, seqs: Sequence[tuple[torch.Tensor, int]], plan: Eagle3DataPlan,
+           rows: int = REPLAY_ROWS) -> list[Example]:
+    """The examples of whole sequences ((ids, prompt_len) each), as `answer_batch` makes them while decoding:
+    the taps' inputs at every position but the last, and the top-k next-token log-probabilities at every
+    answer position. Sequences of similar length are fed together, right-padded."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i][0].numel())
+    out: dict[int, Example] = {}
+    for start in range(0, len(order), rows):
+        batch = order[start: start + rows]
+        for i, example in zip(batch, _replay_batch(fused, [seqs[i] for i in batch], plan)):
+            out[i] = example
+    return [out[i] for i in range(len(seqs))]
+
+
+def _replay_batch(fused: FusedLlama, seqs: Sequence[tuple[torch.Tensor, int]], plan: Eagle3DataPlan) -> list[Example]:
+    width = max(ids.numel() for ids, _ in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    real = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for row, (s, _) in enumerate(seqs):
+        ids[row, : s.numel()] = s.long()
+        real[row, : s.numel()] = True
+    batch = BatchForward(fused, len(seqs), width, plan.layers)
+    features, taps = batch.forward_features(ids, real)
+    stacked = torch.stack(taps, dim=2) if taps else torch.zeros(len(seqs), width, 0, features.shape[-1])
+    examples = []
+    for row, (s, prompt_len) in enumerate(seqs):
+        n = s.numel()
+        logp, top = torch.log_softmax(batch.logits_of(features[row, prompt_len - 1: n - 1]), dim=-1).topk(plan.top_k)
+        examples.append(Example(s.to(torch.int32), prompt_len, stacked[row, : n - 1].to(torch.float16).clone(),
+                                top.to(torch.int32), logp.to(torch.float16)))
+    return examples
