@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,7 +123,7 @@ def test_no_pass_over_the_held_out_prompts_is_trained_on():
                                        "shard-p1-00002.pt"]
 
 
-def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path):
+def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path, monkeypatch):
     plan = Eagle3DataPlan(magpie_prompts=4, prompt_batch=8, prompt_max_tokens=32, answer_batch=2, max_new_tokens=12,
                           top_k=8, written_prompts=6).for_model(30)
     data = tmp_path / "data"
@@ -137,11 +138,20 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     batch = eagle3.make_batch(examples[:4], index, 384)
     assert batch.valid.any() and torch.allclose(batch.label_p[batch.valid].sum(-1), torch.ones(int(batch.valid.sum())))
 
-    logs = []
-    result = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head",
-                          eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3,
-                                                           log_every_s=0), logs.append)
+    logs, clock = [], [0.0]
+
+    def tick() -> float:             # every read of the trainer's clock is one second later
+        clock[0] += 1.0
+        return clock[0]
+    monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
+    plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3, log_every_s=0)
+    stopped = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
+    assert not stopped["finished"] and 0 < stopped["cursor"]["step"] and stopped["cursor"]["seconds"] > 0
+    clock[0] += 1e6                  # a day between the runs: not training time
+    result = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head", plan, logs.append)
+    assert any(line.startswith(f"resumed at step {stopped['cursor']['step']}") for line in logs)
     assert result["finished"] and result["feature_layers"] == list(LAYERS)
+    assert stopped["cursor"]["seconds"] < result["train_seconds"] < 1e6   # both runs counted, the pause not
     first, last = result["log"][0]["loss"], result["log"][-1]["loss"]
     assert last < first, (first, last)
     runtime = load_runtime(tmp_path / "head", smol)
