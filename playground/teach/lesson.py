@@ -31,7 +31,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.sources import ASSETS
 from engine.speculative import SpeculativeEngine
-from engine.verify import align_vocab
+from engine.verify import acceptance_probability, align_vocab
 from playground.teach.losslessness import Rule
 
 LESSONS_DIR = ASSETS / "lessons"
@@ -734,7 +734,7 @@ def rule_output(q_draft: Tensor, p_target: Tensor, rule: Rule) -> RuleOutput:
     """
     q, p = q_draft.double().cpu(), p_target.double().cpu()
     k = q.shape[0]
-    overlap = torch.minimum(p[:k], q)
+    overlap = q * acceptance_probability(p[:k], q)   # q(t) min(1, p(t)/q(t)) = min(p(t), q(t)): the engine's rule
     beta = overlap.sum(dim=-1)
     reach = torch.cat([torch.ones(1, dtype=torch.float64), torch.cumprod(beta, 0)])
     dist = p.clone()
