@@ -81,10 +81,10 @@ class Recommended:
 
 
 # SmolLM2-135M-Instruct's model card recommends temperature 0.2 and top-p 0.9. The drafters are the fastest
-# chains in assets/bench (this CPU, greedy): EAGLE + n-gram K=4 on SmolLM2 (smollm2-chat.json: 14.8 tokens/s,
-# the best chain); n-gram + draft model K=4 on the built-in pair (builtin-hybrid-trees.json: 146.2 tokens/s,
-# tied with EAGLE + n-gram at 145.8).
-SMOLLM2_RECOMMENDED = Recommended(0.2, 0.9, DrafterKind.EAGLE_HYBRID, 4, "SmolLM2-135M-Instruct's model card")
+# chains in assets/bench (this CPU, greedy): EAGLE + n-gram K=2 on SmolLM2 (smollm2-2026-12-02-amd.json: 1.31x
+# target-only, against 1.21x at K=3 and 1.20x at K=4; the Xeon's smollm2-moonshot.json also put K=2 first);
+# n-gram + draft model K=4 on the built-in pair (builtin-2026-12-02-amd.json: 1.95x, against 1.75x at K=2).
+SMOLLM2_RECOMMENDED = Recommended(0.2, 0.9, DrafterKind.EAGLE_HYBRID, 2, "SmolLM2-135M-Instruct's model card")
 BUILTIN_RECOMMENDED = Recommended(1.0, 1.0, DrafterKind.HYBRID, 4)
 
 

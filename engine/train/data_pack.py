@@ -7,8 +7,9 @@ a time. Those are kept here, a shard's token ids in one compressed file beside t
 two bytes a token), so that the data grows from one session to the next.
 
 A fresh folder is rebuilt from the pack by feeding each whole sequence to the target at once (teacher
-forcing, `replay`): the same features and soft labels as the generation's, to float rounding, in a fraction
-of the decoding time. Every pack file is written under a temporary name and renamed when whole; one that
+forcing, `replay`): the same features and soft labels as the generation's, to float rounding (measured on
+SmolLM2: top-1 labels all equal, features within 1e-5 of their scale), at 748 tokens/s on this project's
+2-core CPU, where decoding them ran at 290 answer tokens/s after the prompts had been sampled. Every pack file is written under a temporary name and renamed when whole; one that
 cannot be read is refused with its path, and never half-used.
 """
 from __future__ import annotations
