@@ -115,7 +115,7 @@ def test_each_pair_starts_from_its_recommended_settings_and_says_where_they_come
     temperature, top_p = by_label["Temperature (0 = greedy)"], by_label["Top-p (1 = off)"]
     assert (temperature.value, top_p.value) == (0.2, 0.9)
     assert "SmolLM2-135M-Instruct's model card" in temperature.info and "0.9" in top_p.info
-    assert by_label["Drafter"].value == "eagle-hybrid" and by_label["K (drafts per round)"].value == 4
+    assert by_label["Drafter"].value == "eagle-hybrid" and by_label["K (drafts per round)"].value == 2
     assert by_label["Example prompts for this pair"].value == by_label["Prompt"].value   # never shown empty
     key = next(p.key for p in ctx.registry.presets if p.target == "builtin")
     prompt, _, drafter, k, t, p, examples = preset_defaults(ctx.registry, key)
