@@ -10,7 +10,8 @@ from engine.bench.results import MethodResult
 
 
 def write_plot(results: Sequence[MethodResult], meta: BenchMeta, path: Path) -> Path:
-    """Speed-up against K, measured (solid) beside predicted (dotted), one colour per method.
+    """Decode speed-up (after each run's first token, what the prediction speaks of) against K, measured (solid)
+    beside predicted (dotted), one colour per method.
 
     A .png needs kaleido; without it the figure is written as .html next to the asked path.
     Returns the path actually written.
@@ -26,18 +27,19 @@ def write_plot(results: Sequence[MethodResult], meta: BenchMeta, path: Path) -> 
     for colour, name in zip(palette, swept):
         rs = sorted((r for r in results if r.method == name), key=lambda r: r.k)
         ks = [r.k for r in rs]
-        fig.add_scatter(x=ks, y=[r.speedup for r in rs], name=f"{name} measured", mode="lines+markers",
+        fig.add_scatter(x=ks, y=[r.decode_speedup for r in rs], name=f"{name} measured", mode="lines+markers",
                         line={"color": colour})
         fig.add_scatter(x=ks, y=[r.predicted_speedup for r in rs], name=f"{name} predicted", mode="lines+markers",
                         line={"color": colour, "dash": "dot"}, marker={"symbol": "circle-open"})
     for r in results:
         if r.schedule == "heuristic":
-            fig.add_scatter(x=[r.mean_k], y=[r.speedup], name=f"{r.method} (mean K)", mode="markers",
+            fig.add_scatter(x=[r.mean_k], y=[r.decode_speedup], name=f"{r.method} (mean K)", mode="markers",
                             marker={"symbol": "star", "size": 12})
     fig.add_hline(y=1.0, line={"color": "grey", "dash": "dash"}, annotation_text=meta.fastest_baseline)
     fig.update_layout(title=f"Speed-up over {meta.fastest_baseline}: {meta.target} <- {meta.draft}, "
                             f"{meta.prompt_set} prompts, {meta.new_tokens} new tokens",
-                      xaxis_title="K (draft tokens per round)", yaxis_title="speed-up (x)", template="plotly_white")
+                      xaxis_title="K (draft tokens per round)", yaxis_title="decode speed-up (x), after the first token",
+                      template="plotly_white")
     if path.suffix == ".png" and importlib.util.find_spec("kaleido") is not None:
         fig.write_image(str(path), width=1000, height=600)
         return path
