@@ -115,7 +115,7 @@ def test_summarize_flags_mismatched_tokens_and_reads_c_and_r_from_the_runs():
     assert gap.tokens == pytest.approx(8 / (4 * (1 + 1 / 3 + 1 / 9)))
     assert gap.verify == pytest.approx((0.2 * 8 + 4 * 1.5) / (0.2 * 8 + 4 * 1.2))
     assert gap.tokens * gap.verify * gap.rest == pytest.approx(result.efficiency)
-    assert gap.forward_share == pytest.approx((2 * 0.012 + 4 * 0.002) / 0.4)   # decode forwards / wall - TTFT
+    assert result.forward_share == pytest.approx((2 * 0.012 + 4 * 0.002) / 0.4)   # decode forwards / wall - TTFT
 
 
 @pytest.mark.parametrize("name, c", [("eagle", 0.2), ("eagle-hybrid", 0.2), ("ngram", 0.0)])

@@ -145,21 +145,16 @@ def gap_lines(results: Sequence[MethodResult]) -> list[str]:
     gapped = [r for r in results if r.gap is not None]
     if not gapped:
         return []
-    base = next((r for r in results if r.method == "target" and r.phases_ms_per_token), None)
     lines = ["", "meas/pred (decode speed-up / predicted) = tokens counted / E(alpha, K)  x  cost with r cal / cost "
              "with the rounds' r  x  the rest (time outside the forwards)"]
     for r in gapped:
         g = r.gap
         lines.append(f"  {r.label:<22} {_fmt(r.efficiency, '.2f')} = {g.tokens:.2f} x {g.verify:.2f} x {g.rest:.2f}"
-                     f"   (forwards: {g.forward_share:.0%} of its decode time)")
+                     f"   (forwards: {r.forward_share:.0%} of its decode time)")
+    base = next((r for r in results if r.method == "target"), None)
     if base is not None:
-        lines.append(f"  target-only's forwards: {base_forward_share(base):.0%} of its decode time")
+        lines.append(f"  target-only's forwards: {base.forward_share:.0%} of its decode time")
     return lines
-
-
-def base_forward_share(target: MethodResult) -> float:
-    """The forwards' share of target-only's decode time: one forward per token, at its reference forward."""
-    return target.target_forward_ms / target.tpot_ms if target.tpot_ms else math.nan
 
 
 def format_table(results: Sequence[MethodResult], meta: BenchMeta) -> str:

@@ -47,6 +47,7 @@ class MethodResult:
     predicted_from_rates: float  # the same from the per-position rates (no i.i.d. assumption)
     efficiency: float            # decode_speedup / predicted_speedup
     gap: PredictionGap | None    # efficiency as factors (drafted engine methods)
+    forward_share: float         # the forwards' share of the decode time (engine methods; NaN for generate)
     identical_tokens: bool
     mismatched_prompts: list[int]
     phases_ms_per_token: Phases | None  # engine methods only
@@ -111,13 +112,11 @@ class PredictionGap:
     tokens × verify × rest. `tokens`: the tokens the rounds yielded over those E(alpha, k_i) expects (the
     i.i.d. acceptance model); `verify`: the formula's cost in target steps with the calibrated r(K + 1) over
     its cost with the r the rounds' own verify forwards measured; `rest`: what the formula leaves out (time
-    outside the forwards, the prefill, the target-only baseline's own overhead). `forward_share`: the
-    forwards' share of the method's decode time."""
+    outside the forwards, against the target-only baseline's own)."""
 
     tokens: float
     verify: float
     rest: float
-    forward_share: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +191,7 @@ def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest: 
     gap = None
     if method.k and method.family == "engine" and math.isfinite(pred.tokens_factor * efficiency):
         gap = PredictionGap(pred.tokens_factor, pred.verify_factor,
-                            efficiency / (pred.tokens_factor * pred.verify_factor), forward_share(samples))
+                            efficiency / (pred.tokens_factor * pred.verify_factor))
     return MethodResult(
         method=method.name, label=method.label, family=method.family, drafter=method.drafter,
         schedule=method.schedule, k=method.k, mean_k=mean_k, prompts=len(groups),
@@ -205,6 +204,7 @@ def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest: 
         r=r_at(r, k_for_r), r_calibrated=r_of_n(k_for_r + 1) if k_for_r else 1.0,
         speedup=speedup, decode_speedup=decode_speedup, predicted_speedup=pred.iid, predicted_from_rates=pred.rates,
         efficiency=efficiency, gap=gap,
+        forward_share=forward_share(samples) if method.family == "engine" else math.nan,
         identical_tokens=not mismatched, mismatched_prompts=mismatched,
         phases_ms_per_token=phases_per_token(samples) if method.family == "engine" else None)
 
