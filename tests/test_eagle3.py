@@ -123,7 +123,8 @@ def test_no_pass_over_the_held_out_prompts_is_trained_on():
                                        "shard-p1-00002.pt"]
 
 
-def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path, monkeypatch):
+@pytest.mark.parametrize("own_head", [True, False], ids=["own-lm-head", "target-lm-head"])
+def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path, monkeypatch, own_head):
     plan = Eagle3DataPlan(magpie_prompts=4, prompt_batch=8, prompt_max_tokens=32, answer_batch=2, max_new_tokens=12,
                           top_k=8, written_prompts=6).for_model(30)
     data = tmp_path / "data"
@@ -144,7 +145,8 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
         clock[0] += 1.0
         return clock[0]
     monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
-    plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3, log_every_s=0)
+    plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3, log_every_s=0,
+                             own_head=own_head)
     stopped = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
     assert not stopped["finished"] and 0 < stopped["cursor"]["step"] and stopped["cursor"]["seconds"] > 0
     clock[0] += 1e6                  # a day between the runs: not training time
@@ -155,7 +157,10 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     first, last = result["log"][0]["loss"], result["log"][-1]["loss"]
     assert last < first, (first, last)
     runtime = load_runtime(tmp_path / "head", smol)
-    assert runtime.config.feature_layers == LAYERS and runtime.config.own_head
+    assert runtime.config.feature_layers == LAYERS and runtime.config.own_head == own_head
+    if not own_head:   # nothing of the LM head was trained or exported: the drafts read the target's rows
+        assert "lm" not in runtime.head.state_dict()
+        assert torch.equal(runtime.head_weight, smol.fused.lm_head.index_select(0, runtime.kept_ids))
     ids = encode_chat(smol.tokenizer, ChatPrompt("Name a colour."))
     engine = SpeculativeEngine(ModelPair(smol, None, runtime), ids,
                                SpecConfig(drafter=DrafterKind.EAGLE, k=4, max_new_tokens=12, record=False))

@@ -11,7 +11,8 @@ and SpecForge's recipe:
 - a training-time test of `depth` >= 5 steps: step s reads the head's own step s-1 outputs, with the
   attention a real chain of drafts would have (engine.train.eagle.ttt_mask);
 - its own LM head over a reduced vocabulary (the most frequent answer tokens), started from the
-  target's rows.
+  target's rows; or (`--target-head`) the target's rows themselves, frozen, as today's head drafts through
+  them: millions fewer parameters to learn from a million tokens.
 
 Data: the shards of `python -m engine draft-data` (engine.train.eagle3_data), streamed shard by shard in
 a seeded order, a batch of sequences at a time (right-padded: a padded position is never attended to by
@@ -59,6 +60,7 @@ class Eagle3Plan:
     batch: int = 8                   # sequences per optimiser step
     max_len: int = 384               # longer sequences are cut (prompt + answer)
     bf16: bool = False               # autocast the head's matrix products to bf16 (fast on CPUs with AMX)
+    own_head: bool = True            # train its own LM head (else draft through the target's rows, frozen)
     seed: int = 0
     checkpoint_every_s: float = 120.0
     log_every_s: float = 60.0
@@ -152,8 +154,9 @@ def unrolled(head: EagleHead, emb: torch.Tensor, feats: torch.Tensor, depth: int
 
 
 def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagle3Plan, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-    """The weighted soft-label loss over `depth` unrolled steps, and each step's top-1 agreement."""
+                  sin: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """The weighted soft-label loss over `depth` unrolled steps, and each step's top-1 agreement; `lm` is the
+    [kept, d] LM head the drafts are read through (the head's own, or the target's rows)."""
     n = batch.emb_ids.shape[1]
     emb = F.embedding(batch.emb_ids, embed)
     total, weights, agree = torch.zeros(()), 0.0, []
@@ -164,7 +167,7 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
         rows = batch.valid & (positions >= step)[None]
         if rows.any():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
-                logits = F.linear(out[rows], head.lm)
+                logits = F.linear(out[rows], lm)
             logq = torch.log_softmax(logits.float(), dim=-1)
             ce = -(batch.label_p[rows] * logq.gather(1, batch.label_ids[rows])).sum(-1).mean()
             w = plan.step_decay ** (step - 1)
@@ -226,23 +229,26 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         sample = [e for p in paths[:40] for e in load_shard(p, fingerprint)]
         kept = kept_vocabulary(sample, plan.kept, (eos,) if eos is not None else ())
         config = EagleConfig(**{**asdict(EagleConfig.for_target(target, len(kept))), "feature_layers": layers,
-                                "own_head": True})
+                                "own_head": plan.own_head})
         cursor = Cursor()
     head = EagleHead(config)
     embed = target.model.get_input_embeddings().weight.detach().float()
     kept_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
     kept_index[kept] = torch.arange(len(kept))
     cos_all, sin_all = target_rope(target, config.head_dim, plan.max_len + 1)
+    target_rows = target.model.get_output_embeddings().weight.detach().float().index_select(0, kept)
     opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
     if ckpt is None:
         head.init_for_training(torch.Generator().manual_seed(plan.seed))
         with torch.no_grad():
             d = config.hidden
             head.fuse.weight[:, -d:] += torch.eye(d)   # start near the high layer's features
-            head.lm.copy_(target.model.get_output_embeddings().weight.detach().float().index_select(0, kept))
+            if config.own_head:
+                head.lm.copy_(target_rows)
     else:
         head.load_state_dict(ckpt["head"])
         opt.load_state_dict(ckpt["opt"])
+    lm = head.lm if config.own_head else target_rows
     sequences = sum(json.loads(p.with_suffix(".json").read_text())["sequences"] for p in paths)
     total_steps = math.ceil(plan.epochs * sequences / plan.batch)
 
@@ -271,7 +277,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
             for i in range(0, len(examples), plan.batch):
                 b = make_batch(examples[i: i + plan.batch], kept_index, plan.max_len)
                 n = b.emb_ids.shape[1]
-                loss, a = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1])
+                loss, a = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
                 losses.append(float(loss))
                 agree.append(a)
         head.train()
@@ -300,7 +306,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
             g["lr"] = lr_at(cursor.step)
         b = make_batch(chunk, kept_index, plan.max_len)
         n = b.emb_ids.shape[1]
-        loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1])
+        loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -340,10 +346,12 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
 def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
     """The model card: data, training, losses, acceptance by position (measured by the engine), time, commands."""
     plan, src = meta["plan"], meta["prompt_sources"]
+    lm_head = (f"its own LM head over a {meta['kept']}-token vocabulary" if plan.get("own_head", True) else
+               f"the target's LM-head rows for a {meta['kept']}-token vocabulary, frozen")
     lines = [f"# EAGLE-3-style head for `{target_source}`", "",
              f"One decoder layer that drafts from a fusion of the target's layers {meta['feature_layers']} "
-             f"(the residual stream entering them), with its own LM head over a {meta['kept']}-token vocabulary; "
-             f"{meta['params']:,} parameters of its own (the target's embeddings are reused at load time).", "",
+             f"(the residual stream entering them), through {lm_head}; {meta['params']:,} parameters of its own "
+             "(the target's embeddings are reused at load time).", "",
              "## Data (`python -m engine draft-data`)",
              f"- prompts: {src['magpie']:,} written by the target itself (Magpie: sampled from its chat template's "
              f"user header), {src['written']:,} of the project's written prompts; {src['magpie_heldout']:,} Magpie "
@@ -424,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=Eagle3Plan().depth)
     ap.add_argument("--kept", type=int, default=Eagle3Plan().kept)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the head's products (fast with AMX)")
+    ap.add_argument("--target-head", action="store_true",
+                    help="draft through the target's own LM-head rows, frozen, instead of training a head's own")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-eval", action="store_true")
@@ -436,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     data = a.data or default_folder(target.name)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
     out = a.out or eagle_folder(f"{slug}-eagle3")
-    plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16)
+    plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16,
+                      own_head=not a.target_head)
     t0 = time.time()
     try:
         result = train(target, data, REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
