@@ -70,6 +70,22 @@ def test_prompts_are_cleaned_deduplicated_and_held_out():
     assert data.select_prompts(samples, plan) == (train, heldout)
 
 
+def test_a_larger_prompt_list_is_refused_once_answers_index_the_frozen_one(tmp_path):
+    root, pack = tmp_path / "data", tmp_path / "pack"
+    assert data.frozen_count(root, pack) == Eagle3DataPlan().magpie_prompts       # nothing frozen yet
+    pack.mkdir()
+    (pack / "prompts.json").write_text(json.dumps({"magpie_target": 3}))
+    assert data.frozen_count(root, pack) == 3                                     # the pack's list
+    with DataFolder(root, tiny_plan(magpie_prompts=4), "smol") as folder:
+        data.write_atomic(root / "prompts.json", json.dumps({"magpie_target": 2, "train": ["a"], "heldout": []}))
+        assert data.frozen_count(root, pack) == 2                                 # the folder's own comes first
+        (root / "answers" / "shard-p0-00000.pt").write_bytes(b"x")
+        with pytest.raises(DataError, match="--magpie 2"):
+            data.build_prompts(folder, None, None, 2, print, None)
+    with DataFolder(root, tiny_plan(magpie_prompts=2), "smol") as folder:
+        assert data.build_prompts(folder, None, None, 2, print, None)["train"] == ["a"]
+
+
 def test_user_header_is_the_template_up_to_the_message(smol):
     header = smol.tokenizer.decode(data.user_header(smol.tokenizer))
     assert header.endswith("<|im_start|>user\n") and "<|im_start|>assistant" not in header

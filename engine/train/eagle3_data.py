@@ -227,6 +227,11 @@ def build_prompts(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
         data = read_prompts(folder.root)
         if data["magpie_target"] >= plan.magpie_prompts:
             return data
+        if any(iter_shards(folder.root)):   # a larger list would be frozen anew and the chunks re-indexed
+            raise DataError(f"{folder.root} holds answers to a frozen list of {data['magpie_target']:,} self-written "
+                            f"prompts; asking for {plan.magpie_prompts:,} would freeze a new list under them. Rerun "
+                            f"with --magpie {data['magpie_target']} (or leave --magpie out), or use another folder "
+                            "(--work) for a larger list")
     header = user_header(tokenizer)
     done = dict(prompt_batches(folder))
     t0, made = time.time(), 0
@@ -491,6 +496,18 @@ def command_start(source: str, threads: int | None):
 
 
 # -- the command --------------------------------------------------------------------------------------------
+def frozen_count(work: Path, pack: Path | None) -> int:
+    """How many self-written prompts the frozen list in `work` (else in `pack`) was made for; the plan's default
+    where neither has one."""
+    for root in (work, pack):
+        if root is not None and (root / "prompts.json").exists():
+            try:
+                return int(json.loads((root / "prompts.json").read_text())["magpie_target"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass    # read_prompts names the damage when the run reaches it
+    return Eagle3DataPlan().magpie_prompts
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m engine draft-data`: generate (or continue generating) an EAGLE-3-style head's data."""
     import argparse
@@ -507,8 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None,
                     help="data folder (default: .cache/draft-data/<target> in the checkout)")
     ap.add_argument("--tokens", type=int, default=3_000_000, help="stop once the shards hold this many tokens")
-    ap.add_argument("--magpie", type=int, default=Eagle3DataPlan().magpie_prompts,
-                    help="self-written prompts to keep before answering (default: %(default)s)")
+    ap.add_argument("--magpie", type=int, default=None,
+                    help=f"self-written prompts to keep before answering (default: the frozen list's count where "
+                         f"the folder or the pack has one, else {Eagle3DataPlan().magpie_prompts})")
     ap.add_argument("--answer-batch", type=int, default=Eagle3DataPlan().answer_batch)
     ap.add_argument("--max-new-tokens", type=int, default=Eagle3DataPlan().max_new_tokens)
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
@@ -523,16 +541,17 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         return 2
     eos = target.tokenizer.eos_token_id
-    plan = Eagle3DataPlan(magpie_prompts=a.magpie, answer_batch=a.answer_batch, max_new_tokens=a.max_new_tokens)
-    plan = plan.for_model(len(target.model.model.layers))
     work = a.work or default_folder(target.name)
+    pack = None if a.no_pack else (a.pack or data_pack.pack_folder(target.name))
+    magpie = a.magpie if a.magpie is not None else frozen_count(work, pack)
+    plan = Eagle3DataPlan(magpie_prompts=magpie, answer_batch=a.answer_batch, max_new_tokens=a.max_new_tokens)
+    plan = plan.for_model(len(target.model.model.layers))
     try:
         with DataFolder(work, plan, target.name) as folder:
             log(f"data for {target.name} under {work}; feature layers {plan.layers}")
             if target.fused is None:
                 raise DataError(f"{target.name} has no fused forward ({FusedLlama.unsupported(target.model)}); "
                                 "the data is generated with it")
-            pack = None if a.no_pack else (a.pack or data_pack.pack_folder(target.name))
             if pack is not None:
                 data_pack.restore(folder, pack, target.fused, log, deadline)
             if build_prompts(folder, target.fused, target.tokenizer, eos, log, deadline) is None:
