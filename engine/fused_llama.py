@@ -223,7 +223,8 @@ class FusedLlama:
         """(logits [q or 1, V] float32, post-norm features [q, d] in the model's dtype).
 
         With `taps` (layer indices), the features are instead the residual stream entering each of those
-        layers, side by side ([q, len(taps) * d]): what an EAGLE-3-style head fuses.
+        layers, side by side ([q, len(taps) * d]): what an EAGLE-3-style head fuses. Tap L, one past the
+        last of the L layers, is the post-norm output (as transformers' hidden_states[L] is).
 
         The features are the final norm's output for every fed row, the rows the LM head reads: an
         EAGLE-style drafter predicts the next one from them, so the verify forward hands them over
@@ -253,10 +254,33 @@ class FusedLlama:
                               self.heads, self.kv_heads, self.head_dim, linear)
         features = _rms_norm(x, self.norm)[0]
         head_in = features[-1:] if last_only else features
+        tapped[len(self.layers)] = features   # tap L (past the last layer): the post-norm output, as in HF
         if taps:
             features = torch.cat([tapped[i] for i in taps], dim=-1)
         head = linear if head_in.shape[0] >= self.blocked_rows else F.linear
         return head(head_in, self.lm_head).float(), features
+
+    @torch.no_grad()   # not inference mode: what it returns feeds a head being trained
+    def continue_from(self, x: torch.Tensor, start: int, taps: tuple[int, ...]) -> list[torch.Tensor]:
+        """The taps (layer indices past `start`; L is the post-norm output) of whole sequences whose residual
+        stream entering layer `start` is x [B, N, d], token j at rotary position j: layers start.. run causally,
+        without a cache. A right-padded row's real tokens never attend to its padding, so they are exact.
+        How a head learns from a layer the training data did not keep (engine.train.eagle3)."""
+        if not taps or min(taps) <= start or max(taps) > len(self.layers):
+            raise ValueError(f"taps {taps} must lie in {start + 1}..{len(self.layers)}")
+        n = x.shape[1]
+        x = x.to(self.embed.dtype)
+        cos, sin = self._rope(0, n, x.dtype)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        linear = self.blocked.linear if self.blocked is not None and x.shape[0] * n >= self.blocked_rows else F.linear
+        tapped = {}
+        for i in range(start, max(taps)):
+            x = decoder_block(x, self.layers[i], lambda ks, vs: (ks, vs), cos[None, None], sin[None, None], mask,
+                              self.heads, self.kv_heads, self.head_dim, linear)
+            tapped[i + 1] = x
+        if len(self.layers) in taps:
+            tapped[len(self.layers)] = _rms_norm(x, self.norm)
+        return [tapped[i] for i in taps]
 
 
 def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tensor, sin: torch.Tensor,
@@ -291,7 +315,8 @@ class BatchForward:
     are left-padded, so a row's first columns may be padding). A row attends to its own real keys up to
     each query (a padding query to itself, so no row is ever empty). Rotary positions count real tokens
     only, so a padded row computes what it would alone. `taps` are layer indices whose input (the
-    residual stream entering that layer) every forward returns. `keep(rows)` drops finished rows.
+    residual stream entering that layer; L, past the last layer, the post-norm output) every forward returns.
+    `keep(rows)` drops finished rows.
     """
 
     def __init__(self, fused: FusedLlama, rows: int, capacity: int, taps: tuple[int, ...] = ()) -> None:
@@ -370,6 +395,8 @@ class BatchForward:
                 tapped[i] = x
             x = decoder_block(x, layer, keys_values(i), cos, sin, mask, fused.heads, fused.kv_heads,
                               fused.head_dim, linear)
+        if len(fused.layers) in self.taps:   # past the last layer: the post-norm output
+            tapped[len(fused.layers)] = _rms_norm(x, fused.norm)
         self.length += q
         return x, [tapped[i] for i in self._tap_order]
 

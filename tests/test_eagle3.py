@@ -36,18 +36,48 @@ def random_head(smol, kept: int = 512) -> EagleRuntime:
     return EagleRuntime(head, kept_ids.sort().values, smol, name="eagle3-test")
 
 
-def test_the_target_hands_over_the_inputs_of_the_tapped_layers(smol):
+@pytest.mark.parametrize("layers", [LAYERS, (30, 2, 15)], ids=["layer-inputs", "post-norm-first"])
+def test_the_target_hands_over_the_inputs_of_the_tapped_layers(smol, layers):
+    """Tap i is the residual stream entering layer i; tap 30, past SmolLM2's last layer, its post-norm output
+    (transformers' hidden_states[30]), in the order asked."""
     ids = encode_chat(smol.tokenizer, ChatPrompt("Name a river."))
     runner = ModelRunner(smol, len(ids) + 8)
-    _, taps = runner.forward_features(runner.new_sequence(), ids, last_only=True, taps=LAYERS)
+    _, taps = runner.forward_features(runner.new_sequence(), ids, last_only=True, taps=layers)
     with torch.inference_mode():
-        hidden = smol.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-    ref = torch.cat([hidden[i][0] for i in LAYERS], dim=-1)
+        out = smol.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    ref = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
     assert taps.shape == (len(ids), 3 * 576)
     assert (taps - ref).abs().max() < 1e-5 * ref.abs().max() + 1e-4
     plain = ModelRunner(smol, len(ids) + 8, fused=False)
-    _, via_hf = plain.forward_features(plain.new_sequence(), ids, last_only=True, taps=LAYERS)
+    _, via_hf = plain.forward_features(plain.new_sequence(), ids, last_only=True, taps=layers)
     assert torch.allclose(via_hf, ref)
+    if 30 in layers:   # what the LM head reads: its logits are the model's
+        post = taps[:, layers.index(30) * 576:][:, :576]
+        with torch.inference_mode():
+            logits = post[-1] @ smol.model.get_output_embeddings().weight.T
+        assert (logits - out.logits[0, -1]).abs().max() < 1e-3 * out.logits[0, -1].abs().max()
+
+
+def test_a_head_learns_from_layers_past_the_ones_the_data_kept(smol):
+    """Layers past the highest kept one are computed from its stored (float16) input by running the target on:
+    the engine's own taps of the same tokens, padded rows and any order included; other layers are refused."""
+    ids = encode_chat(smol.tokenizer, ChatPrompt("Why is the sea salty?"))
+    runner = ModelRunner(smol, 4 * len(ids))
+    _, kept = runner.forward_features(runner.new_sequence(), ids, taps=LAYERS)
+    wanted = (30, 2, 28)
+    _, ref = runner.forward_features(runner.new_sequence(), ids, taps=wanted)
+    padded = torch.zeros(2, len(ids) + 5, kept.shape[1])
+    padded[:, : len(ids)] = kept.half().float()          # as a shard stores it, right-padded in a batch
+    padded[1, len(ids):] = 1e4                            # padding never reaches a real row
+    lifted = eagle3.lift_features(smol.fused, padded, LAYERS, wanted)[:, : len(ids)]
+    assert lifted.shape == (2, len(ids), 3 * 576)
+    assert torch.equal(lifted[0], lifted[1])
+    rel = (lifted[0] - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max() < 2e-3
+    assert eagle3.layers_error(LAYERS, (2, 15, 30), 30) is None
+    assert eagle3.layers_error(LAYERS, LAYERS, 30) is None
+    for bad in [(2, 20), (31,), (2, 2, 30), ()]:
+        assert "the data kept the inputs of layers [2, 15, 27]" in eagle3.layers_error(LAYERS, bad, 30)
 
 
 def test_greedy_with_an_eagle3_head_is_the_target_alone(smol):

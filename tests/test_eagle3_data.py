@@ -27,8 +27,9 @@ def tiny_plan(**overrides) -> Eagle3DataPlan:
     return Eagle3DataPlan(**{**base, **overrides}).for_model(30)
 
 
-def test_batched_answers_are_the_targets_own(smol):
-    plan = tiny_plan(max_new_tokens=12)
+@pytest.mark.parametrize("layers", [(), (2, 15, 30)], ids=["default-layers", "post-norm-top"])
+def test_batched_answers_are_the_targets_own(smol, layers):
+    plan = tiny_plan(max_new_tokens=12, layers=layers)
     prompts = [encode_chat(smol.tokenizer, ChatPrompt(q)) for q in QUESTIONS]   # three lengths: left padding
     examples = data.answer_batch(smol.fused, prompts, SamplingPass(), plan, 2, seed=0)
     model = smol.model
@@ -37,7 +38,7 @@ def test_batched_answers_are_the_targets_own(smol):
         assert e.ids[len(p):].tolist() == hf_greedy(smol, p, 12, eos_id=2)      # token for token
         with torch.inference_mode():
             out = model(input_ids=e.ids[None, :-1].long(), output_hidden_states=True)
-        for j, layer in enumerate(plan.layers):   # hidden_states[i] is what enters layer i
+        for j, layer in enumerate(plan.layers):   # hidden_states[i] is what enters layer i (30: post-norm)
             ref = out.hidden_states[layer][0]
             assert (e.features[:, j].float() - ref).abs().max() < 2e-3 * ref.abs().max() + 1e-2
         ref_logp = torch.log_softmax(out.logits[0, len(p) - 1:].float(), -1)

@@ -62,7 +62,8 @@ class EagleConfig:
     target: str                # the target it reads the features of (its LoadedModel name)
     target_vocab: int
     format: int = EAGLE_FORMAT
-    feature_layers: tuple[int, ...] = ()   # EAGLE-3 style: the target layers whose inputs it fuses; () = post-norm
+    feature_layers: tuple[int, ...] = ()   # EAGLE-3 style: the target layers whose inputs it fuses (L, one past
+                                           # the last layer: the post-norm output); () = the post-norm output alone
     own_head: bool = False                 # its own trained LM head over the kept vocabulary (else the target's)
 
     def __post_init__(self) -> None:
@@ -269,7 +270,7 @@ def load_runtime(folder: Path, target: LoadedModel) -> EagleRuntime:
         raise EagleLoadError(f"The EAGLE head in {folder} was trained for {config.target!r} (hidden "
                              f"{config.hidden}, vocabulary {config.target_vocab}), not for {target.name!r}.")
     layers = len(target.model.model.layers) if hasattr(target.model, "model") else 0
-    if any(not 0 <= i < layers for i in config.feature_layers):
+    if any(not 0 <= i <= layers for i in config.feature_layers):
         raise EagleLoadError(f"The EAGLE head in {folder} reads layers {list(config.feature_layers)}, which "
                              f"{target.name!r} ({layers} layers) does not have.")
     head = EagleHead(config)

@@ -61,6 +61,7 @@ class Eagle3Plan:
     max_len: int = 384               # longer sequences are cut (prompt + answer)
     bf16: bool = False               # autocast the head's matrix products to bf16 (fast on CPUs with AMX)
     own_head: bool = True            # train its own LM head (else draft through the target's rows, frozen)
+    layers: tuple[int, ...] | None = None   # the target layers it fuses (default: the data's); see lift_features
     seed: int = 0
     checkpoint_every_s: float = 120.0
     log_every_s: float = 60.0
@@ -84,6 +85,30 @@ def kept_vocabulary(examples: list[Example], size: int, always: tuple[int, ...] 
     order = sorted(range(counts.numel()), key=lambda t: (-int(counts[t]), t))
     chosen = set(always) | {t for t in order[:size] if counts[t] > 0}
     return torch.tensor(sorted(chosen)[: max(size, len(always))], dtype=torch.long)
+
+
+def layers_error(stored: tuple[int, ...], wanted: tuple[int, ...], count: int) -> str | None:
+    """Why a head cannot fuse the layers `wanted` from data that kept the inputs of `stored` (None when it can):
+    each must be kept, or lie past the highest kept one (up to L = `count`, the post-norm output)."""
+    bad = [w for w in wanted if w not in stored and not max(stored) < w <= count]
+    if bad or not wanted or len(set(wanted)) != len(wanted):
+        return (f"layers {list(wanted)}: the data kept the inputs of layers {list(stored)}, so a head can fuse those "
+                f"and any of {max(stored) + 1}..{count} ({count}: the target's post-norm output), each once")
+    return None
+
+
+def lift_features(fused, feats: torch.Tensor, stored: tuple[int, ...], wanted: tuple[int, ...]) -> torch.Tensor:
+    """Features [B, N, len(wanted) * d] for a head fusing `wanted` from the data's [B, N, len(stored) * d]: the
+    layers past the highest kept one are computed by running the target on from it (FusedLlama.continue_from),
+    exactly what the engine's forward would hand over. The data stays as it was generated."""
+    if wanted == stored:
+        return feats
+    parts = feats.unflatten(-1, (len(stored), -1))
+    top = max(stored)
+    beyond = tuple(w for w in wanted if w not in stored)
+    derived = dict(zip(beyond, fused.continue_from(parts[..., stored.index(top), :], top, beyond)))
+    return torch.cat([parts[..., stored.index(w), :] if w in stored else derived[w].to(feats.dtype) for w in wanted],
+                     dim=-1)
 
 
 @dataclass
@@ -209,7 +234,11 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
           log=print, deadline: float | None = None) -> dict:
     """Train (or resume) on every whole shard under `data`; export to `out` when done."""
     plan_file = json.loads((data / "plan.json").read_text())
-    fingerprint, layers = plan_file["fingerprint"], tuple(plan_file["plan"]["layers"])
+    fingerprint, stored = plan_file["fingerprint"], tuple(plan_file["plan"]["layers"])
+    layers = tuple(plan.layers) if plan.layers else stored
+    problem = layers_error(stored, layers, len(target.fused.layers)) if target.fused is not None else None
+    if problem:
+        raise DataError(f"{problem}; rerun with other --layers")
     paths = list(iter_shards(data))
     if not paths:
         raise DataError(f"no shards under {data}: run `python -m engine draft-data` first")
@@ -223,6 +252,11 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
         kept, config, cursor = ckpt["kept"], EagleConfig(**ckpt["config"]), Cursor(**ckpt["cursor"])
+        if plan.layers and config.feature_layers != layers:
+            raise DataError(f"the checkpoint {ckpt_path} trains a head on layers {list(config.feature_layers)}, not "
+                            f"{list(layers)}: rerun with --layers {','.join(map(str, config.feature_layers))} to "
+                            "resume it, or move it away to start anew")
+        layers = config.feature_layers
         log(f"resumed at step {cursor.step} (epoch {cursor.epoch}, shard {cursor.shard})")
     else:
         ckpt = None
@@ -258,6 +292,10 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         done = min(1.0, (step - plan.warmup) / max(1, total_steps - plan.warmup))
         return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
+    def lifted(b: Batch) -> Batch:
+        b.feats = lift_features(target.fused, b.feats, stored, layers)
+        return b
+
     mark = time.time()
 
     def save() -> None:
@@ -275,7 +313,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         losses, agree = [], []
         with torch.no_grad():
             for i in range(0, len(examples), plan.batch):
-                b = make_batch(examples[i: i + plan.batch], kept_index, plan.max_len)
+                b = lifted(make_batch(examples[i: i + plan.batch], kept_index, plan.max_len))
                 n = b.emb_ids.shape[1]
                 loss, a = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
                 losses.append(float(loss))
@@ -304,7 +342,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         chunk, pending = pending[: plan.batch], pending[plan.batch:]
         for g in opt.param_groups:
             g["lr"] = lr_at(cursor.step)
-        b = make_batch(chunk, kept_index, plan.max_len)
+        b = lifted(make_batch(chunk, kept_index, plan.max_len))
         n = b.emb_ids.shape[1]
         loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
         opt.zero_grad(set_to_none=True)
@@ -336,11 +374,19 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
     meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
             "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
             "kept": len(kept), "prompt_sources": prompts["sources"], "feature_layers": list(layers),
+            "target_layers": len(target.fused.layers) if target.fused is not None else None,
             "data_plan": plan_file["plan"], **figures, "log": cursor.log,
             "train_seconds": cursor.seconds}
     save_head(head, kept, out, meta)
     log(f"wrote {out}")
     return {"finished": True, **meta}
+
+
+def the_layers(layers: list[int], count: int | None) -> str:
+    """What the fused layers are, in words: the residual stream entering each, or the post-norm output."""
+    if count in layers:
+        return f"the residual stream entering the first ones; {count}, past the last layer, is the post-norm output"
+    return "the residual stream entering them"
 
 
 def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
@@ -350,7 +396,7 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
                f"the target's LM-head rows for a {meta['kept']}-token vocabulary, frozen")
     lines = [f"# EAGLE-3-style head for `{target_source}`", "",
              f"One decoder layer that drafts from a fusion of the target's layers {meta['feature_layers']} "
-             f"(the residual stream entering them), through {lm_head}; {meta['params']:,} parameters of its own "
+             f"({the_layers(meta['feature_layers'], meta.get('target_layers'))}), through {lm_head}; {meta['params']:,} parameters of its own "
              "(the target's embeddings are reused at load time).", "",
              "## Data (`python -m engine draft-data`)",
              f"- prompts: {src['magpie']:,} written by the target itself (Magpie: sampled from its chat template's "
@@ -434,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the head's products (fast with AMX)")
     ap.add_argument("--target-head", action="store_true",
                     help="draft through the target's own LM-head rows, frozen, instead of training a head's own")
+    ap.add_argument("--layers", default=None,
+                    help="the target layers the head fuses, e.g. 2,15,30 (default: those the data kept); a layer past "
+                         "the highest kept one is computed from it; the target's layer count means its post-norm output")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-eval", action="store_true")
@@ -446,8 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     data = a.data or default_folder(target.name)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
     out = a.out or eagle_folder(f"{slug}-eagle3")
+    try:
+        layers = tuple(int(x) for x in a.layers.split(",")) if a.layers else None
+    except ValueError:
+        print(f"--layers takes layer numbers separated by commas (e.g. 2,15,30), not {a.layers!r}", file=sys.stderr)
+        return 2
     plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16,
-                      own_head=not a.target_head)
+                      own_head=not a.target_head, layers=layers)
     t0 = time.time()
     try:
         result = train(target, data, REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,

@@ -58,7 +58,7 @@ class Eagle3DataPlan:
     max_new_tokens: int = 256
     passes: tuple[SamplingPass, ...] = field(default_factory=lambda: (SamplingPass(), SamplingPass(0.7, 0.95)))
     top_k: int = 20                   # soft labels kept per answer position
-    layers: tuple[int, ...] = ()      # residual stream entering these layers; () = (2, L // 2, L - 3)
+    layers: tuple[int, ...] = ()      # residual stream entering these layers (L: the post-norm output); () = (2, L // 2, L - 3)
     heldout_every: int = 25           # 4% of the Magpie prompts are held out
     max_per_opening: int = 40         # at most this many kept prompts share their first four words
     written_prompts: int = -1         # the project's written training prompts mixed in (-1: all of them)
@@ -73,8 +73,9 @@ class Eagle3DataPlan:
     def for_model(self, layers: int) -> "Eagle3DataPlan":
         """This plan with its feature layers chosen for a target of `layers` decoder layers."""
         if self.layers:
-            if any(not 0 <= i < layers for i in self.layers):
-                raise ValueError(f"feature layers {self.layers} are not all below the target's {layers} layers")
+            if any(not 0 <= i <= layers for i in self.layers):
+                raise ValueError(f"feature layers {self.layers} are not all in 0..{layers} ({layers}: the target's "
+                                 "post-norm output)")
             return self
         chosen = (min(2, layers - 1), layers // 2, max(layers - 3, 0))
         return plan_from_dict({**asdict_plan(self), "layers": list(chosen)})
