@@ -236,7 +236,11 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
     plan_file = json.loads((data / "plan.json").read_text())
     fingerprint, stored = plan_file["fingerprint"], tuple(plan_file["plan"]["layers"])
     layers = tuple(plan.layers) if plan.layers else stored
-    problem = layers_error(stored, layers, len(target.fused.layers)) if target.fused is not None else None
+    if target.fused is None:
+        problem = None if layers == stored else (f"layers the data did not keep are computed with the engine's fused "
+                                                 f"forward, which {target.name!r} does not have")
+    else:
+        problem = layers_error(stored, layers, len(target.fused.layers))
     if problem:
         raise DataError(f"{problem}; rerun with other --layers")
     paths = list(iter_shards(data))
