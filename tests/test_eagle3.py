@@ -25,12 +25,15 @@ LAYERS = (2, 15, 27)
 
 
 
-def random_head(smol, kept: int = 512) -> EagleRuntime:
-    config = replace(EagleConfig.for_target(smol, kept), feature_layers=LAYERS, own_head=True)
+def random_head(smol, kept: int = 512, feature_norm: bool = False) -> EagleRuntime:
+    config = replace(EagleConfig.for_target(smol, kept), feature_layers=LAYERS, own_head=True,
+                     feature_norm=feature_norm)
     head = EagleHead(config)
     head.init_for_training(torch.Generator().manual_seed(0))
     with torch.no_grad():
         head.lm.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        if feature_norm:   # a different weight for every channel of every layer
+            head.fuse_norm.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(2))
     kept_ids = torch.arange(kept)
     kept_ids[-1] = 2   # the end of turn
     return EagleRuntime(head, kept_ids.sort().values, smol, name="eagle3-test")
@@ -80,6 +83,29 @@ def test_a_head_learns_from_layers_past_the_ones_the_data_kept(smol):
         assert "the data kept the inputs of layers [2, 15, 27]" in eagle3.layers_error(LAYERS, bad, 30)
 
 
+def test_normed_fusion_starts_from_what_each_layer_reads(smol):
+    """With --feature-norm each tapped layer is normalised on its own before the fusion, its weight started from the
+    target's norm there: block j of the fusion then reads exactly what layer i's attention reads (transformers'
+    input_layernorm of hidden_states[i]), and the post-norm output (30) scaled to unit RMS."""
+    layers = (2, 15, 30)
+    config = replace(EagleConfig.for_target(smol, 64), feature_layers=layers, feature_norm=True)
+    head = EagleHead(config)
+    with torch.no_grad():
+        head.fuse_norm.copy_(eagle3.target_norms(smol, layers))
+    ids = encode_chat(smol.tokenizer, ChatPrompt("Name a river."))
+    with torch.inference_mode():
+        hidden = smol.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        taps = torch.cat([hidden[i][0] for i in layers], dim=-1)
+        for j, i in enumerate(layers):
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, j * 576: (j + 1) * 576] = torch.eye(576)
+            got = head.real_features(taps)
+            h = hidden[i][0]
+            want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + config.rms_eps) if i == 30 else \
+                smol.model.model.layers[i].input_layernorm(h)
+            assert (got - want).abs().max() < 1e-4 * want.abs().max(), i
+
+
 def test_greedy_with_an_eagle3_head_is_the_target_alone(smol):
     pair = ModelPair(smol, None, random_head(smol))
     assert pair.eagle.config.style == "EAGLE-3 style"
@@ -95,11 +121,12 @@ def test_greedy_with_an_eagle3_head_is_the_target_alone(smol):
     assert all(r.k for r in rounds[Mode.V2][1:-1])
 
 
-def test_the_engine_drafts_what_training_computes(smol):
+@pytest.mark.parametrize("feature_norm", [False, True], ids=["raw-layers", "normed-layers"])
+def test_the_engine_drafts_what_training_computes(smol, feature_norm):
     """Every draft the engine makes with an EAGLE-3 head (K = 3, greedy) has the logits that training's unrolled
     steps give for the same inputs: the committed tokens' real layer inputs, then the drafts as the chain's
     tokens. A feature, a token or a rotary position fed one place off in either would break this."""
-    runtime = random_head(smol, kept=2048)
+    runtime = random_head(smol, kept=2048, feature_norm=feature_norm)
     captured: list[torch.Tensor] = []
     draft_logits = runtime.logits
 
@@ -153,8 +180,10 @@ def test_no_pass_over_the_held_out_prompts_is_trained_on():
                                        "shard-p1-00002.pt"]
 
 
-@pytest.mark.parametrize("own_head", [True, False], ids=["own-lm-head", "target-lm-head"])
-def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path, monkeypatch, own_head):
+@pytest.mark.parametrize("own_head, feature_norm", [(True, False), (False, True)],
+                         ids=["own-lm-head", "target-lm-head-normed-layers"])
+def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path, monkeypatch, own_head,
+                                                                     feature_norm):
     plan = Eagle3DataPlan(magpie_prompts=4, prompt_batch=8, prompt_max_tokens=32, answer_batch=2, max_new_tokens=12,
                           top_k=8, written_prompts=6).for_model(30)
     data = tmp_path / "data"
@@ -176,7 +205,7 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
         return clock[0]
     monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
     plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3, log_every_s=0,
-                             own_head=own_head)
+                             own_head=own_head, feature_norm=feature_norm)
     stopped = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
     assert not stopped["finished"] and 0 < stopped["cursor"]["step"] and stopped["cursor"]["seconds"] > 0
     clock[0] += 1e6                  # a day between the runs: not training time
@@ -188,6 +217,7 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     assert last < first, (first, last)
     runtime = load_runtime(tmp_path / "head", smol)
     assert runtime.config.feature_layers == LAYERS and runtime.config.own_head == own_head
+    assert runtime.config.feature_norm == feature_norm and hasattr(runtime.head, "fuse_norm") == feature_norm
     if not own_head:   # nothing of the LM head was trained or exported: the drafts read the target's rows
         assert "lm" not in runtime.head.state_dict()
         assert torch.equal(runtime.head_weight, smol.fused.lm_head.index_select(0, runtime.kept_ids))

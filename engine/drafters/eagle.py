@@ -65,6 +65,8 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = ()   # EAGLE-3 style: the target layers whose inputs it fuses (L, one past
                                            # the last layer: the post-norm output); () = the post-norm output alone
     own_head: bool = False                 # its own trained LM head over the kept vocabulary (else the target's)
+    feature_norm: bool = False             # each fused layer RMS-normalised, with a weight of its own, before the
+                                           # fusion (the raw residual streams carry outliers in the tens of thousands)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
@@ -121,6 +123,8 @@ class EagleHead(nn.Module):
         self.norm_in, self.norm_post, self.norm_out = (nn.Parameter(torch.ones(d)) for _ in range(3))
         if config.feature_layers:  # EAGLE-3: low, middle and high features fused into one (len * d -> d)
             self.fuse = nn.Linear(len(config.feature_layers) * d, d, bias=False)
+            if config.feature_norm:
+                self.fuse_norm = nn.Parameter(torch.ones(len(config.feature_layers), d))
         if config.own_head:
             self.lm = nn.Parameter(torch.zeros(config.kept, d))
 
@@ -152,8 +156,15 @@ class EagleHead(nn.Module):
 
     def real_features(self, target_features: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """What a draft position reads for a committed token: the target's post-norm feature, or (EAGLE-3
-        style) its fused layer inputs. `linear(x, weight, bias)` multiplies by a matrix (see step)."""
-        return linear(target_features, self.fuse.weight) if self.config.feature_layers else target_features
+        style) its fused layer inputs, each normalised first with `feature_norm`. `linear(x, weight, bias)`
+        multiplies by a matrix (see step)."""
+        c = self.config
+        if not c.feature_layers:
+            return target_features
+        if c.feature_norm:
+            parts = target_features.split(c.hidden, dim=-1)
+            target_features = torch.cat([_rms_norm(x, (w, c.rms_eps)) for x, w in zip(parts, self.fuse_norm)], dim=-1)
+        return linear(target_features, self.fuse.weight)
 
     def step(self, emb: torch.Tensor, feats: torch.Tensor, layer: LayerView, keys_values, cos: torch.Tensor,
              sin: torch.Tensor, mask: torch.Tensor | None, linear=F.linear) -> torch.Tensor:

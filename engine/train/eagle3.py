@@ -62,6 +62,7 @@ class Eagle3Plan:
     bf16: bool = False               # autocast the head's matrix products to bf16 (fast on CPUs with AMX)
     own_head: bool = True            # train its own LM head (else draft through the target's rows, frozen)
     layers: tuple[int, ...] | None = None   # the target layers it fuses (default: the data's); see lift_features
+    feature_norm: bool = False       # RMS-normalise each fused layer first, weights started from the target's norms
     seed: int = 0
     checkpoint_every_s: float = 120.0
     log_every_s: float = 60.0
@@ -109,6 +110,15 @@ def lift_features(fused, feats: torch.Tensor, stored: tuple[int, ...], wanted: t
     derived = dict(zip(beyond, fused.continue_from(parts[..., stored.index(top), :], top, beyond)))
     return torch.cat([parts[..., stored.index(w), :] if w in stored else derived[w].to(feats.dtype) for w in wanted],
                      dim=-1)
+
+
+def target_norms(target: LoadedModel, layers: tuple[int, ...]) -> torch.Tensor:
+    """[len(layers), d]: where a head's per-layer norms start. For a layer's input, the weight of the target's own
+    norm there, so the head starts from what that layer reads; ones for the post-norm output (L), normalised already."""
+    inner = target.model.model
+    d = target.model.config.hidden_size
+    return torch.stack([torch.ones(d) if i == len(inner.layers) else
+                        inner.layers[i].input_layernorm.weight.detach().float() for i in layers])
 
 
 @dataclass
@@ -267,7 +277,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         sample = [e for p in paths[:40] for e in load_shard(p, fingerprint)]
         kept = kept_vocabulary(sample, plan.kept, (eos,) if eos is not None else ())
         config = EagleConfig(**{**asdict(EagleConfig.for_target(target, len(kept))), "feature_layers": layers,
-                                "own_head": plan.own_head})
+                                "own_head": plan.own_head, "feature_norm": plan.feature_norm})
         cursor = Cursor()
     head = EagleHead(config)
     embed = target.model.get_input_embeddings().weight.detach().float()
@@ -281,6 +291,8 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         with torch.no_grad():
             d = config.hidden
             head.fuse.weight[:, -d:] += torch.eye(d)   # start near the high layer's features
+            if config.feature_norm:
+                head.fuse_norm.copy_(target_norms(target, layers))
             if config.own_head:
                 head.lm.copy_(target_rows)
     else:
@@ -400,7 +412,9 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
                f"the target's LM-head rows for a {meta['kept']}-token vocabulary, frozen")
     lines = [f"# EAGLE-3-style head for `{target_source}`", "",
              f"One decoder layer that drafts from a fusion of the target's layers {meta['feature_layers']} "
-             f"({the_layers(meta['feature_layers'], meta.get('target_layers'))}), through {lm_head}; {meta['params']:,} parameters of its own "
+             f"({the_layers(meta['feature_layers'], meta.get('target_layers'))})"
+             f"{', each RMS-normalised first' if plan.get('feature_norm') else ''}, through {lm_head}; "
+             f"{meta['params']:,} parameters of its own "
              "(the target's embeddings are reused at load time).", "",
              "## Data (`python -m engine draft-data`)",
              f"- prompts: {src['magpie']:,} written by the target itself (Magpie: sampled from its chat template's "
@@ -487,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default=None,
                     help="the target layers the head fuses, e.g. 2,15,30 (default: those the data kept); a layer past "
                          "the highest kept one is computed from it; the target's layer count means its post-norm output")
+    ap.add_argument("--feature-norm", action="store_true",
+                    help="RMS-normalise each fused layer before the fusion (weights started from the target's own norms)")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-eval", action="store_true")
@@ -505,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--layers takes layer numbers separated by commas (e.g. 2,15,30), not {a.layers!r}", file=sys.stderr)
         return 2
     plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16,
-                      own_head=not a.target_head, layers=layers)
+                      own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm)
     t0 = time.time()
     try:
         result = train(target, data, REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
