@@ -161,6 +161,23 @@ def test_tree_methods_name_their_drafter_and_tree(name, drafter):
         assert config.tree.nodes == 16 and (not config.tree.widths or sum(config.tree.widths) == 16)
 
 
+def test_ngram_min2_copies_only_after_a_two_token_match():
+    """vLLM's prompt-lookup rule beside the engine's default: the same drafter, a longer minimum match."""
+    import torch
+
+    from engine.config import SpecConfig
+    from engine.drafters.ngram import NgramDrafter
+
+    plain, strict = Method("ngram", 4).spec_config(64), Method("ngram-min2", 4).spec_config(64)
+    assert plain.drafter is strict.drafter is DrafterKind.NGRAM
+    assert (plain.ngram_min, strict.ngram_min) == (SpecConfig().ngram_min, 2)
+    assert plain.ngram_max == strict.ngram_max
+    committed = [5, 7, 9, 3, 8, 5]             # only the last token has occurred before
+    drafters = [NgramDrafter(c.ngram_max, c.ngram_min, 16, torch.device("cpu")) for c in (plain, strict)]
+    assert [d.lookup(committed, 3) for d in drafters] == [[7, 9, 3], []]
+    assert [d.lookup(committed + [7], 3) for d in drafters] == [[9, 3, 8]] * 2
+
+
 @pytest.mark.parametrize("argv", [["--ks", "0"], ["--methods", "v3"], ["--repeats", "0"], ["--profile", "v2:x"],
                                   ["--methods", "v2:x"], ["--methods", "v2:99"], ["--methods", "tree-static:5"]])
 def test_bad_input_exits_2(argv, capsys):

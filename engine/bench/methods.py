@@ -15,9 +15,10 @@ METHOD_NAMES = ("hf-generate", "target", "target-transformers", "hf-assisted", "
                 "eagle", "eagle-heuristic", "eagle-hybrid", "tree-static", "tree-dynamic", "eagle-tree-static",
                 "eagle-tree-dynamic", "tree-static-q", "tree-dynamic-q", "eagle-tree-static-q", "eagle-tree-dynamic-q",
                 "hybrid-tree-static", "hybrid-tree-dynamic", "eagle-hybrid-tree-static", "eagle-hybrid-tree-dynamic",
-                "eagle3", "eagle3-hybrid", "eagle3-tree-dynamic", "eagle3-hybrid-tree-dynamic")
+                "eagle3", "eagle3-hybrid", "eagle3-tree-dynamic", "eagle3-hybrid-tree-dynamic", "ngram-min2")
 # "eagle3...": the eagle methods with the target's second head (--eagle3: its EAGLE-3-style head), beside the
-# first (--eagle) in the same process.
+# first (--eagle) in the same process. "ngram-min2": prompt lookup that needs a match of 2 tokens or more (vLLM's
+# prompt_lookup_min), beside the engine's default minimum (SpecConfig.ngram_min).
 # Tree methods grow by the draft's measured confidence (engine.tree.Confidence); "-q": by raw q, as EAGLE-2;
 # "hybrid-": with prompt lookup merged into the tree.
 TREE_METHODS = tuple(m for m in METHOD_NAMES if "tree-" in m)
@@ -67,7 +68,7 @@ class Method:
                 return hybrid
         if base.startswith("eagle"):
             return "eagle"
-        return "ngram" if base in ("ngram", "hf-prompt-lookup") else "model"
+        return "ngram" if base in ("ngram", "ngram-min2", "hf-prompt-lookup") else "model"
 
     @property
     def uses_draft_model(self) -> bool:
@@ -99,7 +100,8 @@ class Method:
         mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1}.get(base, Mode.V2)
         drafter = DrafterKind(self.drafter) if self.drafter != "none" else DrafterKind.MODEL
         schedule = KSchedule.HEURISTIC if self.schedule == "heuristic" else KSchedule.CONSTANT
-        return SpecConfig(mode=mode, drafter=drafter, k=self.k or 1, k_schedule=schedule, k_max=max(8, self.k or 1),
+        extra = {"ngram_min": 2} if base == "ngram-min2" else {}
+        return SpecConfig(**extra, mode=mode, drafter=drafter, k=self.k or 1, k_schedule=schedule, k_max=max(8, self.k or 1),
                           max_new_tokens=new_tokens, stop_at_eos=False, record=False, ngram_max=NGRAM_MAX,
                           fused_forward=self.name != "target-transformers", tree=self.tree)
 

@@ -114,7 +114,7 @@ def headlines(results: Sequence[MethodResult]) -> list[str]:
     Hugging Face assisted generation and v1 at the same K, the engine's target-only against `generate`."""
     by_label = {r.label: r for r in results}
     lines = []
-    for name in ("v2", "v1", "v2-heuristic", "ngram", "hybrid", "hybrid-heuristic", "eagle", "eagle-heuristic",
+    for name in ("v2", "v1", "v2-heuristic", "ngram", "ngram-min2", "hybrid", "hybrid-heuristic", "eagle", "eagle-heuristic",
                  "eagle-hybrid", *TREE_METHODS, "hf-assisted", "hf-prompt-lookup"):
         best = max((r for r in results if r.method == name), key=lambda r: r.speedup, default=None)
         if best:
