@@ -23,6 +23,16 @@ not run equally well everywhere. SmolLM2's 121 matrices, one process, 1 / 4 / 8 
 `blocked_min_rows` picks by the CPU's vendor (SPECPLAY_BLOCKED_MIN_ROWS overrides it). MKL's packed
 GEMM was as fast as blocked up to 8 rows on the Xeon and slower from 9. The copy costs the matrices'
 size again, so it is made only for models up to `BLOCKED_LIMIT_BYTES`.
+
+Where the rule mixes the two copies (one row on the default, more on the blocked copy), a small model gets no
+blocked copy at all (`one_copy_reason`): on the Xeon the built-in target (54 MiB of matrices) verified 5 rows in
+1.8-1.9 target steps inside prompt-lookup rounds, where the same forward timed on its own took 1.2-1.3, and
+with no blocked copy prompt lookup K=4 ran 1.15-1.20x faster (435-443 against 370-380 tokens/s). SmolLM2
+(540 MB, larger than the cache) showed no such penalty and keeps its copy. The threshold between the two
+measured sizes, `ONE_COPY_BELOW_BYTES`, is a choice, not a measurement. torch.compile with freezing and
+max-autotune (it picks MKL's packed GEMM or its own micro-kernel per shape) was no faster than this rule on
+SmolLM2's matrices at 1, 4, 8 or 17 rows (20.8 / 25.3 / 32.0 / 38.5 ms against 19.3 / 24.7 / 29.4 / 38.6),
+after 21-24 s of compilation per row count.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ FAMILIES = ("llama", "qwen2", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 BLOCKED_MIN_ROWS = 4              # on CPUs other than AMD's, fewer rows use torch's default linear
 BLOCKED_LIMIT_BYTES = 2 << 30     # the blocked copy doubles the matrices' memory: only models up to 2 GiB
+ONE_COPY_BELOW_BYTES = 128 << 20  # smaller models keep one copy where the row rule would switch between two
 
 
 class _Layer:
@@ -115,6 +126,17 @@ def blocked_min_rows(vendor: str | None = None) -> int:
     return 1 if vendor == "AuthenticAMD" else BLOCKED_MIN_ROWS
 
 
+def one_copy_reason(size: int, min_rows: int) -> str | None:
+    """Why matrices of `size` bytes get no blocked copy although the CPU supports one, or None. A model this
+    small stays in the CPU's caches, where switching between the dense copy (one-row forwards) and the blocked
+    one (verifies) cost more than the blocked product saved. Not where the blocked copy serves every forward
+    (min_rows 1), nor when SPECPLAY_BLOCKED_MIN_ROWS asks for a row count."""
+    if min_rows <= 1 or size >= ONE_COPY_BELOW_BYTES or os.environ.get("SPECPLAY_BLOCKED_MIN_ROWS", "").strip():
+        return None
+    return (f"the matrices take {_size(size)}: a model under {_size(ONE_COPY_BELOW_BYTES)} keeps one copy, "
+            f"cheaper than switching between two by row count")
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -154,9 +176,10 @@ class FusedLlama:
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
         matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         matrices.append(self.lm_head)
-        self.blocked_reason = "turned off" if not blocked else BlockedWeights.unsupported(matrices)
-        self.blocked = BlockedWeights(matrices) if self.blocked_reason is None else None
         self.blocked_rows = blocked_min_rows()   # forwards of at least this many rows use the blocked copy
+        self.blocked_reason = "turned off" if not blocked else BlockedWeights.unsupported(matrices) or \
+            one_copy_reason(sum(m.numel() * m.element_size() for m in matrices), self.blocked_rows)
+        self.blocked = BlockedWeights(matrices) if self.blocked_reason is None else None
 
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from engine import fused_llama
 from engine.models import LoadedModel, load_model
 from engine.sources import BUILTIN, SMOLLM2
 
@@ -17,6 +18,10 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # a second for its heartbeat thread. The tests (in-process servers, the `python app.py` they start, which inherit
 # this, and every client) beat four times a second, as Gradio's own end-to-end tests do.
 os.environ.setdefault("GRADIO_HEARTBEAT_INTERVAL", "0.25")
+# The test models are small, and on Intel CPUs a small model keeps one copy of its matrices
+# (engine.fused_llama.one_copy_reason). In-process tests keep both copies, so that the row rule's switch
+# between them, which the large models take, is exercised everywhere; test_fused_llama checks the rule itself.
+fused_llama.ONE_COPY_BELOW_BYTES = 0
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import Mode, SpecConfig
-from engine.fused_llama import BLOCKED_MIN_ROWS, FusedLlama, blocked_min_rows
+from engine.fused_llama import BLOCKED_MIN_ROWS, FusedLlama, blocked_min_rows, one_copy_reason
 from engine.models import LoadedModel
 from engine.pair import ModelPair
 from engine.runner import ModelRunner
@@ -150,6 +150,22 @@ def test_blocked_copies_are_made_only_where_they_pay(monkeypatch) -> None:
     monkeypatch.setattr("engine.fused_llama.BLOCKED_LIMIT_BYTES", 1 << 10)
     big = FusedLlama(build("llama", seed=8))
     assert big.blocked is None and "MiB limit" in big.blocked_reason
+
+
+def test_a_small_model_keeps_one_copy_where_the_row_rule_would_switch_between_two(monkeypatch) -> None:
+    monkeypatch.delenv("SPECPLAY_BLOCKED_MIN_ROWS", raising=False)
+    monkeypatch.setattr("engine.fused_llama.ONE_COPY_BELOW_BYTES", 128 << 20)
+    assert "keeps one copy" in one_copy_reason(54 << 20, 4)
+    assert one_copy_reason(540 << 20, 4) is None      # SmolLM2's size: both copies
+    assert one_copy_reason(54 << 20, 1) is None       # the blocked copy serves every forward: one copy anyway
+    monkeypatch.setattr("engine.fused_llama.blocked_min_rows", lambda: 4)   # as on an Intel CPU
+    small = FusedLlama(build("llama", seed=9))
+    assert small.blocked is None and "keeps one copy" in small.blocked_reason
+    monkeypatch.setattr("engine.fused_llama.blocked_min_rows", lambda: 1)   # as on an AMD CPU
+    assert FusedLlama(build("llama", seed=9)).blocked is not None
+    monkeypatch.setattr("engine.fused_llama.blocked_min_rows", lambda: 4)
+    monkeypatch.setenv("SPECPLAY_BLOCKED_MIN_ROWS", "4")     # asked for: both copies, to measure them
+    assert FusedLlama(build("llama", seed=9)).blocked is not None
 
 
 def test_the_fused_forward_is_built_when_the_model_is_loaded_in_its_dtype() -> None:
