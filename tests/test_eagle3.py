@@ -229,3 +229,40 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
                               SpecConfig(mode=Mode.TARGET, max_new_tokens=12, record=False))
     alone.run()
     assert engine.generated == alone.generated
+
+
+def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smol, tmp_path):
+    """`--feature-weight w` adds w × smooth-L1(step 1's output at t, the top fused layer's input at t + 1) over
+    answer positions, and nothing else; `--noise` perturbs the inputs only while training; a top layer that is
+    not the post-norm output is refused with a sentence."""
+    d, n = smol.model.config.hidden_size, 6
+    config = replace(EagleConfig.for_target(smol, 64), feature_layers=(2, 30), own_head=True)
+    head = EagleHead(config)
+    head.init_for_training(torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.05, generator=gen)   # training starts both near zero: let them count
+        head.lm.normal_(0, 0.05, generator=gen)
+    valid = torch.tensor([[False, True, True, True, True, False]])
+    batch = eagle3.Batch(emb_ids=torch.randint(0, 500, (1, n), generator=gen),
+                         feats=torch.randn(1, n, 2 * d, generator=gen), label_ids=torch.randint(0, 64, (1, n, 4), generator=gen),
+                         label_p=torch.full((1, n, 4), 0.25), valid=valid)
+    embed = smol.model.get_input_embeddings().weight.detach().float()
+    cos, sin = target_rope(smol, config.head_dim, n + 1)
+    cos, sin = cos[1: n + 1], sin[1: n + 1]
+    plan = eagle3.Eagle3Plan(kept=64, depth=2)
+    with torch.no_grad():
+        plain, _ = eagle3.unrolled_loss(head, batch, embed, plan, cos, sin, head.lm)
+        weighted, _ = eagle3.unrolled_loss(head, batch, embed, replace(plan, feature_weight=0.5), cos, sin, head.lm)
+        emb = torch.nn.functional.embedding(batch.emb_ids, embed)
+        step1 = next(eagle3.unrolled(head, emb, batch.feats, 1, cos, sin))
+        rows = torch.tensor([False, True, True, True, False])          # t and t + 1 both answer positions
+        by_hand = torch.nn.functional.smooth_l1_loss(step1[0, :-1][rows], batch.feats[0, 1:, -d:][rows])
+        assert torch.allclose(weighted - plain, 0.5 * by_hand, rtol=1e-5)
+        torch.manual_seed(0)
+        noisy, _ = eagle3.unrolled_loss(head, batch, embed, replace(plan, noise=0.05), cos, sin, head.lm)
+        assert noisy != plain
+    (tmp_path / "plan.json").write_text('{"fingerprint": "f", "plan": {"layers": [2, 15, 27]}}')
+    with pytest.raises(eagle3.DataError, match="top fused layer must be 30"):
+        eagle3.train(smol, tmp_path, tmp_path / "work", tmp_path / "head",
+                     eagle3.Eagle3Plan(layers=(2, 15, 27), feature_weight=0.1), print)

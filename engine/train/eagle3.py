@@ -29,7 +29,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -63,6 +63,8 @@ class Eagle3Plan:
     own_head: bool = True            # train its own LM head (else draft through the target's rows, frozen)
     layers: tuple[int, ...] | None = None   # the target layers it fuses (default: the data's); see lift_features
     feature_norm: bool = False       # RMS-normalise each fused layer first, weights started from the target's norms
+    feature_weight: float = 0.0      # smooth-L1 of step 1's output against the next post-norm feature (EAGLE-1's loss)
+    noise: float = 0.0               # Gaussian noise on the real fused features while training, relative to their std
     seed: int = 0
     checkpoint_every_s: float = 120.0
     log_every_s: float = 60.0
@@ -70,6 +72,8 @@ class Eagle3Plan:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0:
             raise ValueError("need depth >= 1, kept >= 16, batch >= 1 and epochs > 0")
+        if self.feature_weight < 0 or self.noise < 0:
+            raise ValueError("need feature_weight >= 0 and noise >= 0")
 
 
 def kept_vocabulary(examples: list[Example], size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -188,6 +192,17 @@ def unrolled(head: EagleHead, emb: torch.Tensor, feats: torch.Tensor, depth: int
         inputs = torch.cat([inputs[:, :1], out[:, :-1].to(inputs.dtype)], dim=1)  # step s+1 reads step s at t-1
 
 
+def feature_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Smooth-L1 between step 1's output at draft position t and the target's post-norm feature there, which
+    the batch holds as the top fused layer's input at t + 1 (the trainer checks that the top layer is the
+    post-norm output). Rows: answer positions whose next column is inside the sequence."""
+    d = out.shape[-1]
+    rows = batch.valid[:, :-1] & batch.valid[:, 1:]
+    if not rows.any():
+        return torch.zeros(())
+    return F.smooth_l1_loss(out[:, :-1][rows].float(), batch.feats[:, 1:, -d:][rows])
+
+
 def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagle3Plan, cos: torch.Tensor,
                   sin: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
     """The weighted soft-label loss over `depth` unrolled steps, and each step's top-1 agreement; `lm` is the
@@ -197,8 +212,13 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
     total, weights, agree = torch.zeros(()), 0.0, []
     positions = torch.arange(1, n + 1)
     top1 = batch.label_ids[..., 0]
-    steps = unrolled(head, emb, batch.feats, plan.depth, cos, sin, plan.bf16)
+    feats, feature = batch.feats, torch.zeros(())
+    if plan.noise > 0:
+        feats = feats + torch.randn_like(feats) * feats.std() * plan.noise
+    steps = unrolled(head, emb, feats, plan.depth, cos, sin, plan.bf16)
     for step, out in enumerate(steps, start=1):
+        if step == 1 and plan.feature_weight > 0:
+            feature = plan.feature_weight * feature_loss(out, batch)
         rows = batch.valid & (positions >= step)[None]
         if rows.any():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
@@ -210,7 +230,7 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
             agree.append(float((logq.argmax(-1) == top1[rows]).float().mean()))
         else:
             agree.append(math.nan)
-    return total / max(weights, 1e-9), agree
+    return total / max(weights, 1e-9) + feature, agree
 
 
 @dataclass
@@ -253,6 +273,10 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         problem = layers_error(stored, layers, len(target.fused.layers))
     if problem:
         raise DataError(f"{problem}; rerun with other --layers")
+    if plan.feature_weight > 0 and target.fused is not None and layers[-1] != len(target.fused.layers):
+        raise DataError(f"the feature loss regresses the target's post-norm output, so the top fused layer must be "
+                        f"{len(target.fused.layers)}, not {layers[-1]}: rerun with --layers ending in "
+                        f"{len(target.fused.layers)}, or without --feature-weight")
     paths = list(iter_shards(data))
     if not paths:
         raise DataError(f"no shards under {data}: run `python -m engine draft-data` first")
@@ -323,6 +347,8 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
                     "config": asdict(config), "plan": asdict(plan)}, tmp)
         tmp.replace(ckpt_path)
 
+    clean = replace(plan, noise=0.0, feature_weight=0.0)   # the held-out loss: soft labels only, no noise
+
     def evaluate() -> dict:
         head.eval()
         examples = load_shard(held_path, fingerprint)
@@ -331,7 +357,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
             for i in range(0, len(examples), plan.batch):
                 b = lifted(make_batch(examples[i: i + plan.batch], kept_index, plan.max_len))
                 n = b.emb_ids.shape[1]
-                loss, a = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
+                loss, a = unrolled_loss(head, b, embed, clean, cos_all[1: n + 1], sin_all[1: n + 1], lm)
                 losses.append(float(loss))
                 agree.append(a)
         head.train()
@@ -405,6 +431,18 @@ def the_layers(layers: list[int], count: int | None) -> str:
     return "the residual stream entering them"
 
 
+def loss_words(plan: dict) -> str:
+    """The training loss in words, for the card (older heads' plans have no feature loss or noise)."""
+    words = "soft-label cross-entropy"
+    if plan.get("feature_weight"):
+        words += f" plus {plan['feature_weight']} × smooth-L1 of step 1's feature against the target's post-norm one"
+    else:
+        words += " only, no feature loss"
+    if plan.get("noise"):
+        words += f"; Gaussian noise of {plan['noise']} of their std on the real features"
+    return words
+
+
 def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
     """The model card: data, training, losses, acceptance by position (measured by the engine), time, commands."""
     plan, src = meta["plan"], meta["prompt_sources"]
@@ -426,7 +464,7 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              "## Training (`python -m engine train-eagle3`)",
              f"- {meta['steps']:,} AdamW steps of {plan['batch']} sequences ({plan['epochs']} epochs), lr {plan['lr']} "
              f"with warm-up and cosine decay; training-time test over {plan['depth']} steps (step weights "
-             f"{plan['step_decay']}^(s-1)); soft-label cross-entropy only, no feature loss; bf16 autocast: {plan['bf16']}",
+             f"{plan['step_decay']}^(s-1)); {loss_words(plan)}; bf16 autocast: {plan['bf16']}",
              f"- held-out loss {meta['heldout_loss']:.3f}; top-1 agreement with the target by unrolled step: "
              + ", ".join(f"{a:.2f}" for a in meta["heldout_top1_by_step"]),
              f"- training time, every resumed run of the command included: "
@@ -503,6 +541,13 @@ def main(argv: list[str] | None = None) -> int:
                          "the highest kept one is computed from it; the target's layer count means its post-norm output")
     ap.add_argument("--feature-norm", action="store_true",
                     help="RMS-normalise each fused layer before the fusion (weights started from the target's own norms)")
+    ap.add_argument("--feature-weight", type=float, default=Eagle3Plan().feature_weight,
+                    help="add EAGLE-1's feature loss at this weight (smooth-L1 of step 1's output against the "
+                         "target's next post-norm feature; needs --layers ending in the target's layer count)")
+    ap.add_argument("--noise", type=float, default=Eagle3Plan().noise,
+                    help="Gaussian noise on the real fused features while training, relative to their std")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="checkpoint folder (default: .cache/train-eagle3/<target>); a run there is resumed")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-eval", action="store_true")
@@ -521,10 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--layers takes layer numbers separated by commas (e.g. 2,15,30), not {a.layers!r}", file=sys.stderr)
         return 2
     plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16,
-                      own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm)
+                      own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm,
+                      feature_weight=a.feature_weight, noise=a.noise)
     t0 = time.time()
     try:
-        result = train(target, data, REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
+        result = train(target, data, a.work or REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
                        time.time() + a.minutes * 60 if a.minutes else None)
     except DataError as exc:
         print(exc, file=sys.stderr)
