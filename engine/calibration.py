@@ -84,25 +84,11 @@ def curve_from_times(model: str, device: str, dtype: str, context: int, times: d
                      repeats: int) -> RCurve:
     """The curve from raw forward times (ms) per token count."""
     ns = sorted(times)
-    return curve_from_ms(model, device, dtype, context, ns, [median(times[n]) for n in ns], repeats)
-
-
-def curve_from_ms(model: str, device: str, dtype: str, context: int, ns: list[int], ms: list[float], repeats: int,
-                  step_ms: float | None = None) -> RCurve:
-    """The curve from median forward times: r relative to `step_ms`, else to its own one-token forward."""
+    ms = [median(times[n]) for n in ns]
     smooth = non_decreasing(ms)
-    step = smooth[0] if step_ms is None else step_ms
-    r = [max(1.0, s / step) for s in smooth]
+    r = [max(1.0, s / smooth[0]) for s in smooth]
     r[0] = 1.0
-    return RCurve(model, device, dtype, context, ns, ms, r, step, repeats)
-
-
-def relative_to(curve: RCurve, step_ms: float) -> RCurve:
-    """The same forward times with r relative to another one-token forward. A calibration with a draft chain
-    times its one-token forward amid the chains, slower than target-only decoding's (measured on the Xeon:
-    3.55 against 3.02 ms on the built-in target), so its r is taken relative to the plain calibration's step."""
-    return curve_from_ms(curve.model, curve.device, curve.dtype, curve.context, curve.ns, curve.ms, curve.repeats,
-                         step_ms)
+    return RCurve(model, device, dtype, context, ns, ms, r, smooth[0], repeats)
 
 
 @torch.inference_mode()

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from engine.calibration import CalibrationStopped, RCurve, calibrate, curve_from_times, non_decreasing, relative_to
+from engine.calibration import CalibrationStopped, RCurve, calibrate, curve_from_times, non_decreasing
 from engine.compared import ComparedRun
 from engine.config import SpecConfig
 from engine.pair import ModelPair
@@ -28,17 +28,6 @@ def test_curve_from_times_starts_at_one_and_never_decreases():
     assert curve.r == sorted(curve.r) and all(r >= 1.0 for r in curve.r)
     assert curve.ms == pytest.approx([4.0, 3.9, 6.0, 5.5, 9.0])   # the raw medians are kept as measured
     assert curve.step_ms == pytest.approx(3.95)                   # 1 and 2 pooled: the dip at 2 is noise
-
-
-def test_a_curve_after_draft_chains_is_relative_to_the_plain_step():
-    """A calibration with draft chains times its own one-token forward amid the chains (slower): its r is taken
-    relative to the plain calibration's step instead, so a 4.2 ms verify of 5 rows over a 3.0 ms step is 1.4."""
-    after = curve_from_times("m", "cpu", "float32", 128, {1: [3.55], 3: [3.5], 5: [4.2]}, repeats=1)
-    assert after.r[2] == pytest.approx(4.2 / 3.525)                # its own step: the 1 and 3 pooled
-    moved = relative_to(after, 3.0)
-    assert moved.ms == after.ms and moved.step_ms == 3.0 and moved.r[0] == 1.0
-    assert moved.r[1:] == pytest.approx([3.525 / 3.0, 4.2 / 3.0]) and moved.at(5) == pytest.approx(1.4)
-    assert relative_to(after, 9.0).r == [1.0, 1.0, 1.0]              # never below one step
 
 
 def test_at_interpolates_and_continues_past_the_grid():

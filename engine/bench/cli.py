@@ -26,7 +26,7 @@ from engine.bench.prompts import make_prompts
 from engine.bench.report import format_table, make_meta, profile, write_json
 from engine.bench.results import summarize_all
 from engine.bench.runs import BenchModels, run_bench
-from engine.calibration import calibrate, relative_to
+from engine.calibration import calibrate
 from engine.cli import DTYPES, Parser, UsageError, check_device, quiet_transformers
 from engine.drafters.eagle import EagleLoadError, load_eagle
 from engine.models import ModelLoadError
@@ -160,8 +160,7 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
         curve = calibrate(target, context=context, repeats=settings.calibration_repeats)
         drafted = None
         if draft is not None and any(m.uses_draft_model for m in drafters):   # a verify right after a chain
-            drafted = relative_to(calibrate(target, context=context, repeats=settings.calibration_repeats,
-                                            draft=draft), curve.step_ms)
+            drafted = calibrate(target, context=context, repeats=settings.calibration_repeats, draft=draft)
         samples = run_bench(settings, models, prompts, progress=not a.no_progress)
     results = summarize_all(list(samples), samples, curve.at, drafted.at if drafted else None)
     meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0, curve, drafted)
