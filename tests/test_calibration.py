@@ -69,6 +69,29 @@ def test_with_a_draft_each_verify_comes_right_after_its_chain_of_draft_forwards(
     assert curve.ms == pytest.approx([1.0, 1.0, 1.0])   # the draft's forwards are not timed
 
 
+def test_the_one_token_unit_is_timed_back_to_back_after_the_grid(builtin_pair, monkeypatch):
+    """Amid the grid's larger forwards a one-token forward runs slower than in target-only decoding, which
+    made r too low: r's unit comes from one untimed and `repeats` timed one-token forwards in a row, last."""
+    from engine import calibration
+
+    _, target = builtin_pair
+    feeds, seen = [], {}
+    real_forward, real_curve = calibration.ModelRunner.forward, calibration.curve_from_times
+
+    def forward(self, cache, ids, *args, **kwargs):
+        feeds.append(len(ids))
+        return real_forward(self, cache, ids, *args, **kwargs)
+
+    def curve(model, device, dtype, context, times, repeats):
+        seen.update(times)
+        return real_curve(model, device, dtype, context, times, repeats)
+    monkeypatch.setattr(calibration.ModelRunner, "forward", forward)
+    monkeypatch.setattr(calibration, "curve_from_times", curve)
+    calibrate(target, context=16, grid=(1, 2, 4), repeats=3, warmup=0)
+    assert feeds[0] == 16 and feeds[1:10] == [1, 2, 4, 2, 4, 1, 4, 1, 2]   # the context, then the rotated grid
+    assert feeds[10:] == [1, 1, 1, 1] and len(seen[1]) == 3 and len(seen[4]) == 3
+
+
 def test_a_set_stop_event_ends_a_calibration_at_its_next_forward(builtin_pair):
     import threading
 
