@@ -26,8 +26,8 @@ size again, so it is made only for models up to `BLOCKED_LIMIT_BYTES`.
 
 Where the rule mixes the two copies (one row on the default, more on the blocked copy), a small model gets no
 blocked copy at all (`one_copy_reason`): on the Xeon the built-in target (54 MiB of matrices) verified 5 rows in
-1.8-1.9 target steps inside prompt-lookup rounds, where the same forward timed on its own took 1.2-1.3, and
-with no blocked copy prompt lookup K=4 ran 1.15-1.20x faster (435-443 against 370-380 tokens/s). SmolLM2
+1.8-1.9 target steps inside prompt-lookup rounds, against 1.5-1.6 with the dense copy alone, and with no
+blocked copy prompt lookup K=4 ran 1.15-1.20x faster (435-443 against 370-380 tokens/s). SmolLM2
 (540 MB, larger than the cache) showed no such penalty and keeps its copy. The threshold between the two
 measured sizes, `ONE_COPY_BELOW_BYTES`, is a choice, not a measurement. torch.compile with freezing and
 max-autotune (it picks MKL's packed GEMM or its own micro-kernel per shape) was no faster than this rule on
