@@ -266,3 +266,14 @@ def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smo
     with pytest.raises(eagle3.DataError, match="top fused layer must be 30"):
         eagle3.train(smol, tmp_path, tmp_path / "work", tmp_path / "head",
                      eagle3.Eagle3Plan(layers=(2, 15, 27), feature_weight=0.1), print)
+
+
+@pytest.mark.parametrize("argv, words", [(["--lr", "0"], "lr > 0"), (["--depth", "0"], "depth >= 1"),
+                                         (["--layers", "2,x"], "--layers takes layer numbers")])
+def test_bad_training_options_get_a_sentence_before_any_model_loads(argv, words, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the options were checked")
+
+    monkeypatch.setattr(eagle3, "command_start", no_loading)
+    assert eagle3.main(argv) == 2
+    assert words in capsys.readouterr().err

@@ -70,8 +70,8 @@ class Eagle3Plan:
     log_every_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0:
-            raise ValueError("need depth >= 1, kept >= 16, batch >= 1 and epochs > 0")
+        if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0 or not self.lr > 0:
+            raise ValueError("need depth >= 1, kept >= 16, batch >= 1, epochs > 0 and lr > 0")
         if self.feature_weight < 0 or self.noise < 0:
             raise ValueError("need feature_weight >= 0 and noise >= 0")
 
@@ -533,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=Eagle3Plan().batch)
     ap.add_argument("--depth", type=int, default=Eagle3Plan().depth)
     ap.add_argument("--kept", type=int, default=Eagle3Plan().kept)
+    ap.add_argument("--lr", type=float, default=Eagle3Plan().lr, help="peak learning rate (AdamW, cosine decay)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the head's products (fast with AMX)")
     ap.add_argument("--target-head", action="store_true",
                     help="draft through the target's own LM-head rows, frozen, instead of training a head's own")
@@ -554,20 +555,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick-eval", action="store_true",
                     help="measure on the held-out and fresh chat prompts, greedy, only (no Magpie set, no T = 0.7)")
     a = ap.parse_args(argv)
-    target, log = command_start(a.target, a.threads)
-    if target is None:
-        return 2
-    data = a.data or default_folder(target.name)
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
-    out = a.out or eagle_folder(f"{slug}-eagle3")
-    try:
+    try:   # bad options are refused before the target is loaded
         layers = tuple(int(x) for x in a.layers.split(",")) if a.layers else None
     except ValueError:
         print(f"--layers takes layer numbers separated by commas (e.g. 2,15,30), not {a.layers!r}", file=sys.stderr)
         return 2
-    plan = Eagle3Plan(kept=min(a.kept, target.vocab_size), depth=a.depth, epochs=a.epochs, batch=a.batch, bf16=a.bf16,
-                      own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm,
-                      feature_weight=a.feature_weight, noise=a.noise)
+    try:
+        plan = Eagle3Plan(kept=a.kept, depth=a.depth, epochs=a.epochs, batch=a.batch, lr=a.lr, bf16=a.bf16,
+                          own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm,
+                          feature_weight=a.feature_weight, noise=a.noise)
+    except ValueError as exc:
+        print(f"train-eagle3: {exc}", file=sys.stderr)
+        return 2
+    target, log = command_start(a.target, a.threads)
+    if target is None:
+        return 2
+    plan = replace(plan, kept=min(plan.kept, target.vocab_size))
+    data = a.data or default_folder(target.name)
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
+    out = a.out or eagle_folder(f"{slug}-eagle3")
     t0 = time.time()
     try:
         result = train(target, data, a.work or REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
