@@ -205,7 +205,7 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
         return clock[0]
     monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
     plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3, log_every_s=0,
-                             own_head=own_head, feature_norm=feature_norm)
+                             own_head=own_head, feature_norm=feature_norm, heldout_every=2)
     stopped = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
     assert not stopped["finished"] and 0 < stopped["cursor"]["step"] and stopped["cursor"]["seconds"] > 0
     clock[0] += 1e6                  # a day between the runs: not training time
@@ -215,6 +215,12 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     assert stopped["cursor"]["seconds"] < result["train_seconds"] < 1e6   # both runs counted, the pause not
     first, last = result["log"][0]["loss"], result["log"][-1]["loss"]
     assert last < first, (first, last)
+    # the held-out shard measured every 2 steps across the stop, then at the end, as the card reports it
+    steps = [p["step"] for p in result["heldout_log"]]
+    assert steps == [*range(2, result["steps"], 2), result["steps"]], steps
+    assert result["heldout_log"][-1]["top1"] == result["heldout_top1_by_step"]
+    assert len({round(p["loss"], 6) for p in result["heldout_log"]}) > 1   # measured each time, not copied
+    assert "held-out top-1 during training" in "\n".join(eagle3.heldout_curve(result["heldout_log"]))
     runtime = load_runtime(tmp_path / "head", smol)
     assert runtime.config.feature_layers == LAYERS and runtime.config.own_head == own_head
     assert runtime.config.feature_norm == feature_norm and hasattr(runtime.head, "fuse_norm") == feature_norm

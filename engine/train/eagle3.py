@@ -68,12 +68,13 @@ class Eagle3Plan:
     seed: int = 0
     checkpoint_every_s: float = 120.0
     log_every_s: float = 60.0
+    heldout_every: int = 250         # optimiser steps between measurements on the held-out shard (0: at the end only)
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0 or not self.lr > 0:
             raise ValueError("need depth >= 1, kept >= 16, batch >= 1, epochs > 0 and lr > 0")
-        if self.feature_weight < 0 or self.noise < 0:
-            raise ValueError("need feature_weight >= 0 and noise >= 0")
+        if self.feature_weight < 0 or self.noise < 0 or self.heldout_every < 0:
+            raise ValueError("need feature_weight >= 0, noise >= 0 and heldout_every >= 0")
 
 
 def kept_vocabulary(examples: list[Example], size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -243,6 +244,7 @@ class Cursor:
     step: int = 0
     log: list[dict] = field(default_factory=list)
     seconds: float = 0.0    # training time over every run of the command, resumed ones included
+    heldout: list[dict] = field(default_factory=list)   # {step, loss, top1 by step} on the held-out shard
 
 
 def shard_order(paths: list[Path], plan: Eagle3Plan, epoch: int) -> list[Path]:
@@ -404,11 +406,20 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
             cursor.log.append({"step": cursor.step, "loss": sum(running) / len(running), "top1": by_step,
                                "time": time.time()})
             running, running_agree, last_log = [], [], time.time()
+        if plan.heldout_every and cursor.step % plan.heldout_every == 0 and cursor.step < total_steps:
+            measured = evaluate()   # is it still learning what it has not seen, or only its training data?
+            cursor.heldout.append({"step": cursor.step, "loss": measured["heldout_loss"],
+                                   "top1": measured["heldout_top1_by_step"]})
+            log(f"held-out shard at step {cursor.step}: loss {measured['heldout_loss']:.3f}, top-1 by step "
+                + " ".join(f"{a:.2f}" for a in measured["heldout_top1_by_step"]))
         if time.time() - last_save > plan.checkpoint_every_s:
             save()
             last_save = time.time()
-    save()
     figures = evaluate()
+    if not cursor.heldout or cursor.heldout[-1]["step"] != cursor.step:
+        cursor.heldout.append({"step": cursor.step, "loss": figures["heldout_loss"],
+                               "top1": figures["heldout_top1_by_step"]})
+    save()
     log(f"held-out shard {held_path.name}: loss {figures['heldout_loss']:.3f}, top-1 by step "
         + " ".join(f"{a:.2f}" for a in figures["heldout_top1_by_step"]))
     prompts = read_prompts(data)
@@ -417,7 +428,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
             "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
             "kept": len(kept), "prompt_sources": prompts["sources"], "feature_layers": list(layers),
             "target_layers": len(target.fused.layers) if target.fused is not None else None,
-            "data_plan": plan_file["plan"], **figures, "log": cursor.log,
+            "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
             "train_seconds": cursor.seconds}
     save_head(head, kept, out, meta)
     log(f"wrote {out}")
@@ -441,6 +452,16 @@ def loss_words(plan: dict) -> str:
     if plan.get("noise"):
         words += f"; Gaussian noise of {plan['noise']} of their std on the real features"
     return words
+
+
+def heldout_curve(points: list[dict]) -> list[str]:
+    """The card's line on how step 1's held-out agreement moved during training (nothing for one point)."""
+    if len(points) < 2:
+        return []
+    best = max(points, key=lambda p: p["top1"][0])
+    return ["- step 1's held-out top-1 during training (step: agreement): "
+            + ", ".join(f"{p['step']:,}: {p['top1'][0]:.3f}" for p in points)
+            + f"; highest at step {best['step']:,}"]
 
 
 def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
@@ -467,6 +488,7 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              f"{plan['step_decay']}^(s-1)); {loss_words(plan)}; bf16 autocast: {plan['bf16']}",
              f"- held-out loss {meta['heldout_loss']:.3f}; top-1 agreement with the target by unrolled step: "
              + ", ".join(f"{a:.2f}" for a in meta["heldout_top1_by_step"]),
+             *heldout_curve(meta.get("heldout_log", [])),
              f"- training time, every resumed run of the command included: "
              f"{meta.get('train_seconds', wall_s) / 3600:.2f} h; this run, its measurements included: "
              f"{wall_s / 3600:.2f} h", ""]
@@ -550,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None,
                     help="checkpoint folder (default: .cache/train-eagle3/<target>); a run there is resumed")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
+    ap.add_argument("--heldout-every", type=int, default=Eagle3Plan().heldout_every,
+                    help="measure the held-out shard every this many steps (0: at the end only)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-eval", action="store_true")
     ap.add_argument("--quick-eval", action="store_true",
@@ -563,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = Eagle3Plan(kept=a.kept, depth=a.depth, epochs=a.epochs, batch=a.batch, lr=a.lr, bf16=a.bf16,
                           own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm,
-                          feature_weight=a.feature_weight, noise=a.noise)
+                          feature_weight=a.feature_weight, noise=a.noise, heldout_every=a.heldout_every)
     except ValueError as exc:
         print(f"train-eagle3: {exc}", file=sys.stderr)
         return 2
