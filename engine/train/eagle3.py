@@ -367,6 +367,13 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
                    for s in range(plan.depth)]
         return {"heldout_loss": sum(losses) / len(losses), "heldout_top1_by_step": by_step}
 
+    def heldout_point() -> dict:
+        """evaluate(), kept in the cursor's held-out curve at this step."""
+        figures = evaluate()
+        cursor.heldout.append({"step": cursor.step, "loss": figures["heldout_loss"],
+                               "top1": figures["heldout_top1_by_step"]})
+        return figures
+
     t0, last_save, last_log, seen_before = time.time(), time.time(), time.time(), cursor.seen
     running, running_agree, pending = [], [], []
     head.train()
@@ -407,18 +414,13 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
                                "time": time.time()})
             running, running_agree, last_log = [], [], time.time()
         if plan.heldout_every and cursor.step % plan.heldout_every == 0 and cursor.step < total_steps:
-            measured = evaluate()   # is it still learning what it has not seen, or only its training data?
-            cursor.heldout.append({"step": cursor.step, "loss": measured["heldout_loss"],
-                                   "top1": measured["heldout_top1_by_step"]})
+            measured = heldout_point()   # is it still learning what it has not seen, or only its training data?
             log(f"held-out shard at step {cursor.step}: loss {measured['heldout_loss']:.3f}, top-1 by step "
                 + " ".join(f"{a:.2f}" for a in measured["heldout_top1_by_step"]))
         if time.time() - last_save > plan.checkpoint_every_s:
             save()
             last_save = time.time()
-    figures = evaluate()
-    if not cursor.heldout or cursor.heldout[-1]["step"] != cursor.step:
-        cursor.heldout.append({"step": cursor.step, "loss": figures["heldout_loss"],
-                               "top1": figures["heldout_top1_by_step"]})
+    figures = heldout_point() if not cursor.heldout or cursor.heldout[-1]["step"] != cursor.step else evaluate()
     save()
     log(f"held-out shard {held_path.name}: loss {figures['heldout_loss']:.3f}, top-1 by step "
         + " ".join(f"{a:.2f}" for a in figures["heldout_top1_by_step"]))
