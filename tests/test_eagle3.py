@@ -2,6 +2,7 @@
 the data, its export loads, and the engine with it stays exact (greedy: the target-only tokens)."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -180,6 +181,21 @@ def test_no_pass_over_the_held_out_prompts_is_trained_on():
                                        "shard-p1-00002.pt"]
 
 
+def test_data_folders_must_keep_the_same_layers(tmp_path):
+    for name, layers in (("a", [2, 15, 27]), ("b", [2, 15, 27]), ("c", [3, 15, 27])):
+        (tmp_path / name / "answers").mkdir(parents=True)
+        (tmp_path / name / "plan.json").write_text(json.dumps({"fingerprint": name, "plan": {"layers": layers}}))
+    (tmp_path / "b" / "answers" / "shard-p0-00000.pt").write_bytes(b"")
+    shards, layers, _ = eagle3.data_folders([tmp_path / "a", tmp_path / "b"])
+    assert layers == (2, 15, 27) and shards == {tmp_path / "b" / "answers" / "shard-p0-00000.pt": "b"}
+    with pytest.raises(eagle3.DataError, match="same layers"):
+        eagle3.data_folders([tmp_path / "a", tmp_path / "c"])
+    with pytest.raises(eagle3.DataError, match="given twice"):
+        eagle3.data_folders([tmp_path / "a", tmp_path / "a"])
+    with pytest.raises(eagle3.DataError, match="cannot be read"):
+        eagle3.data_folders([tmp_path / "nothing"])
+
+
 @pytest.mark.parametrize("own_head, feature_norm", [(True, False), (False, True)],
                          ids=["own-lm-head", "target-lm-head-normed-layers"])
 def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path, monkeypatch, own_head,
@@ -190,6 +206,15 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     with DataFolder(data, plan, smol.name) as folder:
         eagle3_data.build_prompts(folder, smol.fused, smol.tokenizer, 2, lambda m: None, None)
         eagle3_data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, lambda m: None, None)
+    folders = [data]
+    if not own_head:   # a second folder: other prompts, written by another seed, none of the first one's
+        second = replace(plan, seed=1, written_prompts=0, magpie_prompts=2)
+        with DataFolder(tmp_path / "more", second, smol.name) as folder:
+            taken = eagle3_data.other_prompts([data])
+            made = eagle3_data.build_prompts(folder, smol.fused, smol.tokenizer, 2, lambda m: None, None, taken)
+            assert made["train"] and not {eagle3_data.normalized(p) for p in made["train"]} & taken
+            eagle3_data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, lambda m: None, None)
+        folders.append(tmp_path / "more")
     examples = [e for p in eagle3_data.iter_shards(data) for e in eagle3_data.load_shard(p, plan.fingerprint())]
     kept = eagle3.kept_vocabulary(examples, 256, (2,))
     assert 2 in kept.tolist() and kept.tolist() == sorted(kept.tolist())
@@ -206,10 +231,23 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
     plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3, log_every_s=0,
                              own_head=own_head, feature_norm=feature_norm, heldout_every=2)
-    stopped = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
+    stopped = eagle3.train(smol, folders, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
     assert not stopped["finished"] and 0 < stopped["cursor"]["step"] and stopped["cursor"]["seconds"] > 0
     clock[0] += 1e6                  # a day between the runs: not training time
-    result = eagle3.train(smol, data, tmp_path / "work", tmp_path / "head", plan, logs.append)
+    if len(folders) > 1:             # a checkpoint is not resumed on other data
+        with pytest.raises(eagle3.DataError, match="rerun with the same --data"):
+            eagle3.train(smol, folders[::-1], tmp_path / "work", tmp_path / "head", plan, logs.append)
+    result = eagle3.train(smol, folders, tmp_path / "work", tmp_path / "head", plan, logs.append)
+    shards = {f: sum(1 for _ in eagle3_data.iter_shards(f)) for f in folders}
+    assert [d["shards"] for d in result["data_folders"]] == [shards[data] - 2, *(shards[f] for f in folders[1:])]
+    assert result["shards"] == sum(shards.values()) - 2                 # all but the held-out chunk's two passes
+    eagle3.write_card(tmp_path / "head", "smollm2", {k: v for k, v in result.items() if k != "finished"}, {},
+                      "python -m engine train-eagle3 --data x", 1.0)
+    card = (tmp_path / "head" / "MODEL_CARD.md").read_text()
+    magpie = sum(eagle3_data.read_prompts(f)["sources"]["magpie"] for f in folders)
+    assert f"prompts: {magpie:,} written by the target itself" in card
+    for f in folders:                # each folder's command, and a line of its own where there are several
+        assert eagle3_data.data_command(f) in card and (f"`{f}` (seed" in card) == (len(folders) > 1)
     assert any(line.startswith(f"resumed at step {stopped['cursor']['step']}") for line in logs)
     assert result["finished"] and result["feature_layers"] == list(LAYERS)
     assert stopped["cursor"]["seconds"] < result["train_seconds"] < 1e6   # both runs counted, the pause not

@@ -69,6 +69,33 @@ def test_prompts_are_cleaned_deduplicated_and_held_out():
     assert sum(p.startswith("What is a good") for p in kept) == 2                          # the opening cap
     assert all(data.is_heldout(p, 3) for p in heldout) and not any(data.is_heldout(p, 3) for p in train)
     assert data.select_prompts(samples, plan) == (train, heldout)
+    taken = frozenset({data.normalized("Explain tides to a child!")})   # another folder's prompt, as it wrote it
+    assert data.select_prompts(samples, plan, taken) == ([p for p in train if "tides" not in p],
+                                                         [p for p in heldout if "tides" not in p])
+
+
+def test_a_second_folder_leaves_out_the_first_ones_prompts_and_keeps_its_own_pack(tmp_path):
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "prompts.json").write_text(json.dumps({"magpie_target": 2, "train": ["How do tides work?"],
+                                                    "heldout": ["Name three rivers, please."]}))
+    assert data.other_prompts([first]) == {"how do tides work", "name three rivers please"}
+    with pytest.raises(DataError, match="no frozen prompt list"):
+        data.other_prompts([tmp_path / "nowhere"])
+    pack = tmp_path / "pack"
+    with DataFolder(tmp_path / "a", tiny_plan(), "smol") as folder:
+        data_pack.check_pack(folder, pack)                     # no pack yet: this folder starts it
+        data.write_atomic(folder.root / "command.txt", "python -m engine draft-data --magpie 6\n")
+        data_pack.save_pack(folder, pack, print)
+        data_pack.check_pack(folder, pack)                     # its own pack
+        assert (pack / "command.txt").read_text() == (folder.root / "command.txt").read_text()
+    with DataFolder(tmp_path / "b", tiny_plan(seed=1, written_prompts=0), "smol") as folder:
+        with pytest.raises(DataError, match="give this folder its own pack"):
+            data_pack.check_pack(folder, pack)
+        assert data.data_command(folder.root) == "python -m engine draft-data --target smol --magpie 6 --seed 1 --written 0"
+    (pack / "plan.json").write_text("{")
+    with DataFolder(tmp_path / "a", tiny_plan(), "smol") as folder, pytest.raises(DataError, match="cannot be read"):
+        data_pack.check_pack(folder, pack)
 
 
 def test_a_larger_prompt_list_is_refused_once_answers_index_the_frozen_one(tmp_path):

@@ -72,9 +72,9 @@ def save_pack(folder: DataFolder, pack: Path, log: Log) -> int:
     Returns the number of shards added."""
     pack.mkdir(parents=True, exist_ok=True)
     write_atomic(pack / "plan.json", (folder.root / "plan.json").read_text())
-    prompts = folder.root / "prompts.json"
-    if prompts.exists():
-        write_atomic(pack / "prompts.json", prompts.read_text())
+    for name in ("prompts.json", "command.txt"):
+        if (folder.root / name).exists():
+            write_atomic(pack / name, (folder.root / name).read_text())
     fingerprint, added = folder.plan.fingerprint(), 0
     for shard in iter_shards(folder.root):
         info = None if pack_path(pack, shard).exists() else shard_info(shard, fingerprint)
@@ -112,6 +112,19 @@ def pack_plan(pack: Path) -> dict | None:
         return None
 
 
+def check_pack(folder: DataFolder, pack: Path) -> None:
+    """DataError when `pack` already keeps data made under another plan (or for another target): adding this
+    folder's shards to it would mix two plans under one plan.json."""
+    theirs = pack_plan(pack)
+    if theirs is None and (pack / "plan.json").exists():
+        raise DataError(f"{pack / 'plan.json'} cannot be read; restore it from the repository (git checkout)")
+    if theirs is not None and (theirs.get("target"), theirs.get("fingerprint")) != (folder.target,
+                                                                                   folder.plan.fingerprint()):
+        raise DataError(f"the pack {pack} keeps data made for {theirs.get('target')!r} under another plan "
+                        f"(seed {theirs.get('plan', {}).get('seed')}, {theirs.get('plan', {}).get('magpie_prompts')} "
+                        "self-written prompts); give this folder its own pack (--pack) or none (--no-pack)")
+
+
 def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadline: float | None = None) -> int:
     """Rebuild into `folder` every packed shard it lacks (and its frozen prompts), when the pack was made under
     the same plan for the same target. Returns the number of shards rebuilt."""
@@ -123,9 +136,9 @@ def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadlin
     if (theirs.get("target"), theirs.get("fingerprint")) != (folder.target, folder.plan.fingerprint()):
         log(f"pack: {pack} was made for {theirs.get('target')!r} under another plan; not used")
         return 0
-    prompts = folder.root / "prompts.json"
-    if not prompts.exists() and (pack / "prompts.json").exists():
-        write_atomic(prompts, (pack / "prompts.json").read_text())
+    for name in ("prompts.json", "command.txt"):
+        if not (folder.root / name).exists() and (pack / name).exists():
+            write_atomic(folder.root / name, (pack / name).read_text())
     entries = sorted((pack / "answers").glob("shard-p*-*.npz"))
     fingerprint, rebuilt, t0 = folder.plan.fingerprint(), 0, time.time()
     for entry in entries:

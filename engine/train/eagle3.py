@@ -42,6 +42,7 @@ from engine.train.eagle3_data import (
     DataError,
     Example,
     command_start,
+    data_command,
     default_folder,
     iter_shards,
     load_shard,
@@ -262,11 +263,47 @@ def heldout_split(paths: list[Path]) -> tuple[Path, list[Path]]:
     return held, [p for p in paths[1:] if p.stem.rsplit("-", 1)[-1] != chunk]
 
 
-def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
+def data_folders(folders: list[Path]) -> tuple[dict[Path, str], tuple[int, ...], list[dict]]:
+    """({shard: the fingerprint it is read under}, the layers whose inputs the data kept, each folder's plan
+    file) over every folder of `python -m engine draft-data` given. The folders may differ in their prompts,
+    seeds and soft-label width, not in the layers they kept: a head fuses one set of layers."""
+    fingerprints, stored, plans = {}, None, []
+    for folder in folders:
+        try:
+            plan_file = json.loads((folder / "plan.json").read_text())
+            layers = tuple(plan_file["plan"]["layers"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"{folder / 'plan.json'} cannot be read ({type(exc).__name__}): is {folder} a folder "
+                            "of `python -m engine draft-data`?") from None
+        if folder.resolve() in {f.resolve() for f in folders[: len(plans)]}:
+            raise DataError(f"{folder} is given twice as --data")
+        if stored is not None and layers != stored:
+            raise DataError(f"{folder} kept the inputs of layers {list(layers)}, {folders[0]} those of "
+                            f"{list(stored)}: train on folders made for the same layers")
+        stored = layers
+        plans.append(plan_file)
+        fingerprints.update((path, plan_file["fingerprint"]) for path in iter_shards(folder))
+    return fingerprints, stored, plans
+
+
+def prompt_sources(folders: list[Path]) -> dict:
+    """The prompt counts of every folder's frozen list, added up (magpie, written, magpie_heldout)."""
+    total: dict[str, int] = {}
+    for folder in folders:
+        for key, n in read_prompts(folder)["sources"].items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
+def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
           log=print, deadline: float | None = None) -> dict:
-    """Train (or resume) on every whole shard under `data`; export to `out` when done."""
-    plan_file = json.loads((data / "plan.json").read_text())
-    fingerprint, stored = plan_file["fingerprint"], tuple(plan_file["plan"]["layers"])
+    """Train (or resume) on every whole shard under `data` (one folder or several); export to `out` when done.
+    The loss is held out on the first folder's first chunk."""
+    folders = [data] if isinstance(data, Path) else list(data)
+    if not folders:
+        raise DataError("no data folder given")
+    fingerprint_of, stored, plan_files = data_folders(folders)
+    plan_file = plan_files[0]
     layers = tuple(plan.layers) if plan.layers else stored
     if target.fused is None:
         problem = None if layers == stored else (f"layers the data did not keep are computed with the engine's fused "
@@ -279,19 +316,25 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         raise DataError(f"the feature loss regresses the target's post-norm output, so the top fused layer must be "
                         f"{len(target.fused.layers)}, not {layers[-1]}: rerun with --layers ending in "
                         f"{len(target.fused.layers)}, or without --feature-weight")
-    paths = list(iter_shards(data))
+    first = list(iter_shards(folders[0]))
+    if not first:
+        raise DataError(f"no shards under {folders[0]}: run `python -m engine draft-data` first")
+    held_path, paths = heldout_split(first)
+    paths += [p for p in fingerprint_of if p.parent.parent != folders[0]]
     if not paths:
-        raise DataError(f"no shards under {data}: run `python -m engine draft-data` first")
-    held_path, paths = heldout_split(paths)
-    if not paths:
-        raise DataError(f"the shards under {data} answer one chunk of prompts, which is held out to measure the "
-                        "loss: run `python -m engine draft-data` further")
+        raise DataError(f"the shards under {folders[0]} answer one chunk of prompts, which is held out to measure "
+                        "the loss: run `python -m engine draft-data` further")
     work.mkdir(parents=True, exist_ok=True)
     ckpt_path = work / "checkpoint.pt"
     eos = target.tokenizer.eos_token_id
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
         kept, config, cursor = ckpt["kept"], EagleConfig(**ckpt["config"]), Cursor(**ckpt["cursor"])
+        trained_on = ckpt.get("data", [str(folders[0])])
+        if trained_on != [str(f) for f in folders]:
+            raise DataError(f"the checkpoint {ckpt_path} trains on {', '.join(trained_on)}, not on "
+                            f"{', '.join(map(str, folders))}: rerun with the same --data to resume it, or move it "
+                            "away to start anew")
         if plan.layers and config.feature_layers != layers:
             raise DataError(f"the checkpoint {ckpt_path} trains a head on layers {list(config.feature_layers)}, not "
                             f"{list(layers)}: rerun with --layers {','.join(map(str, config.feature_layers))} to "
@@ -300,7 +343,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         log(f"resumed at step {cursor.step} (epoch {cursor.epoch}, shard {cursor.shard})")
     else:
         ckpt = None
-        sample = [e for p in paths[:40] for e in load_shard(p, fingerprint)]
+        sample = [e for p in paths[:40] for e in load_shard(p, fingerprint_of[p])]
         kept = kept_vocabulary(sample, plan.kept, (eos,) if eos is not None else ())
         config = EagleConfig(**{**asdict(EagleConfig.for_target(target, len(kept))), "feature_layers": layers,
                                 "own_head": plan.own_head, "feature_norm": plan.feature_norm})
@@ -346,14 +389,14 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
         mark = time.time()
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "cursor": asdict(cursor), "kept": kept,
-                    "config": asdict(config), "plan": asdict(plan)}, tmp)
+                    "config": asdict(config), "plan": asdict(plan), "data": [str(f) for f in folders]}, tmp)
         tmp.replace(ckpt_path)
 
     clean = replace(plan, noise=0.0, feature_weight=0.0)   # the held-out loss: soft labels only, no noise
 
     def evaluate() -> dict:
         head.eval()
-        examples = load_shard(held_path, fingerprint)
+        examples = load_shard(held_path, fingerprint_of[held_path])
         losses, agree = [], []
         with torch.no_grad():
             for i in range(0, len(examples), plan.batch):
@@ -387,7 +430,7 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
             if cursor.shard >= len(order):
                 cursor.epoch, cursor.shard = cursor.epoch + 1, 0
                 order = shard_order(paths, plan, cursor.epoch)
-            pending = load_shard(order[cursor.shard], fingerprint)
+            pending = load_shard(order[cursor.shard], fingerprint_of[order[cursor.shard]])
             random.Random(plan.seed + cursor.epoch * 100_003 + cursor.shard).shuffle(pending)
             cursor.shard += 1
         chunk, pending = pending[: plan.batch], pending[plan.batch:]
@@ -424,11 +467,15 @@ def train(target: LoadedModel, data: Path, work: Path, out: Path, plan: Eagle3Pl
     save()
     log(f"held-out shard {held_path.name}: loss {figures['heldout_loss']:.3f}, top-1 by step "
         + " ".join(f"{a:.2f}" for a in figures["heldout_top1_by_step"]))
-    prompts = read_prompts(data)
     tokens = sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths)
+    by_folder = [{"folder": str(f), "shards": sum(p.parent.parent == f for p in paths),
+                  "tokens": sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths
+                                if p.parent.parent == f),
+                  "prompt_sources": read_prompts(f)["sources"], "plan": pf["plan"], "command": data_command(f)}
+                 for f, pf in zip(folders, plan_files)]
     meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
             "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
-            "kept": len(kept), "prompt_sources": prompts["sources"], "feature_layers": list(layers),
+            "kept": len(kept), "prompt_sources": prompt_sources(folders), "data_folders": by_folder, "feature_layers": list(layers),
             "target_layers": len(target.fused.layers) if target.fused is not None else None,
             "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
             "train_seconds": cursor.seconds}
@@ -466,6 +513,15 @@ def heldout_curve(points: list[dict]) -> list[str]:
             + f"; highest at step {best['step']:,}"]
 
 
+def folder_lines(folders: list[dict]) -> list[str]:
+    """One line a data folder, where the data came from more than one."""
+    if len(folders) < 2:
+        return []
+    return [f"  - `{f['folder']}` (seed {f['plan']['seed']}): {f['tokens']:,} tokens in {f['shards']} training "
+            f"shards; prompts: {f['prompt_sources']['magpie']:,} self-written, {f['prompt_sources']['written']:,} "
+            "written" for f in folders]
+
+
 def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
     """The model card: data, training, losses, acceptance by position (measured by the engine), time, commands."""
     plan, src = meta["plan"], meta["prompt_sources"]
@@ -483,7 +539,8 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              "prompts held out and never trained on",
              f"- {meta['sequences']:,} sequences, {meta['tokens']:,} tokens in {meta['shards']} shards (answers greedy and "
              f"sampled at T = 0.7, top-p 0.95; soft labels: the target's top-{meta['data_plan']['top_k']}); "
-             f"shard {meta['heldout_shard']} kept for the held-out loss", "",
+             f"shard {meta['heldout_shard']} kept for the held-out loss",
+             *folder_lines(meta.get("data_folders", [])), "",
              "## Training (`python -m engine train-eagle3`)",
              f"- {meta['steps']:,} AdamW steps of {plan['batch']} sequences ({plan['epochs']} epochs), lr {plan['lr']} "
              f"with warm-up and cosine decay; training-time test over {plan['depth']} steps (step weights "
@@ -505,7 +562,9 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
                   f"- per-position acceptance α: **{e['alpha']:.3f}**; at positions 1..{e['k']}: "
                   + ", ".join(f"{r:.2f}" for r in e["position_rates"]),
                   f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}{speed}", ""]
-    lines += ["## Commands", "```", "python -m engine draft-data --target " + target_source, command, "```", ""]
+    data_lines = [f["command"] for f in meta.get("data_folders", [])] or ["python -m engine draft-data --target "
+                                                                           + target_source]
+    lines += ["## Commands", "```", *data_lines, command, "```", ""]
     (folder / "MODEL_CARD.md").write_text("\n".join(lines))
     (folder / "card.json").write_text(json.dumps({"eval": evals, **{k: v for k, v in meta.items() if k != "log"}},
                                                  indent=1) + "\n")
@@ -551,7 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         "Train an EAGLE-3-style head on the shards of `python -m engine draft-data`; resumable; then measure it "
         "with the engine on held-out prompts and write its model card."))
     ap.add_argument("--target", default=SMOLLM2)
-    ap.add_argument("--data", type=Path, default=None, help="data folder (default: .cache/draft-data/<target>)")
+    ap.add_argument("--data", type=Path, action="append", default=None,
+                    help="data folder (default: .cache/draft-data/<target>); repeat it to train on several, the "
+                         "first one holding out the loss's shard")
     ap.add_argument("--out", type=Path, default=None, help="export folder (default: assets/eagle/<target>-eagle3)")
     ap.add_argument("--epochs", type=float, default=Eagle3Plan().epochs)
     ap.add_argument("--batch", type=int, default=Eagle3Plan().batch)
@@ -597,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         return 2
     plan = replace(plan, kept=min(plan.kept, target.vocab_size))
-    data = a.data or default_folder(target.name)
+    data = a.data or [default_folder(target.name)]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
     out = a.out or eagle_folder(f"{slug}-eagle3")
     t0 = time.time()
@@ -609,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not result["finished"] or a.skip_eval:
         return 0
-    evals = evaluate_heads(target, out, eagle_folder(a.target), read_prompts(data)["heldout"], log, a.quick_eval)
+    heldout = [p for folder in data for p in read_prompts(folder)["heldout"]]
+    evals = evaluate_heads(target, out, eagle_folder(a.target), heldout, log, a.quick_eval)
     command = "python -m engine train-eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])
     write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals, command,
                time.time() - t0)

@@ -201,9 +201,11 @@ def prompt_batches(folder: DataFolder) -> Iterator[tuple[int, list[str]]]:
             raise DataError(f"{path} cannot be read ({exc}); delete it and rerun to sample it again") from None
 
 
-def select_prompts(samples: list[str], plan: Eagle3DataPlan) -> tuple[list[str], list[str]]:
-    """(train, heldout) Magpie prompts from every sample so far, in sampling order."""
-    reserved = {normalized(p) for which in SETS for p in chat_prompts(which)}
+def select_prompts(samples: list[str], plan: Eagle3DataPlan,
+                   taken: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """(train, heldout) Magpie prompts from every sample so far, in sampling order; none whose normalized text
+    is in `taken` (another folder's prompts: see other_prompts)."""
+    reserved = {normalized(p) for which in SETS for p in chat_prompts(which)} | taken
     seen, openings, train, heldout = set(), {}, [], []
     for text in samples:
         kept = clean_prompt(text)
@@ -220,8 +222,9 @@ def select_prompts(samples: list[str], plan: Eagle3DataPlan) -> tuple[list[str],
 
 
 def build_prompts(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int, log: Log,
-                  deadline: float | None) -> dict | None:
-    """Sample until `magpie_prompts` are kept, then freeze prompts.json; None when stopped at the deadline."""
+                  deadline: float | None, taken: frozenset[str] = frozenset()) -> dict | None:
+    """Sample until `magpie_prompts` are kept, then freeze prompts.json; None when stopped at the deadline.
+    Prompts in `taken` (normalized) are never kept: a second folder does not answer the first one's again."""
     plan = folder.plan
     frozen = folder.root / "prompts.json"
     if frozen.exists():
@@ -238,7 +241,7 @@ def build_prompts(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
     t0, made = time.time(), 0
     while True:
         samples = [s for i in sorted(done) for s in done[i]]
-        train, heldout = select_prompts(samples, plan)
+        train, heldout = select_prompts(samples, plan, taken)
         if made:
             log(f"prompts: {len(train) + len(heldout):,}/{plan.magpie_prompts:,} kept from {len(samples):,} samples, "
                 f"{made / max(time.time() - t0, 1e-9):.1f} samples/s")
@@ -261,6 +264,18 @@ def build_prompts(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
     log(f"prompts: {len(train):,} Magpie + {len(written):,} written for training, {len(heldout):,} held out, "
         f"from {len(samples):,} samples")
     return data
+
+
+def other_prompts(roots: list[Path]) -> frozenset[str]:
+    """Every prompt (trained on or held out) of the frozen lists in `roots`, normalized: what a new folder
+    leaves alone so that its data adds prompts rather than repeating them."""
+    taken = set()
+    for root in roots:
+        if not (root / "prompts.json").exists():
+            raise DataError(f"{root} has no frozen prompt list (prompts.json) to leave out")
+        data = read_prompts(root)
+        taken.update(normalized(p) for p in data.get("train", []) + data.get("heldout", []))
+    return frozenset(taken)
 
 
 def read_prompts(root: Path) -> dict:
@@ -477,6 +492,26 @@ def default_folder(target_name: str) -> Path:
     return REPO_ROOT / ".cache" / "draft-data" / re.sub(r"[^A-Za-z0-9_.-]+", "_", target_name)
 
 
+def data_command(root: Path) -> str:
+    """The command that made (or continues) the data in `root`: the one its last run wrote down, else what its
+    plan implies."""
+    try:
+        return (root / "command.txt").read_text().strip()
+    except OSError:
+        pass
+    try:
+        d = json.loads((root / "plan.json").read_text())
+        plan, target = d["plan"], d["target"]
+    except (OSError, ValueError, KeyError):
+        return f"python -m engine draft-data --work {root}"
+    words = ["python -m engine draft-data --target", str(target), "--magpie", str(plan["magpie_prompts"])]
+    if plan.get("seed", 0):
+        words += ["--seed", str(plan["seed"])]
+    if plan.get("written_prompts", -1) != -1:
+        words += ["--written", str(plan["written_prompts"])]
+    return " ".join(words)
+
+
 def command_start(source: str, threads: int | None):
     """What both data and training commands begin with: torch threads, a timestamped log on stderr, and the
     target loaded (None, with its sentence printed, when it cannot be)."""
@@ -536,6 +571,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the token ids kept in the repository: a fresh folder is rebuilt from them, and every new "
                          "shard's ids are added (default: assets/draft-data/<target>)")
     ap.add_argument("--no-pack", action="store_true", help="neither read nor write the pack")
+    ap.add_argument("--seed", type=int, default=Eagle3DataPlan().seed,
+                    help="seeds the prompt sampling, the chunk order and the sampled answers; a second folder "
+                         "takes another seed to write other prompts")
+    ap.add_argument("--written", type=int, default=Eagle3DataPlan().written_prompts,
+                    help="the project's written prompts mixed in (default -1: all of them; 0 in a second folder, "
+                         "whose first one already answers them)")
+    ap.add_argument("--exclude", type=Path, action="append", default=[],
+                    help="a data folder or pack whose frozen prompts this folder leaves out (repeatable)")
     a = ap.parse_args(argv)
     deadline = time.time() + a.minutes * 60 if a.minutes else None
     target, log = command_start(a.target, a.threads)
@@ -545,23 +588,28 @@ def main(argv: list[str] | None = None) -> int:
     work = a.work or default_folder(target.name)
     pack = None if a.no_pack else (a.pack or data_pack.pack_folder(target.name))
     magpie = a.magpie if a.magpie is not None else frozen_count(work, pack)
-    plan = Eagle3DataPlan(magpie_prompts=magpie, answer_batch=a.answer_batch, max_new_tokens=a.max_new_tokens)
-    plan = plan.for_model(len(target.model.model.layers))
     try:
+        plan = Eagle3DataPlan(magpie_prompts=magpie, answer_batch=a.answer_batch, max_new_tokens=a.max_new_tokens,
+                              seed=a.seed, written_prompts=a.written)
+        plan = plan.for_model(len(target.model.model.layers))
+        taken = other_prompts(a.exclude)
         with DataFolder(work, plan, target.name) as folder:
             log(f"data for {target.name} under {work}; feature layers {plan.layers}")
+            write_atomic(work / "command.txt", "python -m engine draft-data " + " ".join(
+                argv if argv is not None else sys.argv[1:]) + "\n")
             if target.fused is None:
                 raise DataError(f"{target.name} has no fused forward ({FusedLlama.unsupported(target.model)}); "
                                 "the data is generated with it")
             if pack is not None:
+                data_pack.check_pack(folder, pack)
                 data_pack.restore(folder, pack, target.fused, log, deadline)
-            if build_prompts(folder, target.fused, target.tokenizer, eos, log, deadline) is None:
+            if build_prompts(folder, target.fused, target.tokenizer, eos, log, deadline, taken) is None:
                 return 0
             keep = (lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)) if pack else None
             totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline, keep)
             if pack is not None:
                 data_pack.save_pack(folder, pack, log)
-    except DataError as exc:
+    except (DataError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
