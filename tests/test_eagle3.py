@@ -259,6 +259,16 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     assert result["heldout_log"][-1]["top1"] == result["heldout_top1_by_step"]
     assert len({round(p["loss"], 6) for p in result["heldout_log"]}) > 1   # measured each time, not copied
     assert "held-out top-1 during training" in "\n".join(eagle3.heldout_curve(result["heldout_log"]))
+    if own_head:   # a warm start begins where the saved head ended, not where a random one begins
+        warm = eagle3.train(smol, folders, tmp_path / "warm", tmp_path / "warm-head",
+                            replace(plan, init=str(tmp_path / "head"), epochs=1), logs.append)
+        assert warm["log"][0]["loss"] < 0.75 * result["log"][0]["loss"], (warm["log"][0], result["log"][0])
+        with pytest.raises(eagle3.DataError, match="fuses layers"):
+            eagle3.train(smol, folders, tmp_path / "warm2", tmp_path / "warm-head",
+                         replace(plan, init=str(tmp_path / "head"), layers=(2, 15, 30)), logs.append)
+        with pytest.raises(eagle3.DataError, match="--init: No usable EAGLE head"):
+            eagle3.train(smol, folders, tmp_path / "warm3", tmp_path / "warm-head",
+                         replace(plan, init=str(tmp_path / "nothing")), logs.append)
     runtime = load_runtime(tmp_path / "head", smol)
     assert runtime.config.feature_layers == LAYERS and runtime.config.own_head == own_head
     assert runtime.config.feature_norm == feature_norm and hasattr(runtime.head, "fuse_norm") == feature_norm

@@ -265,17 +265,27 @@ class EagleRuntime:
         return rows.index_copy_(1, self.kept_ids, probs_kept.float())
 
 
-def load_runtime(folder: Path, target: LoadedModel) -> EagleRuntime:
-    """The head in `folder`, bound to `target`. EagleLoadError when it is missing or trained for another
-    target (its features would mean nothing to it)."""
+def read_head(folder: Path) -> tuple[EagleHead, torch.Tensor]:
+    """(the head saved in `folder`, in float32, its kept ids); EagleLoadError when it cannot be read."""
     from safetensors.torch import load_file
 
     try:
         data = json.loads((folder / CONFIG).read_text())
         config = EagleConfig(**data["config"])
         tensors = load_file(str(folder / WEIGHTS))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        kept = tensors.pop("kept_ids")
+        head = EagleHead(config)
+        head.load_state_dict({k: v.float() for k, v in tensors.items()})
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise EagleLoadError(f"No usable EAGLE head in {folder}: {type(exc).__name__}: {exc}") from None
+    return head, kept
+
+
+def load_runtime(folder: Path, target: LoadedModel) -> EagleRuntime:
+    """The head in `folder`, bound to `target`. EagleLoadError when it is missing or trained for another
+    target (its features would mean nothing to it)."""
+    head, kept = read_head(folder)
+    config = head.config
     c = target.model.config
     if (config.hidden, config.target_vocab) != (c.hidden_size, target.vocab_size):
         raise EagleLoadError(f"The EAGLE head in {folder} was trained for {config.target!r} (hidden "
@@ -284,9 +294,6 @@ def load_runtime(folder: Path, target: LoadedModel) -> EagleRuntime:
     if any(not 0 <= i <= layers for i in config.feature_layers):
         raise EagleLoadError(f"The EAGLE head in {folder} reads layers {list(config.feature_layers)}, which "
                              f"{target.name!r} ({layers} layers) does not have.")
-    head = EagleHead(config)
-    kept = tensors.pop("kept_ids")
-    head.load_state_dict({k: v.float() for k, v in tensors.items()})
     return EagleRuntime(head, kept, target, name=f"eagle:{folder.name}")
 
 

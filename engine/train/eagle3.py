@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.drafters.eagle import EagleConfig, EagleHead, save_head
+from engine.drafters.eagle import EagleConfig, EagleHead, EagleLoadError, read_head, save_head
 from engine.models import LoadedModel
 from engine.train.eagle import target_rope, ttt_mask
 from engine.train.eagle3_data import (
@@ -70,6 +70,7 @@ class Eagle3Plan:
     checkpoint_every_s: float = 120.0
     log_every_s: float = 60.0
     heldout_every: int = 250         # optimiser steps between measurements on the held-out shard (0: at the end only)
+    init: str = ""                   # a saved head to start from (its layers, vocabulary and LM-head choice), not at random
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0 or not self.lr > 0:
@@ -286,6 +287,26 @@ def data_folders(folders: list[Path]) -> tuple[dict[Path, str], tuple[int, ...],
     return fingerprints, stored, plans
 
 
+def warm_start(folder: Path, target: LoadedModel, stored: tuple[int, ...], plan: Eagle3Plan
+               ) -> tuple[EagleHead, torch.Tensor]:
+    """(the head saved in `folder`, its kept ids) to train on from where it stands; DataError when it cannot be:
+    unreadable, made for another target, or fusing layers the data cannot give."""
+    try:
+        head, kept = read_head(folder)
+    except EagleLoadError as exc:
+        raise DataError(f"--init: {exc}") from None
+    c = head.config
+    if (c.hidden, c.target_vocab) != (target.model.config.hidden_size, target.vocab_size):
+        raise DataError(f"--init: the head in {folder} was trained for {c.target!r}, not for {target.name!r}")
+    if plan.layers and tuple(plan.layers) != c.feature_layers:
+        raise DataError(f"--init: the head in {folder} fuses layers {list(c.feature_layers)}, not {list(plan.layers)}; "
+                        "leave --layers out to train it on its own")
+    problem = layers_error(stored, c.feature_layers, len(target.fused.layers)) if target.fused is not None else None
+    if problem:
+        raise DataError(f"--init: {problem}")
+    return head, kept
+
+
 def prompt_sources(folders: list[Path]) -> dict:
     """The prompt counts of every folder's frozen list, added up (magpie, written, magpie_heldout)."""
     total: dict[str, int] = {}
@@ -327,6 +348,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     work.mkdir(parents=True, exist_ok=True)
     ckpt_path = work / "checkpoint.pt"
     eos = target.tokenizer.eos_token_id
+    start = None
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
         kept, config, cursor = ckpt["kept"], EagleConfig(**ckpt["config"]), Cursor(**ckpt["cursor"])
@@ -343,10 +365,16 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         log(f"resumed at step {cursor.step} (epoch {cursor.epoch}, shard {cursor.shard})")
     else:
         ckpt = None
-        sample = [e for p in paths[:40] for e in load_shard(p, fingerprint_of[p])]
-        kept = kept_vocabulary(sample, plan.kept, (eos,) if eos is not None else ())
-        config = EagleConfig(**{**asdict(EagleConfig.for_target(target, len(kept))), "feature_layers": layers,
-                                "own_head": plan.own_head, "feature_norm": plan.feature_norm})
+        if plan.init:
+            start, kept = warm_start(Path(plan.init), target, stored, plan)
+            config, layers = start.config, start.config.feature_layers
+            log(f"starting from the head in {plan.init} (layers {list(layers)}, {len(kept)} kept tokens, "
+                f"{'its own LM head' if config.own_head else 'the target LM-head rows'})")
+        else:
+            sample = [e for p in paths[:40] for e in load_shard(p, fingerprint_of[p])]
+            kept = kept_vocabulary(sample, plan.kept, (eos,) if eos is not None else ())
+            config = EagleConfig(**{**asdict(EagleConfig.for_target(target, len(kept))), "feature_layers": layers,
+                                    "own_head": plan.own_head, "feature_norm": plan.feature_norm})
         cursor = Cursor()
     head = EagleHead(config)
     embed = target.model.get_input_embeddings().weight.detach().float()
@@ -355,7 +383,9 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     cos_all, sin_all = target_rope(target, config.head_dim, plan.max_len + 1)
     target_rows = target.model.get_output_embeddings().weight.detach().float().index_select(0, kept)
     opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    if ckpt is None:
+    if start is not None:
+        head.load_state_dict(start.state_dict())
+    elif ckpt is None:
         head.init_for_training(torch.Generator().manual_seed(plan.seed))
         with torch.no_grad():
             d = config.hidden
@@ -542,6 +572,7 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              f"shard {meta['heldout_shard']} kept for the held-out loss",
              *folder_lines(meta.get("data_folders", [])), "",
              "## Training (`python -m engine train-eagle3`)",
+             *([f"- started from the head in `{plan['init']}`, not at random"] if plan.get("init") else []),
              f"- {meta['steps']:,} AdamW steps of {plan['batch']} sequences ({plan['epochs']} epochs), lr {plan['lr']} "
              f"with warm-up and cosine decay; training-time test over {plan['depth']} steps (step weights "
              f"{plan['step_decay']}^(s-1)); {loss_words(plan)}; bf16 autocast: {plan['bf16']}",
@@ -637,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
     ap.add_argument("--heldout-every", type=int, default=Eagle3Plan().heldout_every,
                     help="measure the held-out shard every this many steps (0: at the end only)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this saved head (e.g. assets/eagle/smollm2-eagle3) instead of at random: its "
+                         "layers, vocabulary and LM-head choice are kept")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-eval", action="store_true")
     ap.add_argument("--quick-eval", action="store_true",
@@ -650,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = Eagle3Plan(kept=a.kept, depth=a.depth, epochs=a.epochs, batch=a.batch, lr=a.lr, bf16=a.bf16,
                           own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm,
-                          feature_weight=a.feature_weight, noise=a.noise, heldout_every=a.heldout_every)
+                          feature_weight=a.feature_weight, noise=a.noise, heldout_every=a.heldout_every,
+                          init=str(a.init or ""))
     except ValueError as exc:
         print(f"train-eagle3: {exc}", file=sys.stderr)
         return 2
