@@ -505,7 +505,8 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                  for f, pf in zip(folders, plan_files)]
     meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
             "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
-            "kept": len(kept), "prompt_sources": prompt_sources(folders), "data_folders": by_folder, "feature_layers": list(layers),
+            "kept": len(kept), "prompt_sources": prompt_sources(folders), "data_folders": by_folder,
+            "feature_layers": list(layers),
             "target_layers": len(target.fused.layers) if target.fused is not None else None,
             "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
             "train_seconds": cursor.seconds}
