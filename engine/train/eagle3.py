@@ -70,7 +70,7 @@ class Eagle3Plan:
     checkpoint_every_s: float = 120.0
     log_every_s: float = 60.0
     heldout_every: int = 250         # optimiser steps between measurements on the held-out shard (0: at the end only)
-    init: str = ""                   # a saved head to start from (its layers, vocabulary and LM-head choice), not at random
+    init: str = ""                   # a saved head to start from (its layers, vocabulary, LM-head choice)
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0 or not self.lr > 0:
