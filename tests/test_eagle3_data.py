@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.prompts import ChatPrompt, encode_chat
-from engine.sources import SMOLLM2_PIP, smollm2_gguf
+from engine.sources import ASSETS, SMOLLM2_PIP, smollm2_gguf
 from engine.train import data_pack
 from engine.train import eagle3_data as data
 from engine.train.draft_data import SamplingPass
@@ -192,3 +192,21 @@ def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(
     with DataFolder(tmp_path / "c", tiny_plan(top_k=4), smol.name) as folder:   # another plan: not used
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == 0
     assert "under another plan" in logs[-1]
+
+
+@pytest.mark.parametrize("pack", sorted(p.name for p in (ASSETS / "draft-data").iterdir() if p.is_dir()))
+def test_every_shipped_pack_is_whole(pack):
+    """What a fresh machine rebuilds its data from: each entry readable, made under the pack's own plan, its
+    prompts indices inside the frozen list, and no prompt in two packs."""
+    root = ASSETS / "draft-data" / pack
+    plan = json.loads((root / "plan.json").read_text())
+    prompts = data.read_prompts(root)
+    entries = sorted((root / "answers").glob("shard-p*-*.npz"))
+    assert entries, root
+    for entry in entries:
+        seqs, meta = data_pack.read_entry(entry)
+        assert meta["fingerprint"] == plan["fingerprint"] and entry.stem.endswith(f"-{meta['chunk']:05d}")
+        assert len(seqs) == len(meta["prompts"]) and max(meta["prompts"]) < len(prompts["train"])
+    others = [p for p in (ASSETS / "draft-data").iterdir() if p.is_dir() and p.name != pack]
+    written = set(data.training_prompts(plan["plan"]["seed"]))
+    assert not data.other_prompts(others) & {data.normalized(p) for p in prompts["train"] if p not in written}

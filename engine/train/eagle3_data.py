@@ -605,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                 data_pack.restore(folder, pack, target.fused, log, deadline)
             if build_prompts(folder, target.fused, target.tokenizer, eos, log, deadline, taken) is None:
                 return 0
+            if pack is not None:   # the frozen list and the plan first: a run killed later leaves a usable pack
+                data_pack.save_pack(folder, pack, log)
             keep = (lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)) if pack else None
             totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline, keep)
             if pack is not None:
