@@ -21,6 +21,14 @@ QUESTIONS = ("Why is the sky blue?", "Name a bird.", "What does a compiler do in
 
 
 
+def test_the_recorded_command_keeps_what_changes_the_data():
+    typed = ["--target", "smollm2", "--minutes", "15", "--seed", "1", "--threads=2", "--exclude", "a/minutes"]
+    assert data.command_line("draft-data", typed) == \
+        "python -m engine draft-data --target smollm2 --seed 1 --exclude a/minutes"
+    assert data.command_line("train-eagle3", ["--minutes=5", "--epochs", "1"]) == \
+        "python -m engine train-eagle3 --epochs 1"
+
+
 def tiny_plan(**overrides) -> Eagle3DataPlan:
     base = dict(magpie_prompts=6, prompt_batch=8, prompt_max_tokens=40, answer_batch=2, max_new_tokens=8, top_k=5,
                 written_prompts=2)

@@ -41,6 +41,7 @@ from engine.train.eagle import target_rope, ttt_mask
 from engine.train.eagle3_data import (
     DataError,
     Example,
+    command_line,
     command_start,
     data_command,
     default_folder,
@@ -708,8 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     heldout = [p for folder in data for p in read_prompts(folder)["heldout"]]
     evals = evaluate_heads(target, out, eagle_folder(a.target), heldout, log, a.quick_eval)
-    command = "python -m engine train-eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals, command,
+    write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals,
+               command_line("train-eagle3", argv),
                time.time() - t0)
     return 0
 

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -512,10 +513,25 @@ def data_command(root: Path) -> str:
     return " ".join(words)
 
 
+RUN_ONLY = ("--minutes", "--threads")   # options that change how long or how fast a run goes, not what it makes
+
+
+def command_line(name: str, argv: list[str] | None) -> str:
+    """`python -m engine <name> ...` as typed, less the options in RUN_ONLY: the line that remakes the same
+    data or head, however many resumed runs it took."""
+    words, kept = list(sys.argv[1:] if argv is None else argv), []
+    while words:
+        word = words.pop(0)
+        if word in RUN_ONLY:
+            words[:1] = []
+        elif not word.startswith(tuple(o + "=" for o in RUN_ONLY)):
+            kept.append(word)
+    return " ".join(["python -m engine", name, *kept])
+
+
 def command_start(source: str, threads: int | None):
     """What both data and training commands begin with: torch threads, a timestamped log on stderr, and the
     target loaded (None, with its sentence printed, when it cannot be)."""
-    import sys
 
     from engine.cli import quiet_transformers
     from engine.models import ModelLoadError, load_model
@@ -547,7 +563,6 @@ def frozen_count(work: Path, pack: Path | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m engine draft-data`: generate (or continue generating) an EAGLE-3-style head's data."""
     import argparse
-    import sys
 
     from engine.sources import SMOLLM2
     from engine.train import data_pack
@@ -595,8 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         taken = other_prompts(a.exclude)
         with DataFolder(work, plan, target.name) as folder:
             log(f"data for {target.name} under {work}; feature layers {plan.layers}")
-            write_atomic(work / "command.txt", "python -m engine draft-data " + " ".join(
-                argv if argv is not None else sys.argv[1:]) + "\n")
+            write_atomic(work / "command.txt", command_line("draft-data", argv) + "\n")
             if target.fused is None:
                 raise DataError(f"{target.name} has no fused forward ({FusedLlama.unsupported(target.model)}); "
                                 "the data is generated with it")
