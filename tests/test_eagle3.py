@@ -261,8 +261,12 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     assert "held-out top-1 during training" in "\n".join(eagle3.heldout_curve(result["heldout_log"]))
     if own_head:   # a warm start begins where the saved head ended, not where a random one begins
         warm = eagle3.train(smol, folders, tmp_path / "warm", tmp_path / "warm-head",
-                            replace(plan, init=str(tmp_path / "head"), epochs=1), logs.append)
+                            replace(plan, init=str(tmp_path / "head"), epochs=1, own_head=False,
+                                    feature_norm=not feature_norm), logs.append)
         assert warm["log"][0]["loss"] < 0.75 * result["log"][0]["loss"], (warm["log"][0], result["log"][0])
+        # the saved head's choices win over the options, and the meta (so the card) says so
+        assert (warm["plan"]["own_head"], warm["plan"]["feature_norm"]) == (True, feature_norm)
+        assert list(warm["plan"]["layers"]) == list(LAYERS)
         with pytest.raises(eagle3.DataError, match="fuses layers"):
             eagle3.train(smol, folders, tmp_path / "warm2", tmp_path / "warm-head",
                          replace(plan, init=str(tmp_path / "head"), layers=(2, 15, 30)), logs.append)

@@ -377,6 +377,9 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
             config = EagleConfig(**{**asdict(EagleConfig.for_target(target, len(kept))), "feature_layers": layers,
                                     "own_head": plan.own_head, "feature_norm": plan.feature_norm})
         cursor = Cursor()
+    # what the head is (from --init or a checkpoint, else the options) is what the card and meta say it is
+    plan = replace(plan, own_head=config.own_head, feature_norm=config.feature_norm,
+                   layers=tuple(config.feature_layers), kept=len(kept))
     head = EagleHead(config)
     embed = target.model.get_input_embeddings().weight.detach().float()
     kept_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
