@@ -21,7 +21,7 @@ from engine.prompts import ChatPrompt
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN, SMOLLM2, smollm2_gguf
 from playground.pages.traces import EXAMPLES_DIR
-from playground.registry import CODE_EXAMPLES, SMOLLM2_RECOMMENDED
+from playground.registry import CODE_EXAMPLES, SMOLLM2_RECOMMENDED, local_presets
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +54,11 @@ def welcome_config() -> SpecConfig:
 
 
 def record_welcome(out: Path) -> Path:
+    """The welcome run on the first offline pair (SmolLM2 with the head it lists first)."""
+    first = local_presets()[0]
     target = load_model(SMOLLM2)
     path = out / f"{WELCOME}.jsonl"
-    run = ComparedRun(ModelPair(target, eagle=load_eagle(SMOLLM2, target)), ChatPrompt(WELCOME_QUESTION),
+    run = ComparedRun(ModelPair(target, eagle=load_eagle(first.eagle, target)), ChatPrompt(WELCOME_QUESTION),
                       welcome_config(), trace_path=path)
     run.run_to_end()
     run.close()

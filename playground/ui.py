@@ -415,14 +415,25 @@ def welcome_cursor(view: RunView) -> Cursor:
 
 def welcome_view(ctx: Context) -> RunView | None:
     """The recorded welcome run (playground.make_examples) when the server's first pair is the pair it was
-    recorded on; None otherwise, or when the file is missing or unreadable (the page then starts empty)."""
+    recorded on (its target and EAGLE head); None otherwise, or when the file is missing or unreadable (the page
+    then starts empty)."""
     from playground.make_examples import WELCOME
 
     path = page_traces.EXAMPLES_DIR / f"{WELCOME}.jsonl"
-    if ctx.registry.presets[0].target != SMOLLM2 or not path.is_file():
+    first = ctx.registry.presets[0]
+    if first.target != SMOLLM2 or not path.is_file():
         return None
     try:
-        return view_from_trace(load_trace(path), path.name)
+        trace = load_trace(path)
+    except TraceError as exc:
+        log.warning("the welcome run %s cannot be shown: %s", path, exc)
+        return None
+    if trace.header.eagle is not None and trace.header.eagle != f"eagle:{first.eagle}":
+        log.warning("the welcome run %s was recorded with %s, not the first pair's head; not shown", path,
+                    trace.header.eagle)
+        return None
+    try:
+        return view_from_trace(trace, path.name)
     except TraceError as exc:
         log.warning("the welcome run %s cannot be shown: %s", path, exc)
         return None

@@ -321,7 +321,7 @@ def test_missing_model_and_two_gpu_preset_fail_clearly(tmp_path):
     if torch.cuda.device_count() < 2:
         with pytest.raises(ModelLoadError, match="needs 2 GPUs"):
             registry.pair("qwen-0.5b-7b-2gpu")
-    assert [k for _, k in ModelRegistry(allow_custom=False).choices()] == ["default", "smollm2", "smollm2-eagle3",
+    assert [k for _, k in ModelRegistry(allow_custom=False).choices()] == ["default", "smollm2-eagle3", "smollm2",
                                                                            "qwen-0.5b-1.5b", "qwen-0.5b-7b-2gpu"]
 
 
