@@ -79,9 +79,10 @@ def heldout_prompts(target) -> list[list[int]]:
 
 
 def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: list[list[int]] | None = None,
-             sampling=None, seed: int = 0) -> DraftEval:
+             sampling=None, seed: int = 0, drafter=None) -> DraftEval:
     """Run the engine with the head in `folder` on the held-out prompts (or `prompts`) and measure what it did,
-    greedy (or with `sampling`, prompt i seeded seed + i), target-only decoded beside it prompt by prompt."""
+    greedy (or with `sampling`, prompt i seeded seed + i), target-only decoded beside it prompt by prompt.
+    `drafter`: DrafterKind.EAGLE (the default) or another that uses the head (EAGLE_HYBRID)."""
     from engine import metrics
     from engine.config import DrafterKind, Mode, SpecConfig
     from engine.drafters.eagle import load_runtime
@@ -94,7 +95,8 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: li
     from engine.sampling import SamplingParams
 
     sampling = sampling or SamplingParams()
-    config = SpecConfig(drafter=DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False, sampling=sampling)
+    config = SpecConfig(drafter=drafter or DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False,
+                        sampling=sampling)
     rounds, baseline = [], []
     tokens, seconds = {Mode.V2: 0, Mode.TARGET: 0}, {Mode.V2: 0.0, Mode.TARGET: 0.0}
     prompts = prompts if prompts is not None else heldout_prompts(target)
