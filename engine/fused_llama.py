@@ -397,9 +397,7 @@ class BatchForward:
         x, taps = self._layers(ids, real)
         fused = self.fused
         last = _rms_norm(x[:, -1:], fused.norm)[:, 0]
-        head = self._linear or (fused.blocked.linear if fused.blocked is not None
-                                and last.shape[0] >= fused.blocked_rows else F.linear)
-        return head(last, fused.lm_head).float(), taps
+        return self._product(last.shape[0])(last, fused.lm_head).float(), taps
 
     @torch.inference_mode()
     def forward_features(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -410,10 +408,14 @@ class BatchForward:
 
     def logits_of(self, features: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] float32 of post-norm features [n, d]."""
+        return self._product(features.shape[0])(features, self.fused.lm_head).float()
+
+    def _product(self, rows: int) -> Callable[..., torch.Tensor]:
+        """The linear a product of `rows` rows runs: the one given, else the blocked copy from its row count."""
         fused = self.fused
-        head = self._linear or (fused.blocked.linear if fused.blocked is not None
-                                and features.shape[0] >= fused.blocked_rows else F.linear)
-        return head(features, fused.lm_head).float()
+        if self._linear is not None:
+            return self._linear
+        return fused.blocked.linear if fused.blocked is not None and rows >= fused.blocked_rows else F.linear
 
     def _layers(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The residual stream after the last layer [rows, q, d], and the taps; writes the K/V."""
@@ -431,8 +433,7 @@ class BatchForward:
         mask[:, torch.arange(q), t0 + torch.arange(q)] = True
         mask = mask[:, None]
         rows_fed = ids.shape[0] * q
-        linear = self._linear or (fused.blocked.linear if fused.blocked is not None
-                                  and rows_fed >= fused.blocked_rows else F.linear)
+        linear = self._product(rows_fed)
 
         def keys_values(i: int):
             def store(ks: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
