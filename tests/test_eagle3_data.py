@@ -124,6 +124,31 @@ def test_a_larger_prompt_list_is_refused_once_answers_index_the_frozen_one(tmp_p
         assert data.build_prompts(folder, None, None, 2, print, None)["train"] == ["a"]
 
 
+def test_steered_turns_begin_with_their_opener_and_each_opener_has_its_own_cap(smol, tmp_path):
+    plan = tiny_plan(openers=("Write a", "What is the difference between"), prompt_max_tokens=48)
+    openers = data.batch_openers(plan, 1)
+    assert openers[:3] == ["Write a", "What is the difference between", "Write a"]      # in turn, across batches
+    assert data.batch_openers(tiny_plan(), 3) == [""] * 8
+    header = data.user_header(smol.tokenizer)
+    texts = data.sample_prompts(smol.fused, smol.tokenizer, header, plan, 2, seed=3, openers=openers)
+    ended = [(o, t) for o, t in zip(openers, texts) if t]
+    assert ended and all(t.startswith(o) and len(t) > len(o) for o, t in ended)        # the target finished them
+    # the opening cap counts the words after a (long) opener, so one opener does not use up the others' room
+    plan = Eagle3DataPlan(max_per_opening=1, openers=("What is the difference between",))
+    samples = ["What is the difference between a lake and a pond?",
+               "What is the difference between rain and snow in May?",
+               "What is the difference between rain and snow in winter?"]
+    assert sum(map(len, data.select_prompts(samples, plan))) == 2
+    assert sum(map(len, data.select_prompts(samples, Eagle3DataPlan(max_per_opening=1)))) == 1
+    # a steered plan is another plan; a free one keeps the fingerprint folders were made with
+    assert plan.fingerprint() != Eagle3DataPlan().fingerprint()
+    free = data.asdict_plan(Eagle3DataPlan())
+    free.pop("openers")
+    assert data.plan_from_dict(free) == Eagle3DataPlan()
+    with DataFolder(tmp_path / "s", tiny_plan(openers=("List",)), "smol") as folder:
+        assert data.data_command(folder.root).endswith("--steered")
+
+
 def test_user_header_is_the_template_up_to_the_message(smol):
     header = smol.tokenizer.decode(data.user_header(smol.tokenizer))
     assert header.endswith("<|im_start|>user\n") and "<|im_start|>assistant" not in header

@@ -221,3 +221,19 @@ def training_prompts(seed: int = 0) -> list[str]:
         out.append(prompt)
     random.Random(seed).shuffle(out)
     return out
+
+
+# How people begin a chat turn: a steered Magpie run (`draft-data --steered`) starts each sampled user turn
+# with one of these and lets the target finish it. Free Magpie turns from SmolLM2 mostly begin "I'm ..." or
+# "Can you ..." (4,300 of 5,783 in the second data folder) and almost never ask for code, verse, lists or
+# rewrites, which people do ask for. Forms only: no subject, and none touches a held-out subject.
+OPENERS = (
+    "How do", "How does", "How do I", "How can I", "How to", "Why do", "Why does", "Why is", "Why are",
+    "What is", "What are", "What is the difference between", "What happens when", "What should I",
+    "Explain", "Explain how", "Explain why", "Explain to a beginner", "Write a", "Write a short", "Write a poem",
+    "Write a story", "Write a Python function that", "Write a function", "Write an email", "Write a letter",
+    "List", "List three", "Give me", "Give me a plan", "Give me tips", "Describe", "Describe how", "Summarise",
+    "Summarize", "Rewrite this", "Fix the grammar", "Compare", "Tell me about", "Tell me a", "Can you explain",
+    "Can you help me", "Suggest", "Is it true that", "Should I", "When did", "Who was", "Which", "Create a",
+    "Help me", "Teach me", "I need",
+)

@@ -7,6 +7,8 @@ Two phases, each resumable on its own (`python -m engine draft-data --target smo
    Turns that end on their own are cleaned, deduplicated, kept off the held-out subjects, and mixed with
    the project's written prompts; one in `heldout_every` Magpie prompts (by a hash of its text) is held
    out and never trained on. Each batch of samples is one file; the frozen list is `prompts.json`.
+   A steered run (`--steered`) begins each turn with one of the ways people open a chat turn
+   (chat_prompts.OPENERS: "How do", "Write a", "List", ...) and lets the target finish it.
 2. **The target's answers**, greedy and sampled (T = 0.7, top-p 0.95), generated in batches. Each shard
    keeps, per sequence: the ids (prompt then answer), the residual stream entering three of the target's
    layers (low, middle, high: EAGLE-3 fuses these, arXiv 2503.01840) at every position but the last,
@@ -38,7 +40,7 @@ import torch
 from engine.fused_llama import BatchForward, FusedLlama
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, sample_from
-from engine.train.chat_prompts import HELDOUT_SUBJECTS, SETS, chat_prompts, training_prompts
+from engine.train.chat_prompts import HELDOUT_SUBJECTS, OPENERS, SETS, chat_prompts, training_prompts
 from engine.train.draft_data import SamplingPass
 
 Log = Callable[[str], None]
@@ -64,6 +66,7 @@ class Eagle3DataPlan:
     max_per_opening: int = 40         # at most this many kept prompts share their first four words
     written_prompts: int = -1         # the project's written training prompts mixed in (-1: all of them)
     seed: int = 0
+    openers: tuple[str, ...] = ()     # sampled user turns begin with these, in turn (steered Magpie); () = free
 
     def __post_init__(self) -> None:
         if min(self.prompt_batch, self.answer_batch, self.max_new_tokens, self.prompt_max_tokens, self.top_k) < 1:
@@ -85,6 +88,8 @@ class Eagle3DataPlan:
         """What a shard must have been made with to be read under this plan (the prompt count may grow)."""
         d = asdict_plan(self)
         d.pop("magpie_prompts")
+        if not d["openers"]:   # a free plan's fingerprint is what it was before openers existed
+            d.pop("openers")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -92,11 +97,13 @@ def asdict_plan(plan: Eagle3DataPlan) -> dict:
     d = asdict(plan)
     d["passes"] = [dict(p) for p in d["passes"]]
     d["layers"] = list(plan.layers)
+    d["openers"] = list(plan.openers)
     return d
 
 
 def plan_from_dict(d: dict) -> Eagle3DataPlan:
-    return Eagle3DataPlan(**{**d, "passes": tuple(SamplingPass(**p) for p in d["passes"]), "layers": tuple(d["layers"])})
+    return Eagle3DataPlan(**{**d, "passes": tuple(SamplingPass(**p) for p in d["passes"]), "layers": tuple(d["layers"]),
+                             "openers": tuple(d.get("openers", ()))})
 
 
 # -- the folder ---------------------------------------------------------------------------------------------
@@ -181,15 +188,25 @@ def is_heldout(text: str, every: int) -> bool:
     return zlib.crc32(normalized(text).encode()) % every == 0
 
 
+def batch_openers(plan: Eagle3DataPlan, index: int) -> list[str]:
+    """What each user turn of prompt batch `index` begins with: the plan's openers in turn ('' when free)."""
+    n, first = len(plan.openers), index * plan.prompt_batch
+    return [plan.openers[(first + j) % n] if n else "" for j in range(plan.prompt_batch)]
+
+
 def sample_prompts(fused: FusedLlama, tokenizer, header: list[int], plan: Eagle3DataPlan, eos_id: int,
-                   seed: int) -> list[str]:
-    """`plan.prompt_batch` sampled user turns (T = 1, no truncation); turns that did not end are ''."""
+                   seed: int, openers: list[str] | None = None) -> list[str]:
+    """`plan.prompt_batch` sampled user turns (T = 1, no truncation), each begun with its opener (none by
+    default) and finished by the target; turns that did not end are ''."""
     sampler = Eagle3DataPlan(**{**asdict_plan(plan), "passes": plan.passes, "layers": (), "top_k": 1,
-                                "max_new_tokens": plan.prompt_max_tokens})
+                                "max_new_tokens": plan.prompt_max_tokens, "openers": ()})
+    begun = [tokenizer(o, add_special_tokens=False)["input_ids"] if o else []
+             for o in (openers or [""] * plan.prompt_batch)]
     texts = []
-    for e in answer_batch(fused, [header] * plan.prompt_batch, SamplingPass(1.0, 1.0), sampler, eos_id, seed):
+    for e, start in zip(answer_batch(fused, [header + b for b in begun], SamplingPass(1.0, 1.0), sampler, eos_id,
+                                     seed), begun):
         answer = e.ids[e.prompt_len:].tolist()
-        texts.append(tokenizer.decode(answer[:-1], skip_special_tokens=False) if answer[-1] == eos_id else "")
+        texts.append(tokenizer.decode(start + answer[:-1], skip_special_tokens=False) if answer[-1] == eos_id else "")
     return texts
 
 
@@ -207,13 +224,17 @@ def select_prompts(samples: list[str], plan: Eagle3DataPlan,
     """(train, heldout) Magpie prompts from every sample so far, in sampling order; none whose normalized text
     is in `taken` (another folder's prompts: see other_prompts)."""
     reserved = {normalized(p) for which in SETS for p in chat_prompts(which)} | taken
+    begun = sorted({tuple(normalized(o).split()) for o in plan.openers}, key=len, reverse=True)   # longest first
     seen, openings, train, heldout = set(), {}, [], []
     for text in samples:
         kept = clean_prompt(text)
         if kept is None:
             continue
         key = normalized(kept)
-        opening = " ".join(key.split()[:4])
+        words = key.split()
+        # the cap counts the first four words after the opener a steered turn was begun with
+        skip = next((len(b) for b in begun if tuple(words[:len(b)]) == b), 0)
+        opening = " ".join(words[: skip + 4])
         if key in seen or key in reserved or openings.get(opening, 0) >= plan.max_per_opening:
             continue
         seen.add(key)
@@ -252,7 +273,8 @@ def build_prompts(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
             log(f"prompts: stopping at the deadline with {len(train) + len(heldout):,} kept; rerun to resume")
             return None
         index = max(done, default=-1) + 1
-        batch = sample_prompts(fused, tokenizer, header, plan, eos_id, plan.seed * 1_000_003 + index)
+        batch = sample_prompts(fused, tokenizer, header, plan, eos_id, plan.seed * 1_000_003 + index,
+                               batch_openers(plan, index))
         write_atomic(folder.root / "prompts" / f"batch-{index:05d}.json", json.dumps({"samples": batch}))
         done[index] = batch
         made += len(batch)
@@ -510,6 +532,8 @@ def data_command(root: Path) -> str:
         words += ["--seed", str(plan["seed"])]
     if plan.get("written_prompts", -1) != -1:
         words += ["--written", str(plan["written_prompts"])]
+    if plan.get("openers"):
+        words += ["--steered"]
     return " ".join(words)
 
 
@@ -598,6 +622,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--written", type=int, default=Eagle3DataPlan().written_prompts,
                     help="the project's written prompts mixed in (default -1: all of them; 0 in a second folder, "
                          "whose first one already answers them)")
+    ap.add_argument("--steered", action="store_true",
+                    help="begin each sampled user turn with one of the common ways people open a chat turn "
+                         "('How do', 'Write a', 'List', ...; engine.train.chat_prompts.OPENERS) and let the target "
+                         "finish it, so the prompts ask for code, verse, lists and rewrites too")
     ap.add_argument("--exclude", type=Path, action="append", default=[],
                     help="a data folder or pack whose frozen prompts this folder leaves out (repeatable)")
     a = ap.parse_args(argv)
@@ -611,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     magpie = a.magpie if a.magpie is not None else frozen_count(work, pack)
     try:
         plan = Eagle3DataPlan(magpie_prompts=magpie, answer_batch=a.answer_batch, max_new_tokens=a.max_new_tokens,
-                              seed=a.seed, written_prompts=a.written)
+                              seed=a.seed, written_prompts=a.written, openers=OPENERS if a.steered else ())
         plan = plan.for_model(len(target.model.model.layers))
         taken = other_prompts(a.exclude)
         with DataFolder(work, plan, target.name) as folder:
