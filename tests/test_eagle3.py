@@ -259,6 +259,21 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     assert result["heldout_log"][-1]["top1"] == result["heldout_top1_by_step"]
     assert len({round(p["loss"], 6) for p in result["heldout_log"]}) > 1   # measured each time, not copied
     assert "held-out top-1 during training" in "\n".join(eagle3.heldout_curve(result["heldout_log"]))
+    if not own_head:   # the second folder replayed: a seeded share of its shards, the same on every run
+        more = sorted(eagle3_data.iter_shards(folders[1]))
+        sample = eagle3.replay_sample(more, 0.5, 0)
+        assert len(sample) == round(0.5 * len(more)) and set(sample) < set(more)
+        assert sample == eagle3.replay_sample(more[::-1], 0.5, 0) != eagle3.replay_sample(more, 0.5, 1)
+        replayed = eagle3.train(smol, folders[:1], tmp_path / "replay", tmp_path / "replay-head",
+                                replace(plan, epochs=0.25, heldout_every=0, replay_share=0.5), logs.append,
+                                replay=folders[1:])
+        assert [d["shards"] for d in replayed["data_folders"]] == [shards[data] - 2, len(sample)]
+        assert replayed["data_folders"][1]["replay"] == 0.5 and "replay" not in replayed["data_folders"][0]
+        assert "a 50% sample of its shards" in "\n".join(eagle3.folder_lines(replayed["data_folders"]))
+        with pytest.raises(eagle3.DataError, match="--replay"):   # its checkpoint resumes only on the same replay
+            eagle3.train(smol, folders[:1], tmp_path / "replay", tmp_path / "replay-head",
+                         replace(plan, epochs=0.25, heldout_every=0, replay_share=0.25), logs.append,
+                         replay=folders[1:])
     if own_head:   # a warm start begins where the saved head ended, not where a random one begins
         warm = eagle3.train(smol, folders, tmp_path / "warm", tmp_path / "warm-head",
                             replace(plan, init=str(tmp_path / "head"), epochs=1, own_head=False,

@@ -72,12 +72,15 @@ class Eagle3Plan:
     log_every_s: float = 60.0
     heldout_every: int = 250         # optimiser steps between measurements on the held-out shard (0: at the end only)
     init: str = ""                   # a saved head to start from (its layers, vocabulary, LM-head choice)
+    replay_share: float = 0.25       # the share of each replay folder's shards trained on (a seeded sample)
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.kept < 16 or self.batch < 1 or self.epochs <= 0 or not self.lr > 0:
             raise ValueError("need depth >= 1, kept >= 16, batch >= 1, epochs > 0 and lr > 0")
         if self.feature_weight < 0 or self.noise < 0 or self.heldout_every < 0:
             raise ValueError("need feature_weight >= 0, noise >= 0 and heldout_every >= 0")
+        if not 0 < self.replay_share <= 1:
+            raise ValueError("need 0 < replay share <= 1")
 
 
 def kept_vocabulary(examples: list[Example], size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -265,6 +268,14 @@ def heldout_split(paths: list[Path]) -> tuple[Path, list[Path]]:
     return held, [p for p in paths[1:] if p.stem.rsplit("-", 1)[-1] != chunk]
 
 
+def replay_sample(paths: list[Path], share: float, seed: int) -> list[Path]:
+    """A seeded `share` of a replay folder's shards (at least one), in name order: the same sample on every resumed
+    run while the folder holds the same shards."""
+    ordered = sorted(paths)
+    k = max(1, round(share * len(ordered))) if ordered else 0
+    return sorted(random.Random(seed * 7919 + len(ordered)).sample(ordered, k))
+
+
 def data_folders(folders: list[Path]) -> tuple[dict[Path, str], tuple[int, ...], list[dict]]:
     """({shard: the fingerprint it is read under}, the layers whose inputs the data kept, each folder's plan
     file) over every folder of `python -m engine draft-data` given. The folders may differ in their prompts,
@@ -308,6 +319,11 @@ def warm_start(folder: Path, target: LoadedModel, stored: tuple[int, ...], plan:
     return head, kept
 
 
+def data_names(folders: list[Path], replay: list[Path], plan: Eagle3Plan) -> list[str]:
+    """What a checkpoint records it trains on (resumed only on the same)."""
+    return [str(f) for f in folders] + [f"{f} (replay {plan.replay_share:g})" for f in replay]
+
+
 def prompt_sources(folders: list[Path]) -> dict:
     """The prompt counts of every folder's frozen list, added up (magpie, written, magpie_heldout)."""
     total: dict[str, int] = {}
@@ -318,13 +334,16 @@ def prompt_sources(folders: list[Path]) -> dict:
 
 
 def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
-          log=print, deadline: float | None = None) -> dict:
-    """Train (or resume) on every whole shard under `data` (one folder or several); export to `out` when done.
-    The loss is held out on the first folder's first chunk."""
+          log=print, deadline: float | None = None, replay: list[Path] = ()) -> dict:
+    """Train (or resume) on every whole shard under `data` (one folder or several) and a seeded
+    `plan.replay_share` of those under each `replay` folder (data an earlier head was trained on, revisited so
+    that new data does not wash it out); export to `out` when done. The loss is held out on the first `data`
+    folder's first chunk."""
     folders = [data] if isinstance(data, Path) else list(data)
+    replay = list(replay)
     if not folders:
         raise DataError("no data folder given")
-    fingerprint_of, stored, plan_files = data_folders(folders)
+    fingerprint_of, stored, plan_files = data_folders(folders + replay)
     plan_file = plan_files[0]
     layers = tuple(plan.layers) if plan.layers else stored
     if target.fused is None:
@@ -342,7 +361,9 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     if not first:
         raise DataError(f"no shards under {folders[0]}: run `python -m engine draft-data` first")
     held_path, paths = heldout_split(first)
-    paths += [p for p in fingerprint_of if p.parent.parent != folders[0]]
+    paths += [p for p in fingerprint_of if p.parent.parent in folders[1:]]
+    for folder in replay:
+        paths += replay_sample([p for p in fingerprint_of if p.parent.parent == folder], plan.replay_share, plan.seed)
     if not paths:
         raise DataError(f"the shards under {folders[0]} answer one chunk of prompts, which is held out to measure "
                         "the loss: run `python -m engine draft-data` further")
@@ -354,10 +375,10 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         ckpt = torch.load(ckpt_path, weights_only=False)
         kept, config, cursor = ckpt["kept"], EagleConfig(**ckpt["config"]), Cursor(**ckpt["cursor"])
         trained_on = ckpt.get("data", [str(folders[0])])
-        if trained_on != [str(f) for f in folders]:
+        if trained_on != data_names(folders, replay, plan):
             raise DataError(f"the checkpoint {ckpt_path} trains on {', '.join(trained_on)}, not on "
-                            f"{', '.join(map(str, folders))}: rerun with the same --data to resume it, or move it "
-                            "away to start anew")
+                            f"{', '.join(data_names(folders, replay, plan))}: rerun with the same --data (and "
+                            "--replay) to resume it, or move it away to start anew")
         if plan.layers and config.feature_layers != layers:
             raise DataError(f"the checkpoint {ckpt_path} trains a head on layers {list(config.feature_layers)}, not "
                             f"{list(layers)}: rerun with --layers {','.join(map(str, config.feature_layers))} to "
@@ -423,7 +444,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         mark = time.time()
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "cursor": asdict(cursor), "kept": kept,
-                    "config": asdict(config), "plan": asdict(plan), "data": [str(f) for f in folders]}, tmp)
+                    "config": asdict(config), "plan": asdict(plan), "data": data_names(folders, replay, plan)}, tmp)
         tmp.replace(ckpt_path)
 
     clean = replace(plan, noise=0.0, feature_weight=0.0)   # the held-out loss: soft labels only, no noise
@@ -505,11 +526,12 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     by_folder = [{"folder": str(f), "shards": sum(p.parent.parent == f for p in paths),
                   "tokens": sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths
                                 if p.parent.parent == f),
-                  "prompt_sources": read_prompts(f)["sources"], "plan": pf["plan"], "command": data_command(f)}
-                 for f, pf in zip(folders, plan_files)]
+                  "prompt_sources": read_prompts(f)["sources"], "plan": pf["plan"], "command": data_command(f),
+                  **({"replay": plan.replay_share} if f in replay else {})}
+                 for f, pf in zip(folders + replay, plan_files)]
     meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
             "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
-            "kept": len(kept), "prompt_sources": prompt_sources(folders), "data_folders": by_folder,
+            "kept": len(kept), "prompt_sources": prompt_sources(folders + replay), "data_folders": by_folder,
             "feature_layers": list(layers),
             "target_layers": len(target.fused.layers) if target.fused is not None else None,
             "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
@@ -552,7 +574,10 @@ def folder_lines(folders: list[dict]) -> list[str]:
     """One line a data folder, where the data came from more than one."""
     if len(folders) < 2:
         return []
-    return [f"  - `{f['folder']}` (seed {f['plan']['seed']}): {f['tokens']:,} tokens in {f['shards']} training "
+    return [f"  - `{f['folder']}` (seed {f['plan']['seed']}"
+            + (", steered" if f["plan"].get("openers") else "")
+            + (f"; replayed: a {f['replay']:.0%} sample of its shards" if "replay" in f else "")
+            + f"): {f['tokens']:,} tokens in {f['shards']} training "
             f"shards; prompts: {f['prompt_sources']['magpie']:,} self-written, {f['prompt_sources']['written']:,} "
             "written" for f in folders]
 
@@ -649,6 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, action="append", default=None,
                     help="data folder (default: .cache/draft-data/<target>); repeat it to train on several, the "
                          "first one holding out the loss's shard")
+    ap.add_argument("--replay", type=Path, action="append", default=[],
+                    help="a data folder an earlier head was trained on, of which only a seeded sample of shards "
+                         "(--replay-share) is trained on again beside the new --data (repeatable)")
+    ap.add_argument("--replay-share", type=float, default=Eagle3Plan().replay_share,
+                    help="the share of each --replay folder's shards trained on (default %(default)s)")
     ap.add_argument("--out", type=Path, default=None, help="export folder (default: assets/eagle/<target>-eagle3)")
     ap.add_argument("--epochs", type=float, default=Eagle3Plan().epochs)
     ap.add_argument("--batch", type=int, default=Eagle3Plan().batch)
@@ -690,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = Eagle3Plan(kept=a.kept, depth=a.depth, epochs=a.epochs, batch=a.batch, lr=a.lr, bf16=a.bf16,
                           own_head=not a.target_head, layers=layers, feature_norm=a.feature_norm,
                           feature_weight=a.feature_weight, noise=a.noise, heldout_every=a.heldout_every,
-                          init=str(a.init or ""))
+                          init=str(a.init or ""), replay_share=a.replay_share)
     except ValueError as exc:
         print(f"train-eagle3: {exc}", file=sys.stderr)
         return 2
@@ -704,13 +734,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         result = train(target, data, a.work or REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
-                       time.time() + a.minutes * 60 if a.minutes else None)
+                       time.time() + a.minutes * 60 if a.minutes else None, a.replay)
     except DataError as exc:
         print(exc, file=sys.stderr)
         return 2
     if not result["finished"] or a.skip_eval:
         return 0
-    heldout = [p for folder in data for p in read_prompts(folder)["heldout"]]
+    heldout = [p for folder in data + a.replay for p in read_prompts(folder)["heldout"]]
     evals = evaluate_heads(target, out, eagle_folder(a.target), heldout, log, a.quick_eval)
     write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals,
                command_line("train-eagle3", argv),
