@@ -282,6 +282,17 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
         # the saved head's choices win over the options, and the meta (so the card) says so
         assert (warm["plan"]["own_head"], warm["plan"]["feature_norm"]) == (True, feature_norm)
         assert list(warm["plan"]["layers"]) == list(LAYERS)
+        # its card carries the saved head's history: what that one was trained on, and its commands first
+        lineage = warm["init"]
+        assert (lineage["steps"], lineage["tokens"], lineage["folder"]) == (result["steps"], result["tokens"],
+                                                                              str(tmp_path / "head"))
+        eagle3.write_card(tmp_path / "warm-head", "smollm2", {k: v for k, v in warm.items() if k != "finished"}, {},
+                          "python -m engine train-eagle3 --init head", 1.0)
+        card = (tmp_path / "warm-head" / "MODEL_CARD.md").read_text()
+        assert f"`{tmp_path / 'head'}`, not at random: itself {result['steps']:,} steps" in card
+        commands = json.loads((tmp_path / "warm-head" / "card.json").read_text())["commands"]
+        assert commands[-2:] == ["python -m engine train-eagle3 --data x", "python -m engine train-eagle3 --init head"]
+        assert eagle3.init_lineage(tmp_path / "nothing") is None
         with pytest.raises(eagle3.DataError, match="fuses layers"):
             eagle3.train(smol, folders, tmp_path / "warm2", tmp_path / "warm-head",
                          replace(plan, init=str(tmp_path / "head"), layers=(2, 15, 30)), logs.append)

@@ -319,6 +319,19 @@ def warm_start(folder: Path, target: LoadedModel, stored: tuple[int, ...], plan:
     return head, kept
 
 
+def init_lineage(folder: Path) -> dict | None:
+    """What the card of the head in `folder` says it was trained on, for the card of a head started from it:
+    its tokens, sequences, steps, training time and commands, and its own starting point's (None when the
+    folder holds no readable card)."""
+    try:
+        card = json.loads((folder / "card.json").read_text())
+        figures = {k: card[k] for k in ("tokens", "sequences", "steps", "train_seconds", "heldout_loss")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    commands = card.get("commands") or [f["command"] for f in card.get("data_folders", []) if "command" in f]
+    return {"folder": str(folder), **figures, "commands": commands, "init": card.get("init")}
+
+
 def data_names(folders: list[Path], replay: list[Path], plan: Eagle3Plan) -> list[str]:
     """What a checkpoint records it trains on (resumed only on the same)."""
     return [str(f) for f in folders] + [f"{f} (replay {plan.replay_share:g})" for f in replay]
@@ -535,7 +548,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
             "feature_layers": list(layers),
             "target_layers": len(target.fused.layers) if target.fused is not None else None,
             "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
-            "train_seconds": cursor.seconds}
+            "train_seconds": cursor.seconds, "init": init_lineage(Path(plan.init)) if plan.init else None}
     save_head(head, kept, out, meta)
     log(f"wrote {out}")
     return {"finished": True, **meta}
@@ -582,6 +595,21 @@ def folder_lines(folders: list[dict]) -> list[str]:
             "written" for f in folders]
 
 
+def lineage_lines(init: dict | None, depth: int = 0) -> list[str]:
+    """The heads a warm start began from, one line each, the nearest first."""
+    if not init:
+        return []
+    pad = "  " * depth
+    return [f"{pad}- started from the head in `{init['folder']}`, not at random: itself {init['steps']:,} steps over "
+            f"{init['sequences']:,} sequences ({init['tokens']:,} tokens), {init['train_seconds'] / 3600:.2f} h of "
+            f"training, held-out loss {init['heldout_loss']:.3f}", *lineage_lines(init.get("init"), depth + 1)]
+
+
+def lineage_commands(init: dict | None) -> list[str]:
+    """The commands behind a warm start's starting points, the oldest first."""
+    return lineage_commands(init.get("init")) + list(init["commands"]) if init else []
+
+
 def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
     """The model card: data, training, losses, acceptance by position (measured by the engine), time, commands."""
     plan, src = meta["plan"], meta["prompt_sources"]
@@ -602,7 +630,8 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              f"shard {meta['heldout_shard']} kept for the held-out loss",
              *folder_lines(meta.get("data_folders", [])), "",
              "## Training (`python -m engine train-eagle3`)",
-             *([f"- started from the head in `{plan['init']}`, not at random"] if plan.get("init") else []),
+             *(lineage_lines(meta["init"]) if meta.get("init") else
+               [f"- started from the head in `{plan['init']}`, not at random"] if plan.get("init") else []),
              f"- {meta['steps']:,} AdamW steps of {plan['batch']} sequences ({plan['epochs']} epochs), lr {plan['lr']} "
              f"with warm-up and cosine decay; training-time test over {plan['depth']} steps (step weights "
              f"{plan['step_decay']}^(s-1)); {loss_words(plan)}; bf16 autocast: {plan['bf16']}",
@@ -625,10 +654,12 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
                   f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}{speed}", ""]
     data_lines = [f["command"] for f in meta.get("data_folders", [])] or ["python -m engine draft-data --target "
                                                                            + target_source]
-    lines += ["## Commands", "```", *data_lines, command, "```", ""]
+    earlier = lineage_commands(meta.get("init"))
+    commands = list(dict.fromkeys([*earlier, *data_lines, command]))   # once each, in the order they ran
+    lines += ["## Commands", "```", *commands, "```", ""]
     (folder / "MODEL_CARD.md").write_text("\n".join(lines))
-    (folder / "card.json").write_text(json.dumps({"eval": evals, **{k: v for k, v in meta.items() if k != "log"}},
-                                                 indent=1) + "\n")
+    (folder / "card.json").write_text(json.dumps({"eval": evals, **{k: v for k, v in meta.items() if k != "log"},
+                                                  "commands": commands}, indent=1) + "\n")
 
 
 def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log,
