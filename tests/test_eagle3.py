@@ -229,7 +229,7 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
         clock[0] += 1.0
         return clock[0]
     monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
-    plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=6, batch=4, warmup=2, lr=2e-3, log_every_s=0,
+    plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=4, batch=4, warmup=2, lr=2e-3, log_every_s=0,
                              own_head=own_head, feature_norm=feature_norm, heldout_every=2)
     stopped = eagle3.train(smol, folders, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
     assert not stopped["finished"] and 0 < stopped["cursor"]["step"] and stopped["cursor"]["seconds"] > 0

@@ -68,7 +68,9 @@ def references(smol):
     return {q: hf_greedy(smol, encode_chat(smol.tokenizer, ChatPrompt(q)), NEW, eos_id=2) for q in QUESTIONS}
 
 
-@pytest.mark.parametrize("mode, k", [(Mode.V2, 1), (Mode.V2, 4), (Mode.V1, 1), (Mode.V1, 4), (Mode.TARGET, 4)])
+# v1 runs two target forwards a round, so it is the costliest here; its K=1 edge is held by the built-in pair's
+# tests (tests/test_eagle.py, tests/test_tree.py), and SmolLM2 keeps it at K=4
+@pytest.mark.parametrize("mode, k", [(Mode.V2, 1), (Mode.V2, 4), (Mode.V1, 4), (Mode.TARGET, 4)])
 def test_greedy_parity_with_generate(smol, references, mode, k, drafter=DrafterKind.NGRAM):
     """v2 and v1 with prompt lookup, and target-only, token for token against generate on chat turns.
     (SmolLM2 has no separate draft model; its EAGLE head is tested in test_eagle_smollm2.)"""
