@@ -1,5 +1,5 @@
 """`python -m engine <command>`: generate, bench, peer-bench, cache-bench, train-builtin, eval-builtin, train-draft,
-draft-data, train-eagle3, sampled-bench, watch."""
+draft-data, train-eagle3, eval-eagle3, sampled-bench, watch."""
 import sys
 
 
@@ -13,6 +13,7 @@ def main() -> int:
         "train-draft": "engine.train.draft",
         "draft-data": "engine.train.eagle3_data",
         "train-eagle3": "engine.train.eagle3",
+        "eval-eagle3": "engine.train.eagle3_eval",
         "cache-bench": "engine.bench.cache_bench",
         "sampled-bench": "engine.bench.sampled",
         "watch": "engine.watch",

@@ -662,41 +662,12 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
                                                   "commands": commands}, indent=1) + "\n")
 
 
-def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log,
-                   quick: bool = False) -> dict:
-    """The engine's measure of the new head (and of today's head in `today`, on the same prompts, in the same
-    process): greedy on the 16 held-out chat prompts, on 32 held-out Magpie prompts and on the 12 fresh
-    chat prompts, and at T = 0.7, top-p 0.95 on the held-out chat prompts. Keyed by a sentence naming the head, the prompts and the sampling."""
-    from engine.prompts import ChatPrompt, encode_chat
-    from engine.sampling import SamplingParams
-    from engine.train.chat_prompts import chat_prompts
-    from engine.train.draft import evaluate
-
-    magpie = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in heldout[:32]]
-    fresh = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in chat_prompts("fresh")]
-    sets = [("the 16 held-out chat prompts", None, None),
-            (f"{len(magpie)} held-out Magpie prompts", magpie, None),
-            (f"the {len(fresh)} fresh chat prompts (written after the data)", fresh, None),
-            ("the 16 held-out chat prompts, T = 0.7, top-p 0.95", None, SamplingParams(temperature=0.7, top_p=0.95))]
-    if quick:   # the held-out and the fresh chat prompts, greedy: a few minutes instead of a quarter hour
-        sets = [sets[0], sets[2]]
-    heads = [("this head", head)] + ([("today's head", today)] if today is not None and today.is_dir() else [])
-    evals = {}
-    for what, prompts, sampling in sets:
-        for name, folder in heads:
-            key = f"{name}: {what}"
-            evals[key] = asdict(evaluate(target, folder, prompts=prompts, sampling=sampling))
-            e = evals[key]
-            log(f"{key}: alpha {e['alpha']:.3f}, tokens/round {e['tokens_per_round']:.2f}, "
-                f"{e['tokens_per_s']:.1f} against {e['target_tokens_per_s']:.1f} tok/s target-only")
-    return evals
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import re
 
     from engine.sources import REPO_ROOT, SMOLLM2, eagle_folder
+    from engine.train.eagle3_eval import evaluate_heads
 
     ap = argparse.ArgumentParser(prog="python -m engine train-eagle3", description=(
         "Train an EAGLE-3-style head on the shards of `python -m engine draft-data`; resumable; then measure it "

@@ -1,0 +1,173 @@
+"""Measuring an EAGLE-3 head by the kind of prompt it drafts for: `python -m engine eval-eagle3`.
+
+A head's acceptance depends on what the target is asked. The held-out chat prompts the project wrote
+(`engine.train.chat_prompts`, "heldout" and "fresh") are ordinary questions on subjects no training prompt
+touches; the self-written (Magpie) prompts of a data pack are the target's own, often odd, user turns. Each
+pack keeps some of those out of training (its "heldout" list); its "train" list is what a head trained on it
+saw. This command runs the engine with a head (and, with --against, a second head on the same prompts in the
+same process) over each kind, greedy or sampled, and prints per-position acceptance, tokens per round and the
+speed against target-only decoded beside it, one line per kind, so that a figure is always read with the
+prompts it came from.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    name: str                              # what a reader needs to know about the prompts
+    prompts: list[list[int]] | None        # token ids; None: the engine's own held-out chat prompts
+
+
+def chat_sets(target: LoadedModel) -> list[PromptSet]:
+    """The project's written chat prompts: the 16 held-out ones and the 12 written after the data."""
+    from engine.prompts import ChatPrompt, encode_chat
+    from engine.train.chat_prompts import chat_prompts
+
+    fresh = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in chat_prompts("fresh")]
+    return [PromptSet("the 16 held-out chat prompts", None),
+            PromptSet(f"the {len(fresh)} fresh chat prompts (written after the data)", fresh)]
+
+
+def pack_sets(target: LoadedModel, packs: list[Path], per_set: int, trained_too: bool) -> list[PromptSet]:
+    """For each data folder or pack: the first `per_set` of its held-out self-written prompts, and (with
+    `trained_too`) the first `per_set` of the prompts a head trained on it saw."""
+    from engine.prompts import ChatPrompt, encode_chat
+    from engine.train.eagle3_data import read_prompts
+
+    sets = []
+    for pack in packs:
+        frozen = read_prompts(pack)
+        kinds = [("heldout", "held-out self-written")] + ([("train", "trained-on")] if trained_too else [])
+        for key, words in kinds:
+            texts = frozen[key][:per_set]
+            if texts:
+                sets.append(PromptSet(f"{len(texts)} {words} prompts of {pack.name}",
+                                      [encode_chat(target.tokenizer, ChatPrompt(p)) for p in texts]))
+    return sets
+
+
+def evaluate_sets(target: LoadedModel, heads: list[tuple[str, Path]], sets: list[PromptSet], log,
+                  sampling=None, k: int = 4, new_tokens: int = 64) -> dict:
+    """Each head on each set, in this process: the engine's measure (engine.train.draft.evaluate), keyed by
+    "<head's name>: <set's name>" (", T = ..." added when sampled)."""
+    from engine.train.draft import evaluate
+
+    how = "" if sampling is None or sampling.temperature == 0 else \
+        f", T = {sampling.temperature:g}, top-p {sampling.top_p:g}"
+    evals = {}
+    for s in sets:
+        for name, folder in heads:
+            key = f"{name}: {s.name}{how}"
+            t0 = time.time()
+            evals[key] = asdict(evaluate(target, folder, k=k, new_tokens=new_tokens, prompts=s.prompts,
+                                         sampling=sampling))
+            log(f"{line(key, evals[key])} ({time.time() - t0:.0f} s)")
+    return evals
+
+
+def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log,
+                   quick: bool = False) -> dict:
+    """The trainer's measure of a new head (and of today's head in `today`, on the same prompts, in the same
+    process): greedy on the 16 held-out chat prompts, on 32 of its data's held-out Magpie prompts and on the 12
+    fresh chat prompts, and at T = 0.7, top-p 0.95 on the held-out chat prompts; `quick`: the held-out and the
+    fresh chat prompts, greedy, only."""
+    from engine.prompts import ChatPrompt, encode_chat
+    from engine.sampling import SamplingParams
+
+    chat, fresh = chat_sets(target)
+    magpie = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in heldout[:32]]
+    heads = [("this head", head)] + ([("today's head", today)] if today is not None and today.is_dir() else [])
+    if quick:
+        return evaluate_sets(target, heads, [chat, fresh], log)
+    return {**evaluate_sets(target, heads, [chat, PromptSet(f"{len(magpie)} held-out Magpie prompts", magpie),
+                                            fresh], log),
+            **evaluate_sets(target, heads, [chat], log, SamplingParams(temperature=0.7, top_p=0.95))}
+
+
+def line(key: str, e: dict) -> str:
+    speed = ""
+    if e.get("tokens_per_s") and e.get("target_tokens_per_s"):
+        speed = f", {e['tokens_per_s'] / e['target_tokens_per_s']:.2f}x target-only"
+    return (f"{key}: alpha {e['alpha']:.3f} (by position " + " ".join(f"{r:.2f}" for r in e["position_rates"])
+            + f"), {e['tokens_per_round']:.2f} tokens a round{speed}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import re
+
+    from engine.config import K_BOUND
+    from engine.drafters.eagle import EagleLoadError, read_head
+    from engine.sampling import SamplingParams
+    from engine.sources import SMOLLM2, eagle_folder
+    from engine.train.data_pack import pack_folder
+    from engine.train.eagle3_data import DataError, command_start, read_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m engine eval-eagle3", description=(
+        "Measure an EAGLE-3 head with the engine on each kind of prompt: the project's held-out and fresh chat "
+        "prompts, and each data pack's held-out (and trained-on) self-written prompts."))
+    ap.add_argument("--target", default=SMOLLM2)
+    ap.add_argument("--head", type=Path, default=None, help="the head's folder (default: assets/eagle/<target>-eagle3)")
+    ap.add_argument("--against", type=Path, default=None, help="a second head measured on the same prompts")
+    ap.add_argument("--pack", type=Path, action="append", default=None,
+                    help="a data folder or pack whose self-written prompts are measured (repeatable; default: the "
+                         "target's shipped packs)")
+    ap.add_argument("--per-set", type=int, default=16, help="prompts taken from each pack's list (default 16)")
+    ap.add_argument("--trained-too", action="store_true", help="also the prompts a head trained on each pack saw")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--chat-only", action="store_true", help="only the project's held-out and fresh chat prompts")
+    only.add_argument("--packs-only", action="store_true", help="only the packs' self-written prompts")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="with --temperature above 0 (default 0.95)")
+    ap.add_argument("--json", type=Path, default=None, help="write every measure here")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    if not 1 <= a.k <= K_BOUND or a.per_set < 1 or a.new_tokens < 1:
+        print(f"eval-eagle3: --k takes 1 to {K_BOUND}, --per-set and --new-tokens at least 1", file=sys.stderr)
+        return 2
+    try:
+        sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p) if a.temperature > 0 else None
+    except ValueError as exc:
+        print(f"eval-eagle3: {exc}", file=sys.stderr)
+        return 2
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", a.target)
+    heads = [("head", a.head or eagle_folder(f"{slug}-eagle3"))] + ([("against", a.against)] if a.against else [])
+    shipped = sorted(p for p in pack_folder(slug).parent.glob(f"{slug}*")
+                     if (p.name == slug or p.name.startswith(slug + "-")) and (p / "prompts.json").exists())
+    packs = [] if a.chat_only else (a.pack or shipped)
+    for name, folder in heads:   # refused with a sentence before the target loads
+        try:
+            read_head(folder)
+        except EagleLoadError as exc:
+            print(f"eval-eagle3: --{name}: {exc}", file=sys.stderr)
+            return 2
+    for pack in packs:
+        try:
+            read_prompts(pack)
+        except DataError as exc:
+            print(f"eval-eagle3: --pack: {exc}", file=sys.stderr)
+            return 2
+    target, log = command_start(a.target, a.threads)
+    if target is None:
+        return 2
+    sets = ([] if a.packs_only else chat_sets(target)) + pack_sets(target, packs, a.per_set, a.trained_too)
+    named = [(f"{name} ({folder})", folder) for name, folder in heads]
+    evals = evaluate_sets(target, named, sets, log, sampling, a.k, a.new_tokens)
+    print("\n".join(line(key, e) for key, e in evals.items()))
+    if a.json:
+        a.json.write_text(json.dumps(evals, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

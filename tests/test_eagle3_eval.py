@@ -1,0 +1,74 @@
+"""`python -m engine eval-eagle3`: a head measured by the engine on each kind of prompt, and bad input refused
+with a sentence before the target loads."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.prompts import ChatPrompt, encode_chat
+from engine.sources import SMOLLM2_PIP, eagle_folder, smollm2_gguf
+from engine.train import eagle3_eval
+
+pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
+
+HELDOUT = ["How do I fold a paper crane?", "What makes thunder so loud?", "Name a bird that cannot fly."]
+TRAIN = ["Write a Python function that adds two numbers.", "Explain how a lock opens with a key."]
+
+
+@pytest.fixture
+def pack(tmp_path):
+    folder = tmp_path / "smollm2-test"
+    folder.mkdir()
+    (folder / "prompts.json").write_text(json.dumps({"train": TRAIN, "heldout": HELDOUT}))
+    return folder
+
+
+def test_each_pack_gives_its_held_out_and_trained_on_prompts(smol, pack, tmp_path):
+    sets = eagle3_eval.pack_sets(smol, [pack], 2, trained_too=True)
+    assert [s.name for s in sets] == ["2 held-out self-written prompts of smollm2-test",
+                                      "2 trained-on prompts of smollm2-test"]
+    assert sets[0].prompts == [encode_chat(smol.tokenizer, ChatPrompt(p)) for p in HELDOUT[:2]]
+    assert sets[1].prompts == [encode_chat(smol.tokenizer, ChatPrompt(p)) for p in TRAIN]
+    assert [s.name for s in eagle3_eval.pack_sets(smol, [pack], 5, trained_too=False)] == \
+        ["3 held-out self-written prompts of smollm2-test"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "prompts.json").write_text(json.dumps({"train": [], "heldout": []}))
+    assert eagle3_eval.pack_sets(smol, [empty], 4, trained_too=True) == []
+
+
+def test_two_heads_measured_on_the_same_prompts_one_line_each(pack, tmp_path, capsys):
+    out = tmp_path / "evals.json"
+    rc = eagle3_eval.main(["--packs-only", "--pack", str(pack), "--per-set", "2", "--trained-too", "--k", "3",
+                           "--new-tokens", "12", "--against", str(eagle_folder("smollm2")), "--json", str(out)])
+    assert rc == 0
+    evals = json.loads(out.read_text())
+    head = eagle_folder("smollm2-eagle3")
+    assert list(evals) == [f"head ({head}): 2 held-out self-written prompts of smollm2-test",
+                           f"against ({eagle_folder('smollm2')}): 2 held-out self-written prompts of smollm2-test",
+                           f"head ({head}): 2 trained-on prompts of smollm2-test",
+                           f"against ({eagle_folder('smollm2')}): 2 trained-on prompts of smollm2-test"]
+    for e in evals.values():
+        assert (e["prompts"], e["k"], e["new_tokens"], e["temperature"]) == (2, 3, 12, 0.0)
+        assert 0 <= e["alpha"] <= 1 and len(e["position_rates"]) == 3 and 1 <= e["tokens_per_round"] <= 4
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 4 and all(" alpha " in line and "tokens a round" in line for line in printed)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--head", "/nonexistent/head"], "--head:"),
+    (["--pack", "/nonexistent/pack"], "--pack:"),
+    (["--k", "0"], "--k takes 1 to"),
+    (["--per-set", "0"], "--per-set"),
+    (["--temperature", "0.7", "--top-p", "1.5"], "eval-eagle3:"),
+])
+def test_bad_options_get_a_sentence_before_the_target_loads(argv, words, capsys, monkeypatch):
+    import engine.train.eagle3_data as eagle3_data
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the options were checked")
+
+    monkeypatch.setattr(eagle3_data, "command_start", no_loading)
+    assert eagle3_eval.main(argv) == 2
+    assert words in capsys.readouterr().err
