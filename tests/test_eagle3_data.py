@@ -29,6 +29,8 @@ def test_the_recorded_command_keeps_what_changes_the_data():
         "python -m engine train-eagle3 --epochs 1"
     assert data.command_line("draft-data", ["--rebuild-dtype", "bfloat16", "--seed", "2"]) == \
         "python -m engine draft-data --seed 2"
+    assert data.command_line("draft-data", ["--answers-only", "--seed", "2", "--answers-only"]) == \
+        "python -m engine draft-data --seed 2"
 
 
 def tiny_plan(**overrides) -> Eagle3DataPlan:
@@ -252,7 +254,39 @@ def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(
             data_pack.restore(folder, pack, smol.fused, logs.append)
     with DataFolder(tmp_path / "c", tiny_plan(top_k=4), smol.name) as folder:   # another plan: not used
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == 0
+        assert data_pack.packed_tokens(folder, pack, logs.append) == {}
     assert "under another plan" in logs[-1]
+
+
+def test_answering_on_from_a_pack_without_rebuilding_it(smol, tmp_path):
+    """--answers-only: a fresh folder answers only the chunks the pack lacks, counting the packed ones as held,
+    and a later run rebuilds those; together they hold what one run in one folder makes."""
+    plan, logs, pack = tiny_plan(), [], tmp_path / "pack"
+    keep = lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)  # noqa: E731
+    with DataFolder(tmp_path / "a", plan, smol.name) as folder:
+        data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)
+        first = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 150, logs.append, None, keep)
+        data_pack.save_pack(folder, pack, logs.append)
+    packed_before = {p.stem for p in (pack / "answers").glob("*.npz")}
+    with DataFolder(tmp_path / "b", plan, smol.name) as folder:
+        assert data_pack.restore(folder, pack, smol.fused, logs.append, rebuild=False) == 0
+        assert data.read_prompts(folder.root) == data.read_prompts(tmp_path / "a")
+        packed = data_pack.packed_tokens(folder, pack, logs.append)
+        assert set(packed) == packed_before and sum(packed.values()) == first["tokens"]
+        rest = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None, keep, packed)
+    made = {p.stem for p in data.iter_shards(tmp_path / "b")}
+    assert made and not made & packed_before                       # nothing packed was answered again
+    with DataFolder(tmp_path / "a", plan, smol.name) as folder:     # the first folder, finished in one go
+        whole = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None)
+    assert made | packed_before == {p.stem for p in data.iter_shards(tmp_path / "a")}
+    assert rest["tokens"] == whole["tokens"]                       # the same answers, counted the same
+    with DataFolder(tmp_path / "b", plan, smol.name) as folder:     # a run without the option rebuilds the rest
+        assert data_pack.restore(folder, pack, smol.fused, logs.append) == len(packed_before)
+    entry = sorted((pack / "answers").glob("*.npz"))[0]
+    entry.write_bytes(entry.read_bytes()[:100])
+    with DataFolder(tmp_path / "c", plan, smol.name) as folder:
+        with pytest.raises(DataError, match=entry.name):
+            data_pack.packed_tokens(folder, pack, logs.append)
 
 
 @pytest.mark.parametrize("pack", sorted(p.name for p in (ASSETS / "draft-data").iterdir() if p.is_dir()))

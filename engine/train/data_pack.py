@@ -135,22 +135,32 @@ def check_pack(folder: DataFolder, pack: Path) -> None:
                         "self-written prompts); give this folder its own pack (--pack) or none (--no-pack)")
 
 
-def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadline: float | None = None,
-            bf16: bool = False) -> int:
-    """Rebuild into `folder` every packed shard it lacks (and its frozen prompts), when the pack was made under
-    the same plan for the same target. `bf16` multiplies in bfloat16 (`Bf16Weights`; faster where the CPU has
-    AMX, and not the fp32 arithmetic: each shard's sidecar says so). Returns the number of shards rebuilt."""
-    import time
-
+def same_plan(folder: DataFolder, pack: Path, log: Log) -> bool:
+    """Whether the pack was made under the folder's plan for its target (said in the log when it was not)."""
     theirs = pack_plan(pack)
     if theirs is None:
-        return 0
+        return False
     if (theirs.get("target"), theirs.get("fingerprint")) != (folder.target, folder.plan.fingerprint()):
         log(f"pack: {pack} was made for {theirs.get('target')!r} under another plan; not used")
+        return False
+    return True
+
+
+def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadline: float | None = None,
+            bf16: bool = False, rebuild: bool = True) -> int:
+    """Rebuild into `folder` every packed shard it lacks (and its frozen prompts), when the pack was made under
+    the same plan for the same target. `bf16` multiplies in bfloat16 (`Bf16Weights`; faster where the CPU has
+    AMX, and not the fp32 arithmetic: each shard's sidecar says so); `rebuild=False` brings the frozen prompts
+    only. Returns the number of shards rebuilt."""
+    import time
+
+    if not same_plan(folder, pack, log):
         return 0
     for name in ("prompts.json", "command.txt"):
         if not (folder.root / name).exists() and (pack / name).exists():
             write_atomic(folder.root / name, (pack / name).read_text())
+    if not rebuild:
+        return 0
     entries = sorted((pack / "answers").glob("shard-p*-*.npz"))
     fingerprint, rebuilt, t0 = folder.plan.fingerprint(), 0, time.time()
     weights = Bf16Weights.of(fused) if bf16 else None
@@ -171,6 +181,20 @@ def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadlin
         log(f"pack: rebuilt {shard.name} ({len(seqs)} sequences, {tokens:,} tokens; {rebuilt}/{len(entries)} "
             f"in {time.time() - t0:.0f} s)")
     return rebuilt
+
+
+def packed_tokens(folder: DataFolder, pack: Path, log: Log) -> dict[str, int]:
+    """{shard name: tokens} of every entry in the pack, each read whole (a damaged one is refused with its path,
+    one of another plan too): what a run that answers without rebuilding counts as held."""
+    if not same_plan(folder, pack, log):
+        return {}
+    fingerprint, held = folder.plan.fingerprint(), {}
+    for entry in sorted((pack / "answers").glob("shard-p*-*.npz")):
+        seqs, meta = read_entry(entry)
+        if meta.get("fingerprint") != fingerprint:
+            raise DataError(f"{entry} was made with another data plan than {pack / 'plan.json'} says")
+        held[entry.stem] = sum(ids.numel() for ids, _ in seqs)
+    return held
 
 
 # -- teacher forcing ----------------------------------------------------------------------------------------

@@ -456,26 +456,33 @@ def chunks_of(prompts: list[list[int]], size: int, seed: int) -> list[list[int]]
 
 
 def build_answers(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int, token_goal: int, log: Log,
-                  deadline: float | None, on_shard: Callable[[Path, list[Example], dict], None] | None = None) -> dict:
+                  deadline: float | None, on_shard: Callable[[Path, list[Example], dict], None] | None = None,
+                  packed: dict[str, int] | None = None) -> dict:
     """Generate shards until `token_goal` tokens are held or every prompt is answered in every pass.
 
     Passes interleave chunk by chunk (greedy chunk 0, sampled chunk 0, greedy chunk 1, ...), so a run
     stopped early still holds both kinds of answer. `on_shard(path, examples, meta)` is called once each
-    new shard is whole (engine.train.data_pack keeps its token ids). Returns the totals."""
-    plan, fp = folder.plan, folder.plan.fingerprint()
+    new shard is whole (engine.train.data_pack keeps its token ids). `packed` ({shard name: tokens}) names
+    shards answered already and kept as token ids only: counted as held, not made again. Returns the totals."""
+    plan, fp, packed = folder.plan, folder.plan.fingerprint(), packed or {}
     prompts = [encode_chat(tokenizer, ChatPrompt(p)) for p in read_prompts(folder.root)["train"]]
     chunks = chunks_of(prompts, plan.answer_batch, plan.seed)
-    held, t0, made = 0, time.time(), 0
+    held, t0, made, only_packed = 0, time.time(), 0, 0
     todo = []
     for ci in range(len(chunks)):
         for pi in range(len(plan.passes)):
-            info = shard_info(shard_path(folder.root, pi, ci), fp)
-            if info is None:
-                todo.append((ci, pi))
-            else:
+            path = shard_path(folder.root, pi, ci)
+            info = shard_info(path, fp)
+            if info is not None:
                 held += info["tokens"]
-    log(f"answers: {held:,} tokens held in {len(chunks) * len(plan.passes) - len(todo)} shards; "
-        f"{len(todo)} shards to go, goal {token_goal:,} tokens")
+            elif path.stem in packed:
+                held += packed[path.stem]
+                only_packed += 1
+            else:
+                todo.append((ci, pi))
+    log(f"answers: {held:,} tokens held in {len(chunks) * len(plan.passes) - len(todo)} shards"
+        + (f" ({only_packed} as token ids in the pack only)" if only_packed else "")
+        + f"; {len(todo)} shards to go, goal {token_goal:,} tokens")
     for ci, pi in todo:
         if held >= token_goal:
             break
@@ -540,16 +547,19 @@ def data_command(root: Path) -> str:
 # options that change how long or how fast a run goes, not what it makes (a bf16 rebuild makes the same data to
 # bf16 rounding, and each rebuilt shard's sidecar records it)
 RUN_ONLY = ("--minutes", "--threads", "--rebuild-dtype")
+RUN_ONLY_FLAGS = ("--answers-only",)   # the same, taking no value
 
 
 def command_line(name: str, argv: list[str] | None) -> str:
-    """`python -m engine <name> ...` as typed, less the options in RUN_ONLY: the line that remakes the same
+    """`python -m engine <name> ...` as typed, less the options in RUN_ONLY and RUN_ONLY_FLAGS: the line that remakes the same
     data or head, however many resumed runs it took."""
     words, kept = list(sys.argv[1:] if argv is None else argv), []
     while words:
         word = words.pop(0)
         if word in RUN_ONLY:
             words[:1] = []
+        elif word in RUN_ONLY_FLAGS:
+            continue
         elif not word.startswith(tuple(o + "=" for o in RUN_ONLY)):
             kept.append(word)
     return " ".join(["python -m engine", name, *kept])
@@ -612,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the token ids kept in the repository: a fresh folder is rebuilt from them, and every new "
                          "shard's ids are added (default: assets/draft-data/<target>)")
     ap.add_argument("--no-pack", action="store_true", help="neither read nor write the pack")
+    ap.add_argument("--answers-only", action="store_true",
+                    help="answer what the pack does not hold yet without first rebuilding the packed shards' "
+                         "features (a later run without it rebuilds them, e.g. before training)")
     ap.add_argument("--rebuild-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the products of a rebuild from the pack: float32 (the generation's arithmetic) or "
                          "bfloat16 (1.6x faster on a 2-core Xeon with AMX; top-1 labels agree with float32's "
@@ -650,13 +663,15 @@ def main(argv: list[str] | None = None) -> int:
                                 "the data is generated with it")
             if pack is not None:
                 data_pack.check_pack(folder, pack)
-                data_pack.restore(folder, pack, target.fused, log, deadline, bf16=a.rebuild_dtype == "bfloat16")
+                data_pack.restore(folder, pack, target.fused, log, deadline, bf16=a.rebuild_dtype == "bfloat16",
+                                  rebuild=not a.answers_only)
             if build_prompts(folder, target.fused, target.tokenizer, eos, log, deadline, taken) is None:
                 return 0
             if pack is not None:   # the frozen list and the plan first: a run killed later leaves a usable pack
                 data_pack.save_pack(folder, pack, log)
             keep = (lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)) if pack else None
-            totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline, keep)
+            packed = data_pack.packed_tokens(folder, pack, log) if pack is not None and a.answers_only else None
+            totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline, keep, packed)
             if pack is not None:
                 data_pack.save_pack(folder, pack, log)
     except (DataError, ValueError) as exc:
