@@ -44,11 +44,11 @@ def test_two_heads_measured_on_the_same_prompts_one_line_each(pack, tmp_path, ca
                            "--new-tokens", "12", "--against", str(eagle_folder("smollm2")), "--json", str(out)])
     assert rc == 0
     evals = json.loads(out.read_text())
-    head = eagle_folder("smollm2-eagle3")
-    assert list(evals) == [f"head ({head}): 2 held-out self-written prompts of smollm2-test",
-                           f"against ({eagle_folder('smollm2')}): 2 held-out self-written prompts of smollm2-test",
-                           f"head ({head}): 2 trained-on prompts of smollm2-test",
-                           f"against ({eagle_folder('smollm2')}): 2 trained-on prompts of smollm2-test"]
+    head, today = "head (assets/eagle/smollm2-eagle3)", "against (assets/eagle/smollm2)"   # named as in the checkout
+    assert list(evals) == [f"{head}: 2 held-out self-written prompts of smollm2-test",
+                           f"{today}: 2 held-out self-written prompts of smollm2-test",
+                           f"{head}: 2 trained-on prompts of smollm2-test",
+                           f"{today}: 2 trained-on prompts of smollm2-test"]
     for e in evals.values():
         assert (e["prompts"], e["k"], e["new_tokens"], e["temperature"]) == (2, 3, 12, 0.0)
         assert 0 <= e["alpha"] <= 1 and len(e["position_rates"]) == 3 and 1 <= e["tokens_per_round"] <= 4

@@ -92,6 +92,16 @@ def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout:
             **evaluate_sets(target, heads, [chat], log, SamplingParams(temperature=0.7, top_p=0.95))}
 
 
+def shown(folder: Path) -> str:
+    """A folder as a reader of the checkout names it: relative to the repository where it lies inside."""
+    from engine.sources import REPO_ROOT
+
+    try:
+        return str(folder.resolve().relative_to(REPO_ROOT.resolve()))
+    except ValueError:
+        return str(folder)
+
+
 def line(key: str, e: dict) -> str:
     speed = ""
     if e.get("tokens_per_s") and e.get("target_tokens_per_s"):
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         return 2
     sets = ([] if a.packs_only else chat_sets(target)) + pack_sets(target, packs, a.per_set, a.trained_too)
-    named = [(f"{name} ({folder})", folder) for name, folder in heads]
+    named = [(f"{name} ({shown(folder)})", folder) for name, folder in heads]
     evals = evaluate_sets(target, named, sets, log, sampling, a.k, a.new_tokens)
     print("\n".join(line(key, e) for key, e in evals.items()))
     if a.json:
