@@ -279,7 +279,7 @@ def test_answering_on_from_a_pack_without_rebuilding_it(smol, tmp_path):
     with DataFolder(tmp_path / "a", plan, smol.name) as folder:     # the first folder, finished in one go
         whole = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None)
     assert made | packed_before == {p.stem for p in data.iter_shards(tmp_path / "a")}
-    assert rest["tokens"] == whole["tokens"]                       # the same answers, counted the same
+    assert (rest["tokens"], rest["shards"]) == (whole["tokens"], whole["shards"])   # the same answers, counted alike
     with DataFolder(tmp_path / "b", plan, smol.name) as folder:     # a run without the option rebuilds the rest
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == len(packed_before)
     entry = sorted((pack / "answers").glob("*.npz"))[0]

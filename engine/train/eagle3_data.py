@@ -507,8 +507,8 @@ def build_answers(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
         eta = (token_goal - held) / max(rate * tokens / max(answer, 1), 1e-9)
         log(f"answers: {held:,}/{token_goal:,} tokens ({held / token_goal:.1%}), {path.name} {sampling.label}, "
             f"{rate:.0f} answer tokens/s, about {eta / 3600:.1f} h to the goal")
-    return {"tokens": held, "shards": sum(1 for _ in iter_shards(folder.root)), "seconds": time.time() - t0,
-            "answer_tokens_made": made}
+    shards = sum(1 for _ in iter_shards(folder.root)) + only_packed
+    return {"tokens": held, "shards": shards, "seconds": time.time() - t0, "answer_tokens_made": made}
 
 
 def iter_shards(root: Path) -> Iterator[Path]:
@@ -551,8 +551,8 @@ RUN_ONLY_FLAGS = ("--answers-only",)   # the same, taking no value
 
 
 def command_line(name: str, argv: list[str] | None) -> str:
-    """`python -m engine <name> ...` as typed, less the options in RUN_ONLY and RUN_ONLY_FLAGS: the line that remakes the same
-    data or head, however many resumed runs it took."""
+    """`python -m engine <name> ...` as typed, less the options in RUN_ONLY and RUN_ONLY_FLAGS: the line that
+    remakes the same data or head, however many resumed runs it took."""
     words, kept = list(sys.argv[1:] if argv is None else argv), []
     while words:
         word = words.pop(0)
