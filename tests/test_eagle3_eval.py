@@ -38,7 +38,10 @@ def test_each_pack_gives_its_held_out_and_trained_on_prompts(smol, pack, tmp_pat
     assert eagle3_eval.pack_sets(smol, [empty], 4, trained_too=True) == []
 
 
-def test_two_heads_measured_on_the_same_prompts_one_line_each(pack, tmp_path, capsys):
+def test_two_heads_measured_on_the_same_prompts_one_line_each(smol, pack, tmp_path, capsys, monkeypatch):
+    import engine.train.eagle3_data as eagle3_data
+
+    monkeypatch.setattr(eagle3_data, "command_start", lambda source, threads: (smol, lambda m: None))  # loaded once
     out = tmp_path / "evals.json"
     rc = eagle3_eval.main(["--packs-only", "--pack", str(pack), "--per-set", "2", "--k", "3",
                            "--new-tokens", "12", "--against", str(eagle_folder("smollm2")), "--json", str(out)])
