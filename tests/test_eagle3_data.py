@@ -10,7 +10,7 @@ import torch
 
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sources import ASSETS, SMOLLM2_PIP, smollm2_gguf
-from engine.train import data_pack
+from engine.train import data_pack, eagle3
 from engine.train import eagle3_data as data
 from engine.train.draft_data import SamplingPass
 from engine.train.eagle3_data import DataError, DataFolder, Eagle3DataPlan
@@ -276,12 +276,17 @@ def test_answering_on_from_a_pack_without_rebuilding_it(smol, tmp_path):
         rest = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None, keep, packed)
     made = {p.stem for p in data.iter_shards(tmp_path / "b")}
     assert made and not made & packed_before                       # nothing packed was answered again
+    data.mark_packed_only(tmp_path / "b", sorted(packed))            # as the command does: not training data yet
+    with pytest.raises(DataError, match=f"holds {len(packed)} of its shards only as token ids"):
+        eagle3.data_folders([tmp_path / "b"])
     with DataFolder(tmp_path / "a", plan, smol.name) as folder:     # the first folder, finished in one go
         whole = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None)
     assert made | packed_before == {p.stem for p in data.iter_shards(tmp_path / "a")}
     assert (rest["tokens"], rest["shards"]) == (whole["tokens"], whole["shards"])   # the same answers, counted alike
     with DataFolder(tmp_path / "b", plan, smol.name) as folder:     # a run without the option rebuilds the rest
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == len(packed_before)
+    assert data.packed_only(tmp_path / "b") == []
+    assert len(eagle3.data_folders([tmp_path / "b"])[0]) == len(made | packed_before)   # now all of it trains
     entry = sorted((pack / "answers").glob("*.npz"))[0]
     entry.write_bytes(entry.read_bytes()[:100])
     with DataFolder(tmp_path / "c", plan, smol.name) as folder:

@@ -47,6 +47,7 @@ from engine.train.eagle3_data import (
     default_folder,
     iter_shards,
     load_shard,
+    packed_only,
     read_prompts,
 )
 
@@ -294,6 +295,9 @@ def data_folders(folders: list[Path]) -> tuple[dict[Path, str], tuple[int, ...],
             raise DataError(f"{folder} kept the inputs of layers {list(layers)}, {folders[0]} those of "
                             f"{list(stored)}: train on folders made for the same layers")
         stored = layers
+        if missing := packed_only(folder):
+            raise DataError(f"{folder} holds {len(missing)} of its shards only as token ids in its pack (a run with "
+                            f"--answers-only); rebuild them first: {data_command(folder)}")
         plans.append(plan_file)
         fingerprints.update((path, plan_file["fingerprint"]) for path in iter_shards(folder))
     return fingerprints, stored, plans

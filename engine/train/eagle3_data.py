@@ -511,6 +511,27 @@ def build_answers(folder: DataFolder, fused: FusedLlama, tokenizer, eos_id: int,
     return {"tokens": held, "shards": shards, "seconds": time.time() - t0, "answer_tokens_made": made}
 
 
+PACKED_ONLY = "packed-only.json"   # the shards an --answers-only run counted from the pack without rebuilding
+
+
+def mark_packed_only(root: Path, names: list[str]) -> None:
+    """Write down which shards of `root` exist only as token ids in its pack (none: the note is removed)."""
+    if names:
+        write_atomic(root / PACKED_ONLY, json.dumps(sorted(names)) + "\n")
+    else:
+        (root / PACKED_ONLY).unlink(missing_ok=True)
+
+
+def packed_only(root: Path) -> list[str]:
+    """The shards an --answers-only run left in the pack only and no rebuild has brought into `root` since."""
+    try:
+        names = json.loads((root / PACKED_ONLY).read_text())
+        fingerprint = json.loads((root / "plan.json").read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [n for n in names if shard_info(root / "answers" / f"{n}.pt", fingerprint) is None]
+
+
 def iter_shards(root: Path) -> Iterator[Path]:
     yield from sorted((root / "answers").glob("shard-p*-*.pt"))
 
@@ -671,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
                 data_pack.save_pack(folder, pack, log)
             keep = (lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)) if pack else None
             packed = data_pack.packed_tokens(folder, pack, log) if pack is not None and a.answers_only else None
+            if packed is not None:   # written first: until rebuilt, these are not training data (the trainer refuses)
+                mark_packed_only(work, [n for n in packed if shard_info(work / "answers" / f"{n}.pt",
+                                                                         plan.fingerprint()) is None])
             totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline, keep, packed)
             if pack is not None:
                 data_pack.save_pack(folder, pack, log)
