@@ -279,10 +279,13 @@ def test_answering_on_from_a_pack_without_rebuilding_it(smol, tmp_path):
     data.mark_packed_only(tmp_path / "b", sorted(packed))            # as the command does: not training data yet
     with pytest.raises(DataError, match=f"holds {len(packed)} of its shards only as token ids"):
         eagle3.data_folders([tmp_path / "b"])
-    with DataFolder(tmp_path / "a", plan, smol.name) as folder:     # the first folder, finished in one go
-        whole = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None)
-    assert made | packed_before == {p.stem for p in data.iter_shards(tmp_path / "a")}
-    assert (rest["tokens"], rest["shards"]) == (whole["tokens"], whole["shards"])   # the same answers, counted alike
+    prompts = [encode_chat(smol.tokenizer, ChatPrompt(p)) for p in data.read_prompts(tmp_path / "b")["train"]]
+    chunks = len(data.chunks_of(prompts, plan.answer_batch, plan.seed))
+    assert made | packed_before == {data.shard_path(tmp_path, pi, ci).stem            # every chunk in every pass
+                                    for ci in range(chunks) for pi in range(len(plan.passes))}
+    new_tokens = sum(data.shard_info(tmp_path / "b" / "answers" / f"{n}.pt", plan.fingerprint())["tokens"]
+                     for n in made)
+    assert (rest["tokens"], rest["shards"]) == (first["tokens"] + new_tokens, len(made | packed_before))
     with DataFolder(tmp_path / "b", plan, smol.name) as folder:     # a run without the option rebuilds the rest
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == len(packed_before)
     assert data.packed_only(tmp_path / "b") == []
