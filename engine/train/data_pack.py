@@ -115,6 +115,14 @@ def read_entry(path: Path) -> tuple[list[tuple[torch.Tensor, int]], dict]:
     return seqs, meta
 
 
+def read_planned(entry: Path, fingerprint: str, pack: Path) -> tuple[list[tuple[torch.Tensor, int]], dict]:
+    """read_entry, and DataError when the entry was made under another plan than the pack's."""
+    seqs, meta = read_entry(entry)
+    if meta.get("fingerprint") != fingerprint:
+        raise DataError(f"{entry} was made with another data plan than {pack / 'plan.json'} says")
+    return seqs, meta
+
+
 def pack_plan(pack: Path) -> dict | None:
     try:
         return json.loads((pack / "plan.json").read_text())
@@ -171,9 +179,7 @@ def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadlin
         if deadline is not None and time.time() > deadline:
             log("pack: stopping at the deadline; rerun to rebuild the rest")
             break
-        seqs, meta = read_entry(entry)
-        if meta.get("fingerprint") != fingerprint:
-            raise DataError(f"{entry} was made with another data plan than {pack / 'plan.json'} says")
+        seqs, meta = read_planned(entry, fingerprint, pack)
         save_shard(shard, replay(fused, seqs, folder.plan, weights=weights),
                    {**meta, "replayed": "bfloat16"} if bf16 else meta)
         rebuilt += 1
@@ -190,9 +196,7 @@ def packed_tokens(folder: DataFolder, pack: Path, log: Log) -> dict[str, int]:
         return {}
     fingerprint, held = folder.plan.fingerprint(), {}
     for entry in sorted((pack / "answers").glob("shard-p*-*.npz")):
-        seqs, meta = read_entry(entry)
-        if meta.get("fingerprint") != fingerprint:
-            raise DataError(f"{entry} was made with another data plan than {pack / 'plan.json'} says")
+        seqs, _ = read_planned(entry, fingerprint, pack)
         held[entry.stem] = sum(ids.numel() for ids, _ in seqs)
     return held
 
