@@ -231,8 +231,18 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
     plan = eagle3.Eagle3Plan(kept=256, depth=5, epochs=4, batch=4, warmup=2, lr=2e-3, log_every_s=0,
                              own_head=own_head, feature_norm=feature_norm, heldout_every=2)
-    stopped = eagle3.train(smol, folders, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0)
+    stopped = eagle3.train(smol, folders, tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=40.0,
+                           export_when_stopped=own_head)
     assert not stopped["finished"] and 0 < stopped["cursor"]["step"] and stopped["cursor"]["seconds"] > 0
+    if own_head:   # exported as it stood, and its card says where it stopped; the checkpoint still resumes
+        assert stopped["stopped"] == {"step": stopped["cursor"]["step"], "of": stopped["stopped"]["of"]}
+        assert stopped["stopped"]["step"] < stopped["stopped"]["of"] and (tmp_path / "head" / "eagle.json").exists()
+        eagle3.write_card(tmp_path / "head", "smollm2", {k: v for k, v in stopped.items() if k != "cursor"}, {},
+                          "python -m engine train-eagle3 --minutes 1 --export-when-stopped", 1.0)
+        assert f"stopped by its time limit at step {stopped['cursor']['step']:,} of" in \
+            (tmp_path / "head" / "MODEL_CARD.md").read_text()
+    else:
+        assert "stopped" not in stopped and not (tmp_path / "head").exists()
     clock[0] += 1e6                  # a day between the runs: not training time
     if len(folders) > 1:             # a checkpoint is not resumed on other data
         with pytest.raises(eagle3.DataError, match="rerun with the same --data"):
@@ -255,7 +265,8 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
     assert last < first, (first, last)
     # the held-out shard measured every 2 steps across the stop, then at the end, as the card reports it
     steps = [p["step"] for p in result["heldout_log"]]
-    assert steps == [*range(2, result["steps"], 2), result["steps"]], steps
+    exported_at = {stopped["cursor"]["step"]} if own_head else set()   # an export measures where it stops
+    assert steps == sorted({*range(2, result["steps"], 2), result["steps"], *exported_at}), steps
     assert result["heldout_log"][-1]["top1"] == result["heldout_top1_by_step"]
     assert len({round(p["loss"], 6) for p in result["heldout_log"]}) > 1   # measured each time, not copied
     assert "held-out top-1 during training" in "\n".join(eagle3.heldout_curve(result["heldout_log"]))
@@ -278,7 +289,9 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_
         warm = eagle3.train(smol, folders, tmp_path / "warm", tmp_path / "warm-head",
                             replace(plan, init=str(tmp_path / "head"), epochs=1, own_head=False,
                                     feature_norm=not feature_norm), logs.append)
-        assert warm["log"][0]["loss"] < 0.75 * result["log"][0]["loss"], (warm["log"][0], result["log"][0])
+        # the same first batch (same data, same seeded order): 0.68-0.84 of a random start's loss, as the data the
+        # target samples for the test moves with the order the tests run in; a random start would give about 1
+        assert warm["log"][0]["loss"] < 0.9 * result["log"][0]["loss"], (warm["log"][0], result["log"][0])
         # the saved head's choices win over the options, and the meta (so the card) says so
         assert (warm["plan"]["own_head"], warm["plan"]["feature_norm"]) == (True, feature_norm)
         assert list(warm["plan"]["layers"]) == list(LAYERS)
@@ -353,7 +366,9 @@ def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smo
 
 
 @pytest.mark.parametrize("argv, words", [(["--lr", "0"], "lr > 0"), (["--depth", "0"], "depth >= 1"),
-                                         (["--layers", "2,x"], "--layers takes layer numbers")])
+                                         (["--layers", "2,x"], "--layers takes layer numbers"),
+                                         (["--device", "gpu"], "unknown device 'gpu'; use cpu, cuda or cuda:N"),
+                                         (["--device", "cuda:7"], "device cuda:7 is not available")])
 def test_bad_training_options_get_a_sentence_before_any_model_loads(argv, words, capsys, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded before the options were checked")

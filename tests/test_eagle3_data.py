@@ -31,6 +31,18 @@ def test_the_recorded_command_keeps_what_changes_the_data():
         "python -m engine draft-data --seed 2"
     assert data.command_line("draft-data", ["--answers-only", "--seed", "2", "--answers-only"]) == \
         "python -m engine draft-data --seed 2"
+    assert data.command_line("draft-data", ["--device", "cuda", "--seed", "2"]) == \
+        "python -m engine draft-data --seed 2"
+
+
+@pytest.mark.parametrize("device, words", [("tpu", "unknown device 'tpu'"), ("cuda:7", "cuda:7 is not available")])
+def test_a_device_that_is_not_there_gets_a_sentence_before_the_target_loads(device, words, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the device was checked")
+
+    monkeypatch.setattr(data, "command_start", no_loading)
+    assert data.main(["--device", device]) == 2
+    assert words in capsys.readouterr().err
 
 
 def tiny_plan(**overrides) -> Eagle3DataPlan:
@@ -237,11 +249,15 @@ def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(
         data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)
         keep = lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)  # noqa: E731
         made = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 200, logs.append, None, keep)
+        (folder.root / "command.txt").write_text("the command that made it\n")
         assert data_pack.save_pack(folder, pack, logs.append) == 0      # every shard was packed as it was made
     assert made["shards"] == len(list((pack / "answers").glob("*.npz"))) >= 2
     with DataFolder(tmp_path / "b", plan, smol.name) as folder:
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == made["shards"]
         assert data.read_prompts(folder.root) == data.read_prompts(tmp_path / "a")
+        (folder.root / "command.txt").write_text("a command that only rebuilt it\n")
+        assert data_pack.save_pack(folder, pack, logs.append, refresh=False) == 0   # it made nothing: the pack keeps
+        assert (pack / "command.txt").read_text() == "the command that made it\n"    # the command that made it
     for shard in data.iter_shards(tmp_path / "a"):
         twin = tmp_path / "b" / "answers" / shard.name
         for a, b in zip(data.load_shard(shard, plan.fingerprint()), data.load_shard(twin, plan.fingerprint())):

@@ -48,8 +48,14 @@ from engine.train.eagle3_data import (
 
 Log = Callable[[str], None]
 PACK_FORMAT = 1
-REPLAY_ROWS = 16     # sequences fed at once when rebuilding a shard
+REPLAY_ROWS = 16     # sequences fed at once when rebuilding a shard on the CPU
+GPU_REPLAY_ROWS = 128   # on a GPU, where a forward of 16 rows leaves it mostly idle
 SHARD_META = ("fingerprint", "pass", "chunk", "prompts")   # what a shard's own metadata holds
+
+
+def replay_rows(fused: FusedLlama) -> int:
+    """How many sequences a rebuild feeds at once where `fused` sits."""
+    return REPLAY_ROWS if fused.device.type == "cpu" else GPU_REPLAY_ROWS
 
 
 def pack_folder(target_name: str) -> Path:
@@ -77,14 +83,11 @@ def save_entry(pack: Path, shard: Path, examples: Sequence[Example], meta: dict)
     write_atomic(path, buffer.getvalue())
 
 
-def save_pack(folder: DataFolder, pack: Path, log: Log) -> int:
-    """Bring the pack up to the folder: its plan, its frozen prompts and every whole shard not packed yet.
-    Returns the number of shards added."""
+def save_pack(folder: DataFolder, pack: Path, log: Log, refresh: bool = True) -> int:
+    """Bring the pack up to the folder: every whole shard not packed yet, then its plan, its frozen prompts and the
+    command that made them (with `refresh=False`, only where the pack lacks them: a run that made nothing, say one
+    that only rebuilt a folder from the pack, leaves the pack's command as it was). Returns the shards added."""
     pack.mkdir(parents=True, exist_ok=True)
-    write_atomic(pack / "plan.json", (folder.root / "plan.json").read_text())
-    for name in ("prompts.json", "command.txt"):
-        if (folder.root / name).exists():
-            write_atomic(pack / name, (folder.root / name).read_text())
     fingerprint, added = folder.plan.fingerprint(), 0
     for shard in iter_shards(folder.root):
         info = None if pack_path(pack, shard).exists() else shard_info(shard, fingerprint)
@@ -92,6 +95,9 @@ def save_pack(folder: DataFolder, pack: Path, log: Log) -> int:
             continue
         save_entry(pack, shard, load_shard(shard, fingerprint), {k: info[k] for k in SHARD_META if k in info})
         added += 1
+    for name in ("plan.json", "prompts.json", "command.txt"):
+        if (folder.root / name).exists() and (refresh or added or not (pack / name).exists()):
+            write_atomic(pack / name, (folder.root / name).read_text())
     if added:
         log(f"pack: {added} shard(s) added under {pack}")
     return added
@@ -180,7 +186,7 @@ def restore(folder: DataFolder, pack: Path, fused: FusedLlama, log: Log, deadlin
             log("pack: stopping at the deadline; rerun to rebuild the rest")
             break
         seqs, meta = read_planned(entry, fingerprint, pack)
-        save_shard(shard, replay(fused, seqs, folder.plan, weights=weights),
+        save_shard(shard, replay(fused, seqs, folder.plan, replay_rows(fused), weights),
                    {**meta, "replayed": "bfloat16"} if bf16 else meta)
         rebuilt += 1
         tokens = sum(ids.numel() for ids, _ in seqs)
@@ -208,7 +214,8 @@ def replay(fused: FusedLlama, seqs: Sequence[tuple[torch.Tensor, int]], plan: Ea
     """The examples of whole sequences ((ids, prompt_len) each), as `answer_batch` makes them while decoding:
     the taps' inputs at every position but the last, and the top-k next-token log-probabilities at every
     answer position. Sequences of similar length are fed together, right-padded. With `weights`, every
-    product is theirs (bfloat16) instead of the fused model's fp32 one."""
+    product is theirs (bfloat16) instead of the fused model's fp32 one. The model may sit on a GPU; the
+    examples are always on the CPU."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i][0].numel())
     out: dict[int, Example] = {}
     for start in range(0, len(order), rows):
@@ -227,12 +234,12 @@ def _replay_batch(fused: FusedLlama, seqs: Sequence[tuple[torch.Tensor, int]], p
         ids[row, : s.numel()] = s.long()
         real[row, : s.numel()] = True
     batch = BatchForward(fused, len(seqs), width, plan.layers, weights.linear if weights is not None else None)
-    features, taps = batch.forward_features(ids, real)
+    features, taps = batch.forward_features(ids.to(fused.device), real.to(fused.device))
     stacked = torch.stack(taps, dim=2) if taps else torch.zeros(len(seqs), width, 0, features.shape[-1])
     examples = []
     for row, (s, prompt_len) in enumerate(seqs):
         n = s.numel()
         logp, top = torch.log_softmax(batch.logits_of(features[row, prompt_len - 1: n - 1]), dim=-1).topk(plan.top_k)
-        examples.append(Example(s.to(torch.int32), prompt_len, stacked[row, : n - 1].to(torch.float16).clone(),
-                                top.to(torch.int32), logp.to(torch.float16)))
+        examples.append(Example(s.to(torch.int32), prompt_len, stacked[row, : n - 1].to("cpu", torch.float16).clone(),
+                                top.to("cpu", torch.int32), logp.to("cpu", torch.float16)))
     return examples

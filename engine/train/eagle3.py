@@ -23,12 +23,14 @@ whole, then renamed); rerunning the command continues. The export lands in asset
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -45,6 +47,7 @@ from engine.train.eagle3_data import (
     command_start,
     data_command,
     default_folder,
+    device_problem,
     iter_shards,
     load_shard,
     packed_only,
@@ -130,7 +133,7 @@ def target_norms(target: LoadedModel, layers: tuple[int, ...]) -> torch.Tensor:
     inner = target.model.model
     d = target.model.config.hidden_size
     return torch.stack([torch.ones(d) if i == len(inner.layers) else
-                        inner.layers[i].input_layernorm.weight.detach().float() for i in layers])
+                        inner.layers[i].input_layernorm.weight.detach().float().cpu() for i in layers])
 
 
 @dataclass
@@ -140,6 +143,12 @@ class Batch:
     label_ids: torch.Tensor    # [B, N, k] kept-vocabulary index of each soft label (0 where unused)
     label_p: torch.Tensor      # [B, N, k] its probability, renormalised over the kept labels (0: unused)
     valid: torch.Tensor        # [B, N] bool: an answer position with a label
+
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch on `device` (itself where it is there already)."""
+        if self.emb_ids.device == device:
+            return self
+        return Batch(*(t.to(device) for t in (self.emb_ids, self.feats, self.label_ids, self.label_p, self.valid)))
 
 
 def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int) -> Batch:
@@ -181,9 +190,9 @@ def unrolled(head: EagleHead, emb: torch.Tensor, feats: torch.Tensor, depth: int
     Step 1 reads the real features; step s + 1 at position t reads step s's output at t - 1 and attends as the
     s + 1-th draft of a chain started at t - s does in the engine (engine.train.eagle.ttt_mask). This is what
     the engine's drafter computes for a chain of drafts equal to x_t, x_{t+1}, ... (tests/test_eagle3.py)."""
-    n = emb.shape[1]
+    n, where = emb.shape[1], emb.device.type
     layer = head.layer()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(where, dtype=torch.bfloat16, enabled=bf16):
         inputs = head.real_features(feats)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -194,8 +203,9 @@ def unrolled(head: EagleHead, emb: torch.Tensor, feats: torch.Tensor, depth: int
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     for step in range(1, depth + 1):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = head.step(emb, inputs, layer, keys_values, cos[None, None], sin[None, None], ttt_mask(n, step))
+        with torch.autocast(where, dtype=torch.bfloat16, enabled=bf16):
+            out = head.step(emb, inputs, layer, keys_values, cos[None, None], sin[None, None],
+                            ttt_mask(n, step).to(emb.device))
         yield out
         inputs = torch.cat([inputs[:, :1], out[:, :-1].to(inputs.dtype)], dim=1)  # step s+1 reads step s at t-1
 
@@ -217,8 +227,8 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
     [kept, d] LM head the drafts are read through (the head's own, or the target's rows)."""
     n = batch.emb_ids.shape[1]
     emb = F.embedding(batch.emb_ids, embed)
-    total, weights, agree = torch.zeros(()), 0.0, []
-    positions = torch.arange(1, n + 1)
+    total, weights, agree = torch.zeros((), device=emb.device), 0.0, []
+    positions = torch.arange(1, n + 1, device=emb.device)
     top1 = batch.label_ids[..., 0]
     feats, feature = batch.feats, torch.zeros(())
     if plan.noise > 0:
@@ -229,7 +239,7 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
             feature = plan.feature_weight * feature_loss(out, batch)
         rows = batch.valid & (positions >= step)[None]
         if rows.any():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.bf16):
+            with torch.autocast(emb.device.type, dtype=torch.bfloat16, enabled=plan.bf16):
                 logits = F.linear(out[rows], lm)
             logq = torch.log_softmax(logits.float(), dim=-1)
             ce = -(batch.label_p[rows] * logq.gather(1, batch.label_ids[rows])).sum(-1).mean()
@@ -252,6 +262,17 @@ class Cursor:
     log: list[dict] = field(default_factory=list)
     seconds: float = 0.0    # training time over every run of the command, resumed ones included
     heldout: list[dict] = field(default_factory=list)   # {step, loss, top1 by step} on the held-out shard
+
+
+def on_cpu(state):
+    """An optimiser's state dict with every tensor on the CPU (what a checkpoint holds, whatever the device)."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [on_cpu(v) for v in state]
+    return state
 
 
 def shard_order(paths: list[Path], plan: Eagle3Plan, epoch: int) -> list[Path]:
@@ -351,11 +372,16 @@ def prompt_sources(folders: list[Path]) -> dict:
 
 
 def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
-          log=print, deadline: float | None = None, replay: list[Path] = ()) -> dict:
+          log=print, deadline: float | None = None, replay: list[Path] = (), device: str | torch.device = "cpu",
+          export_when_stopped: bool = False) -> dict:
     """Train (or resume) on every whole shard under `data` (one folder or several) and a seeded
     `plan.replay_share` of those under each `replay` folder (data an earlier head was trained on, revisited so
     that new data does not wash it out); export to `out` when done. The loss is held out on the first `data`
-    folder's first chunk."""
+    folder's first chunk. The head trains on `device` (a GPU, say), the target's layers the data did not keep are
+    computed where the target sits, and the checkpoint and the export hold CPU tensors, so a run stopped on one
+    device resumes on another. `export_when_stopped`: a run the deadline stops also exports the head as it stands
+    (its meta says at which step of how many), for a machine held for a fixed time."""
+    device = torch.device(device)
     folders = [data] if isinstance(data, Path) else list(data)
     replay = list(replay)
     if not folders:
@@ -389,7 +415,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     eos = target.tokenizer.eos_token_id
     start = None
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         kept, config, cursor = ckpt["kept"], EagleConfig(**ckpt["config"]), Cursor(**ckpt["cursor"])
         trained_on = ckpt.get("data", [str(folders[0])])
         if trained_on != data_names(folders, replay, plan):
@@ -419,12 +445,11 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     plan = replace(plan, own_head=config.own_head, feature_norm=config.feature_norm,
                    layers=tuple(config.feature_layers), kept=len(kept))
     head = EagleHead(config)
-    embed = target.model.get_input_embeddings().weight.detach().float()
+    embed = target.model.get_input_embeddings().weight.detach().float().to(device)
     kept_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
     kept_index[kept] = torch.arange(len(kept))
-    cos_all, sin_all = target_rope(target, config.head_dim, plan.max_len + 1)
-    target_rows = target.model.get_output_embeddings().weight.detach().float().index_select(0, kept)
-    opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    cos_all, sin_all = (t.to(device) for t in target_rope(target, config.head_dim, plan.max_len + 1))
+    target_rows = target.model.get_output_embeddings().weight.detach().float().cpu().index_select(0, kept)
     if start is not None:
         head.load_state_dict(start.state_dict())
     elif ckpt is None:
@@ -438,6 +463,10 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                 head.lm.copy_(target_rows)
     else:
         head.load_state_dict(ckpt["head"])
+    head.to(device)
+    target_rows = target_rows.to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    if ckpt is not None:
         opt.load_state_dict(ckpt["opt"])
     lm = head.lm if config.own_head else target_rows
     sequences = sum(json.loads(p.with_suffix(".json").read_text())["sequences"] for p in paths)
@@ -450,8 +479,13 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
     def lifted(b: Batch) -> Batch:
+        """The batch on `device`, with the layers the head fuses (where the data kept others, computed by the target
+        where it sits: on `device` too when it was loaded there)."""
+        if layers == stored:
+            return b.to(device)
+        b = b.to(target.device)
         b.feats = lift_features(target.fused, b.feats, stored, layers)
-        return b
+        return b.to(device)
 
     mark = time.time()
 
@@ -460,7 +494,8 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         cursor.seconds += time.time() - mark
         mark = time.time()
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "cursor": asdict(cursor), "kept": kept,
+        torch.save({"head": {k: v.cpu() for k, v in head.state_dict().items()}, "opt": on_cpu(opt.state_dict()),
+                    "cursor": asdict(cursor), "kept": kept,
                     "config": asdict(config), "plan": asdict(plan), "data": data_names(folders, replay, plan)}, tmp)
         tmp.replace(ckpt_path)
 
@@ -490,72 +525,96 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         return figures
 
     t0, last_save, last_log, seen_before = time.time(), time.time(), time.time(), cursor.seen
-    running, running_agree, pending = [], [], []
-    head.train()
-    while cursor.step < total_steps:
-        if deadline is not None and time.time() > deadline:
-            save()
-            log(f"stopping at the deadline at step {cursor.step}/{total_steps}; rerun to resume")
-            return {"finished": False, "cursor": asdict(cursor)}
-        if not pending:   # the next shard's sequences, shuffled
-            order = shard_order(paths, plan, cursor.epoch)
-            if cursor.shard >= len(order):
-                cursor.epoch, cursor.shard = cursor.epoch + 1, 0
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
+    ahead: dict[Path, Future] = {}
+
+    def shard_examples(order: list[Path], i: int) -> list[Example]:
+        """Shard `order[i]` (read while the previous one trained, where it was asked for then); asks for the next."""
+        path = order[i]
+        wanted = ahead.pop(path, None)
+        ahead.clear()
+        examples = wanted.result() if wanted is not None else load_shard(path, fingerprint_of[path])
+        if i + 1 < len(order):
+            ahead[order[i + 1]] = reader.submit(load_shard, order[i + 1], fingerprint_of[order[i + 1]])
+        return examples
+
+    def export(stopped: bool = False) -> dict:
+        """Measure the held-out shard, checkpoint, and write the head with its meta to `out` (`stopped`: at the
+        deadline, before the last step; the meta says where)."""
+        figures = heldout_point() if not cursor.heldout or cursor.heldout[-1]["step"] != cursor.step else evaluate()
+        save()
+        log(f"held-out shard {held_path.name}: loss {figures['heldout_loss']:.3f}, top-1 by step "
+            + " ".join(f"{a:.2f}" for a in figures["heldout_top1_by_step"]))
+        tokens = sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths)
+        by_folder = [{"folder": str(f), "shards": sum(p.parent.parent == f for p in paths),
+                      "tokens": sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths
+                                    if p.parent.parent == f),
+                      "prompt_sources": read_prompts(f)["sources"], "plan": pf["plan"], "command": data_command(f),
+                      **({"replay": plan.replay_share} if f in replay else {})}
+                     for f, pf in zip(folders + replay, plan_files)]
+        meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
+                "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
+                "kept": len(kept), "prompt_sources": prompt_sources(folders + replay), "data_folders": by_folder,
+                "feature_layers": list(layers),
+                "target_layers": len(target.fused.layers) if target.fused is not None else None,
+                "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
+                "train_seconds": cursor.seconds, "init": init_lineage(Path(plan.init)) if plan.init else None,
+                **({"stopped": {"step": cursor.step, "of": total_steps}} if stopped else {})}
+        save_head(copy.deepcopy(head).cpu(), kept, out, meta)
+        log(f"wrote {out}" + (f" as it stood at step {cursor.step}/{total_steps}" if stopped else ""))
+        return {"finished": not stopped, **meta}
+
+    try:
+        running, running_agree, pending = [], [], []
+        head.train()
+        while cursor.step < total_steps:
+            if deadline is not None and time.time() > deadline:
+                log(f"stopping at the deadline at step {cursor.step}/{total_steps}; rerun to resume")
+                if export_when_stopped:
+                    return {**export(stopped=True), "cursor": asdict(cursor)}
+                save()
+                return {"finished": False, "cursor": asdict(cursor)}
+            if not pending:   # the next shard's sequences, shuffled
                 order = shard_order(paths, plan, cursor.epoch)
-            pending = load_shard(order[cursor.shard], fingerprint_of[order[cursor.shard]])
-            random.Random(plan.seed + cursor.epoch * 100_003 + cursor.shard).shuffle(pending)
-            cursor.shard += 1
-        chunk, pending = pending[: plan.batch], pending[plan.batch:]
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cursor.step)
-        b = lifted(make_batch(chunk, kept_index, plan.max_len))
-        n = b.emb_ids.shape[1]
-        loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        cursor.step += 1
-        cursor.seen += len(chunk)
-        running.append(float(loss.detach()))
-        running_agree.append(agree)
-        if time.time() - last_log >= plan.log_every_s or cursor.step == total_steps:
-            by_step = [sum(a[s] for a in running_agree if not math.isnan(a[s])) / max(1, len(running_agree))
-                       for s in range(plan.depth)]
-            rate = (cursor.seen - seen_before) / max(time.time() - t0, 1e-9)   # this run's sequences only
-            log(f"step {cursor.step}/{total_steps} (epoch {cursor.epoch}): loss {sum(running) / len(running):.3f}, "
-                "top-1 by step " + " ".join(f"{a:.2f}" for a in by_step) + f", {rate:.1f} seq/s")
-            cursor.log.append({"step": cursor.step, "loss": sum(running) / len(running), "top1": by_step,
-                               "time": time.time()})
-            running, running_agree, last_log = [], [], time.time()
-        if plan.heldout_every and cursor.step % plan.heldout_every == 0 and cursor.step < total_steps:
-            measured = heldout_point()   # is it still learning what it has not seen, or only its training data?
-            log(f"held-out shard at step {cursor.step}: loss {measured['heldout_loss']:.3f}, top-1 by step "
-                + " ".join(f"{a:.2f}" for a in measured["heldout_top1_by_step"]))
-        if time.time() - last_save > plan.checkpoint_every_s:
-            save()
-            last_save = time.time()
-    figures = heldout_point() if not cursor.heldout or cursor.heldout[-1]["step"] != cursor.step else evaluate()
-    save()
-    log(f"held-out shard {held_path.name}: loss {figures['heldout_loss']:.3f}, top-1 by step "
-        + " ".join(f"{a:.2f}" for a in figures["heldout_top1_by_step"]))
-    tokens = sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths)
-    by_folder = [{"folder": str(f), "shards": sum(p.parent.parent == f for p in paths),
-                  "tokens": sum(json.loads(p.with_suffix(".json").read_text())["tokens"] for p in paths
-                                if p.parent.parent == f),
-                  "prompt_sources": read_prompts(f)["sources"], "plan": pf["plan"], "command": data_command(f),
-                  **({"replay": plan.replay_share} if f in replay else {})}
-                 for f, pf in zip(folders + replay, plan_files)]
-    meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
-            "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
-            "kept": len(kept), "prompt_sources": prompt_sources(folders + replay), "data_folders": by_folder,
-            "feature_layers": list(layers),
-            "target_layers": len(target.fused.layers) if target.fused is not None else None,
-            "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
-            "train_seconds": cursor.seconds, "init": init_lineage(Path(plan.init)) if plan.init else None}
-    save_head(head, kept, out, meta)
-    log(f"wrote {out}")
-    return {"finished": True, **meta}
+                if cursor.shard >= len(order):
+                    cursor.epoch, cursor.shard = cursor.epoch + 1, 0
+                    order = shard_order(paths, plan, cursor.epoch)
+                pending = shard_examples(order, cursor.shard)
+                random.Random(plan.seed + cursor.epoch * 100_003 + cursor.shard).shuffle(pending)
+                cursor.shard += 1
+            chunk, pending = pending[: plan.batch], pending[plan.batch:]
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cursor.step)
+            b = lifted(make_batch(chunk, kept_index, plan.max_len))
+            n = b.emb_ids.shape[1]
+            loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            cursor.step += 1
+            cursor.seen += len(chunk)
+            running.append(float(loss.detach()))
+            running_agree.append(agree)
+            if time.time() - last_log >= plan.log_every_s or cursor.step == total_steps:
+                by_step = [sum(a[s] for a in running_agree if not math.isnan(a[s])) / max(1, len(running_agree))
+                           for s in range(plan.depth)]
+                rate = (cursor.seen - seen_before) / max(time.time() - t0, 1e-9)   # this run's sequences only
+                log(f"step {cursor.step}/{total_steps} (epoch {cursor.epoch}): loss {sum(running) / len(running):.3f}, "
+                    "top-1 by step " + " ".join(f"{a:.2f}" for a in by_step) + f", {rate:.1f} seq/s")
+                cursor.log.append({"step": cursor.step, "loss": sum(running) / len(running), "top1": by_step,
+                                   "time": time.time()})
+                running, running_agree, last_log = [], [], time.time()
+            if plan.heldout_every and cursor.step % plan.heldout_every == 0 and cursor.step < total_steps:
+                measured = heldout_point()   # is it still learning what it has not seen, or only its training data?
+                log(f"held-out shard at step {cursor.step}: loss {measured['heldout_loss']:.3f}, top-1 by step "
+                    + " ".join(f"{a:.2f}" for a in measured["heldout_top1_by_step"]))
+            if time.time() - last_save > plan.checkpoint_every_s:
+                save()
+                last_save = time.time()
+        return export()
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
 
 
 def the_layers(layers: list[int], count: int | None) -> str:
@@ -639,6 +698,9 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              f"- {meta['steps']:,} AdamW steps of {plan['batch']} sequences ({plan['epochs']} epochs), lr {plan['lr']} "
              f"with warm-up and cosine decay; training-time test over {plan['depth']} steps (step weights "
              f"{plan['step_decay']}^(s-1)); {loss_words(plan)}; bf16 autocast: {plan['bf16']}",
+             *([f"- stopped by its time limit at step {meta['stopped']['step']:,} of {meta['stopped']['of']:,} and "
+                "exported as it stood (`--export-when-stopped`); rerunning its command finishes the schedule"]
+               if meta.get("stopped") else []),
              f"- held-out loss {meta['heldout_loss']:.3f}; top-1 agreement with the target by unrolled step: "
              + ", ".join(f"{a:.2f}" for a in meta["heldout_top1_by_step"]),
              *heldout_curve(meta.get("heldout_log", [])),
@@ -707,12 +769,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None,
                     help="checkpoint folder (default: .cache/train-eagle3/<target>); a run there is resumed")
     ap.add_argument("--minutes", type=float, default=None, help="stop (resumably) after this many minutes")
+    ap.add_argument("--export-when-stopped", action="store_true",
+                    help="when --minutes stops the run, also export (and measure) the head as it stands, its card "
+                         "saying at which step: for a machine held for a fixed time")
     ap.add_argument("--heldout-every", type=int, default=Eagle3Plan().heldout_every,
                     help="measure the held-out shard every this many steps (0: at the end only)")
     ap.add_argument("--init", type=Path, default=None,
                     help="start from this saved head (e.g. assets/eagle/smollm2-eagle3) instead of at random: its "
                          "layers, vocabulary and LM-head choice are kept")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu",
+                    help="where the head trains and the target runs: cpu (default) or cuda[:N] (float32; a "
+                         "checkpoint resumes on either)")
     ap.add_argument("--skip-eval", action="store_true")
     ap.add_argument("--quick-eval", action="store_true",
                     help="measure on the held-out and fresh chat prompts, greedy, only (no Magpie set, no T = 0.7)")
@@ -730,7 +798,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"train-eagle3: {exc}", file=sys.stderr)
         return 2
-    target, log = command_start(a.target, a.threads)
+    if problem := device_problem(a.device):
+        print(f"train-eagle3: {problem}", file=sys.stderr)
+        return 2
+    target, log = command_start(a.target, a.threads, a.device)
     if target is None:
         return 2
     plan = replace(plan, kept=min(plan.kept, target.vocab_size))
@@ -740,11 +811,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         result = train(target, data, a.work or REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
-                       time.time() + a.minutes * 60 if a.minutes else None, a.replay)
+                       time.time() + a.minutes * 60 if a.minutes else None, a.replay, a.device,
+                       a.export_when_stopped)
     except DataError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if not result["finished"] or a.skip_eval:
+    if not (result["finished"] or result.get("stopped")) or a.skip_eval:
         return 0
     heldout = [p for folder in data + a.replay for p in read_prompts(folder)["heldout"]]
     evals = evaluate_heads(target, out, eagle_folder(a.target), heldout, log, a.quick_eval)

@@ -339,34 +339,38 @@ def answer_batch(fused: FusedLlama, prompts: list[list[int]], sampling: Sampling
                  eos_id: int, seed: int) -> list[Example]:
     """Answer a batch of tokenized prompts with the engine's fused forward, batched (BatchForward); each
     answer ends at the end of turn or after `max_new_tokens`. Sampling is the engine's own
-    (engine.sampling), from a generator seeded with `seed`; rows that finish leave the batch."""
-    rows, width, layers = len(prompts), max(len(p) for p in prompts), plan.layers
+    (engine.sampling), from a CPU generator seeded with `seed` (the same draws wherever the model sits); rows
+    that finish leave the batch. The model may sit on a GPU; the examples are always on the CPU."""
+    rows, width, layers, device = len(prompts), max(len(p) for p in prompts), plan.layers, fused.device
     ids = torch.full((rows, width), eos_id, dtype=torch.long)
     real = torch.zeros(rows, width, dtype=torch.bool)
     for row, p in enumerate(prompts):  # left padding: every prompt ends in the last column
         ids[row, width - len(p):] = torch.tensor(p)
         real[row, width - len(p):] = True
     batch = BatchForward(fused, rows, width + plan.max_new_tokens, layers)
-    feats = torch.zeros(rows, width + plan.max_new_tokens, len(layers), fused.embed.shape[1], dtype=torch.float16)
+    feats = torch.zeros(rows, width + plan.max_new_tokens, len(layers), fused.embed.shape[1], dtype=torch.float16,
+                        device=device)
     answers: list[list[int]] = [[] for _ in prompts]
     top_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
     top_logp: list[list[torch.Tensor]] = [[] for _ in prompts]
     params = SamplingParams(sampling.temperature, 0, sampling.top_p)
     generator = torch.Generator().manual_seed(seed)
-    active = torch.arange(rows)
-    logits, taps = batch.forward(ids, real)
+    active = torch.arange(rows, device=device)
+    logits, taps = batch.forward(ids.to(device), real.to(device))
     if layers:
         feats[:, :width] = torch.stack(taps, dim=2).to(torch.float16)
-    finished = torch.zeros(rows, dtype=torch.bool)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
     for step in range(plan.max_new_tokens):
         logp, top = torch.log_softmax(logits, dim=-1).topk(plan.top_k, dim=-1)
         if params.greedy:
             chosen = greedy_ids(logits)
         else:
-            chosen = sample_from(logits_to_probs(logits, params), draw_uniform(logits.shape[0], generator))
-        for j, row in enumerate(active.tolist()):
-            if not finished[j]:
-                answers[row].append(int(chosen[j]))
+            chosen = sample_from(logits_to_probs(logits, params),
+                                 draw_uniform(logits.shape[0], generator).to(device))
+        top, logp = top.cpu(), logp.cpu()
+        for j, (row, token, done) in enumerate(zip(active.tolist(), chosen.tolist(), finished.tolist())):
+            if not done:
+                answers[row].append(token)
                 top_ids[row].append(top[j])
                 top_logp[row].append(logp[j])
         finished |= chosen == eos_id
@@ -376,7 +380,7 @@ def answer_batch(fused: FusedLlama, prompts: list[list[int]], sampling: Sampling
             stay = (~finished).nonzero()[:, 0]
             batch.keep(stay)
             active, chosen, finished = active[stay], chosen[stay], finished[stay]
-        logits, taps = batch.forward(chosen[:, None], torch.ones(len(active), 1, dtype=torch.bool))
+        logits, taps = batch.forward(chosen[:, None], torch.ones(len(active), 1, dtype=torch.bool, device=device))
         if layers:
             feats[active, width + step] = torch.stack(taps, dim=2)[:, 0].to(torch.float16)
     examples = []
@@ -384,7 +388,7 @@ def answer_batch(fused: FusedLlama, prompts: list[list[int]], sampling: Sampling
         answer = answers[row]
         n, start = len(p) + len(answer), width - len(p)
         examples.append(Example(torch.tensor(p + answer, dtype=torch.int32), len(p),
-                                feats[row, start: start + n - 1].clone(),
+                                feats[row, start: start + n - 1].cpu().clone(),
                                 torch.stack(top_ids[row]).to(torch.int32), torch.stack(top_logp[row]).to(torch.float16)))
     return examples
 
@@ -567,7 +571,7 @@ def data_command(root: Path) -> str:
 
 # options that change how long or how fast a run goes, not what it makes (a bf16 rebuild makes the same data to
 # bf16 rounding, and each rebuilt shard's sidecar records it)
-RUN_ONLY = ("--minutes", "--threads", "--rebuild-dtype")
+RUN_ONLY = ("--minutes", "--threads", "--rebuild-dtype", "--device")
 RUN_ONLY_FLAGS = ("--answers-only",)   # the same, taking no value
 
 
@@ -586,9 +590,9 @@ def command_line(name: str, argv: list[str] | None) -> str:
     return " ".join(["python -m engine", name, *kept])
 
 
-def command_start(source: str, threads: int | None):
+def command_start(source: str, threads: int | None, device: str = "cpu"):
     """What both data and training commands begin with: torch threads, a timestamped log on stderr, and the
-    target loaded (None, with its sentence printed, when it cannot be)."""
+    target loaded in float32 on `device` (None, with its sentence printed, when it cannot be)."""
 
     from engine.cli import quiet_transformers
     from engine.models import ModelLoadError, load_model
@@ -598,13 +602,24 @@ def command_start(source: str, threads: int | None):
     log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         with quiet_transformers():
-            return load_model(source, "target"), log
+            return load_model(source, "target", device=device, dtype="float32"), log
     except ModelLoadError as exc:
         print(exc, file=sys.stderr)
         return None, log
 
 
 # -- the command --------------------------------------------------------------------------------------------
+def device_problem(spec: str) -> str | None:
+    """Why `spec` names no device these commands can use here, or None."""
+    from engine.cli import UsageError, check_device
+
+    try:
+        check_device(spec)
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
 def frozen_count(work: Path, pack: Path | None) -> int:
     """How many self-written prompts the frozen list in `work` (else in `pack`) was made for; the plan's default
     where neither has one."""
@@ -662,9 +677,15 @@ def main(argv: list[str] | None = None) -> int:
                          "finish it, so the prompts ask for code, verse, lists and rewrites too")
     ap.add_argument("--exclude", type=Path, action="append", default=[],
                     help="a data folder or pack whose frozen prompts this folder leaves out (repeatable)")
+    ap.add_argument("--device", default="cpu",
+                    help="where the target runs: cpu (default) or cuda[:N]; in float32 on either, so a GPU's "
+                         "shards continue a CPU's folder (rebuilding 3M packed tokens takes minutes on one GPU)")
     a = ap.parse_args(argv)
+    if problem := device_problem(a.device):
+        print(f"draft-data: {problem}", file=sys.stderr)
+        return 2
     deadline = time.time() + a.minutes * 60 if a.minutes else None
-    target, log = command_start(a.target, a.threads)
+    target, log = command_start(a.target, a.threads, a.device)
     if target is None:
         return 2
     eos = target.tokenizer.eos_token_id
@@ -689,15 +710,15 @@ def main(argv: list[str] | None = None) -> int:
             if build_prompts(folder, target.fused, target.tokenizer, eos, log, deadline, taken) is None:
                 return 0
             if pack is not None:   # the frozen list and the plan first: a run killed later leaves a usable pack
-                data_pack.save_pack(folder, pack, log)
+                data_pack.save_pack(folder, pack, log, refresh=False)
             keep = (lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)) if pack else None
             packed = data_pack.packed_tokens(folder, pack, log) if pack is not None and a.answers_only else None
             if packed is not None:   # written first: until rebuilt, these are not training data (the trainer refuses)
                 mark_packed_only(work, [n for n in packed if shard_info(work / "answers" / f"{n}.pt",
                                                                          plan.fingerprint()) is None])
             totals = build_answers(folder, target.fused, target.tokenizer, eos, a.tokens, log, deadline, keep, packed)
-            if pack is not None:
-                data_pack.save_pack(folder, pack, log)
+            if pack is not None:   # the pack's command changes only with a run that answered something
+                data_pack.save_pack(folder, pack, log, refresh=totals["answer_tokens_made"] > 0)
     except (DataError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
