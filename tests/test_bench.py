@@ -223,7 +223,8 @@ def test_sampled_bench_counts_every_prompt_and_rejects_greedy(builtin_pair, caps
     assert result.tokens == 24 and result.prompts == 2 and 0 < result.alpha <= 1
     assert result.tokens_per_s > 0 and result.baseline_tokens_per_s > 0
     for bad, message in [(["--temperature", "0"], "above 0"), (["--target", "smollm2", "--drafter", "model"],
-                                                             "built-in target only")]:
+                                                             "built-in target only"),
+                         (["--k", "2,x"], "separated by commas"), (["--k", "2,99"], "K must be an integer")]:
         with pytest.raises(SystemExit):
             main(bad)
         assert message in capsys.readouterr().err
@@ -231,6 +232,10 @@ def test_sampled_bench_counts_every_prompt_and_rejects_greedy(builtin_pair, caps
     assert main(["--eagle", "builtin,builtin", "--num-prompts", "1", "--new-tokens", "4", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["eagle"] for x in lines] == ["builtin", "builtin"] and all(x["tokens"] == 4 for x in lines)
+    # several Ks in one process: each head at each K, in that order
+    assert main(["--k", "1,3,1", "--num-prompts", "1", "--new-tokens", "4", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["k"] for x in lines] == [1, 3] and all(x["tokens"] == 4 for x in lines)
     assert main(["--eagle", "no-such-head", "--num-prompts", "1"]) == 2 and "no-such-head" in capsys.readouterr().err
 
 

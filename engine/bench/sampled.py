@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from engine.config import DrafterKind, Mode, SpecConfig
 from engine.sampling import SamplingParams
@@ -47,6 +47,18 @@ def prompts_for(target, count: int) -> list[list[int]]:
     return [p.ids for p in heldout_prompts(target.tokenizer, count, 128, seed=0)]
 
 
+def parse_ks(text: str) -> list[int]:
+    """'4' or '2,3,4' -> [4] or [2, 3, 4]; ValueError with a sentence otherwise."""
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise ValueError(f"--k takes a whole number or several separated by commas (e.g. 2,3,4), not {text!r}") \
+            from None
+    if not ks:
+        raise ValueError("--k needs at least one K")
+    return list(dict.fromkeys(ks))
+
+
 def measure(pair, prompts: list, config: SpecConfig) -> SampledResult:
     from engine.compared import ComparedRun
 
@@ -73,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine sampled-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=BUILTIN, help="'builtin' (default), 'smollm2', or another source")
     ap.add_argument("--drafter", choices=[d.value for d in DrafterKind], default="eagle")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", default="4", help="K, or several comma-separated (e.g. 2,3,4): each measured in this "
+                    "process, every prompt beside target-only")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -86,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     drafter = DrafterKind(a.drafter)
     try:
-        config = SpecConfig(mode=Mode.V2, drafter=drafter, k=a.k, max_new_tokens=a.new_tokens, seed=a.seed,
+        ks = parse_ks(a.k)
+        config = SpecConfig(mode=Mode.V2, drafter=drafter, k=ks[0], max_new_tokens=a.new_tokens, seed=a.seed,
                             sampling=SamplingParams(temperature=a.temperature, top_p=a.top_p))
+        for k in ks[1:]:
+            replace(config, k=k)   # each K is checked before any model loads
         if config.sampling.greedy:
             raise ValueError("--temperature must be above 0 (the greedy bench is `python -m engine bench`)")
         if drafter.uses_model and a.target != BUILTIN:
@@ -109,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     prompts = prompts_for(base.target, a.num_prompts)
-    for head, pair in pairs:
-        result = measure(pair, prompts, config)
+    for (head, pair), k in ((hp, k) for hp in pairs for k in ks):
+        result = measure(pair, prompts, replace(config, k=k))
         if a.json:
             print(json.dumps({**asdict(result), "speedup": result.speedup, "eagle": head}))
         else:
