@@ -83,9 +83,11 @@ class Recommended:
 
 
 # SmolLM2-135M-Instruct's model card recommends temperature 0.2 and top-p 0.9. The drafters are the fastest
-# chains in assets/bench (this CPU, greedy): EAGLE + n-gram K=2 on SmolLM2 (smollm2-2026-12-02-amd.json: 1.31x
-# target-only, against 1.21x at K=3 and 1.20x at K=4; the Xeon's smollm2-moonshot.json also put K=2 first);
-# n-gram + draft model K=4 on the built-in pair (builtin-2026-12-02-amd.json: 1.95x, against 1.75x at K=2).
+# chains in assets/bench (this CPU): EAGLE + n-gram K=2 on SmolLM2, with either head (the EAGLE-3-style one:
+# smollm2-eagle3-2026-12-04-amd.json, greedy, 1.50x target-only against 1.49x at K=3 and 1.48x at K=4; at the
+# card's T = 0.2, smollm2-eagle3-hybrid-t02-2026-12-04-amd.jsonl, 1.45x against 1.29x and 1.38x; the first head:
+# smollm2-2026-12-02-amd.json, 1.31x against 1.21x and 1.20x); n-gram + draft model K=4 on the built-in pair
+# (builtin-2026-12-02-amd.json: 1.95x, against 1.75x at K=2).
 SMOLLM2_RECOMMENDED = Recommended(0.2, 0.9, DrafterKind.EAGLE_HYBRID, 2, "SmolLM2-135M-Instruct's model card")
 BUILTIN_RECOMMENDED = Recommended(1.0, 1.0, DrafterKind.HYBRID, 4)
 

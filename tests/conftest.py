@@ -14,6 +14,8 @@ from engine.sources import BUILTIN, SMOLLM2
 # Under pytest-xdist (two workers on two cores) each worker computes on one core: OpenMP threads that outnumber
 # the cores spin against each other. Alone, a run uses both.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+if os.environ.get("PYTEST_XDIST_WORKER"):   # and so does a server or command a test starts as a process
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Gradio notices a closed page by its heartbeat, every 15 s by default, and a closing gradio_client waits up to
 # a second for its heartbeat thread. The tests (in-process servers, the `python app.py` they start, which inherit
 # this, and every client) beat four times a second, as Gradio's own end-to-end tests do.
