@@ -99,11 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     drafter = DrafterKind(a.drafter)
     try:
-        ks = parse_ks(a.k)
-        config = SpecConfig(mode=Mode.V2, drafter=drafter, k=ks[0], max_new_tokens=a.new_tokens, seed=a.seed,
+        config = SpecConfig(mode=Mode.V2, drafter=drafter, max_new_tokens=a.new_tokens, seed=a.seed,
                             sampling=SamplingParams(temperature=a.temperature, top_p=a.top_p))
-        for k in ks[1:]:
-            replace(config, k=k)   # each K is checked before any model loads
+        configs = [replace(config, k=k) for k in parse_ks(a.k)]   # each K checked before any model loads
         if config.sampling.greedy:
             raise ValueError("--temperature must be above 0 (the greedy bench is `python -m engine bench`)")
         if drafter.uses_model and a.target != BUILTIN:
@@ -125,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     prompts = prompts_for(base.target, a.num_prompts)
-    for (head, pair), k in ((hp, k) for hp in pairs for k in ks):
-        result = measure(pair, prompts, replace(config, k=k))
+    for (head, pair), config in ((hp, c) for hp in pairs for c in configs):
+        result = measure(pair, prompts, config)
         if a.json:
             print(json.dumps({**asdict(result), "speedup": result.speedup, "eagle": head}))
         else:
