@@ -6,6 +6,7 @@ per machine into the cache (SPECPLAY_CACHE, else ~/.cache/specplay), the first t
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -18,6 +19,7 @@ from engine.pair import ModelPair
 from engine.prompts import ChatPrompt, encode_chat
 from engine.runner import ModelRunner
 from engine.sources import (
+    MANIFEST,
     SMOLLM2,
     SMOLLM2_PIP,
     cache_problem,
@@ -126,6 +128,9 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, monkeypatch):
     assert "config.json" in cache_problem(copy)
     rebuilt = ensure_converted(gguf)   # converts again, into the same place
     assert rebuilt == copy and cache_problem(copy) is None
+    digests = [{name: f["sha256"] for name, f in json.loads((d / MANIFEST).read_text())["files"].items()}
+               for d in (good, rebuilt)]
+    assert digests[0] == digests[1]     # the same bytes as the first conversion, file for file
 
 
 def test_a_missing_wheel_names_the_pip_command(monkeypatch):
