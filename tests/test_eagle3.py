@@ -3,6 +3,7 @@ the data, its export loads, and the engine with it stays exact (greedy: the targ
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -196,16 +197,24 @@ def test_data_folders_must_keep_the_same_layers(tmp_path):
         eagle3.data_folders([tmp_path / "nothing"])
 
 
-@pytest.mark.parametrize("own_head, feature_norm", [(True, False), (False, True)],
-                         ids=["own-lm-head", "target-lm-head-normed-layers"])
-def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, tmp_path, monkeypatch, own_head,
-                                                                     feature_norm):
+@pytest.fixture(scope="module")
+def answered(smol, tmp_path_factory) -> tuple[Path, Eagle3DataPlan]:
+    """A small data folder the target answered, built once for the training tests (each trains on its own copy)."""
     plan = Eagle3DataPlan(magpie_prompts=4, prompt_batch=8, prompt_max_tokens=32, answer_batch=2, max_new_tokens=12,
                           top_k=8, written_prompts=6).for_model(30)
-    data = tmp_path / "data"
+    data = tmp_path_factory.mktemp("eagle3-answered") / "data"
     with DataFolder(data, plan, smol.name) as folder:
         eagle3_data.build_prompts(folder, smol.fused, smol.tokenizer, 2, lambda m: None, None)
         eagle3_data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, lambda m: None, None)
+    return data, plan
+
+
+@pytest.mark.parametrize("own_head, feature_norm", [(True, False), (False, True)],
+                         ids=["own-lm-head", "target-lm-head-normed-layers"])
+def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answered, tmp_path, monkeypatch, own_head,
+                                                                     feature_norm):
+    data, plan = tmp_path / "data", answered[1]
+    shutil.copytree(answered[0], data)
     folders = [data]
     if not own_head:   # a second folder: other prompts, written by another seed, none of the first one's
         second = replace(plan, seed=1, written_prompts=0, magpie_prompts=2)
