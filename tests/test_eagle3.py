@@ -338,6 +338,51 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
     assert engine.generated == alone.generated
 
 
+def test_fitted_steps_end_the_schedule_before_the_deadline():
+    assert eagle3.fitted_steps(100, 10_000, 10.0, 300.0) == 100 + 2850          # 15 s kept for the export
+    assert eagle3.fitted_steps(100, 10_000, 10.0, 600.0) == 100 + 5700          # a twentieth kept
+    assert eagle3.fitted_steps(100, 10_000, 10.0, 2000.0) == 10_000              # the plan's, at most
+    assert eagle3.fitted_steps(100, 1_000, 10.0, 10.0) == 101                    # no time left: one more step
+    assert eagle3.fitted_steps(100, 150, 10.0, 3600.0) == 150                    # it fits already: the plan's
+
+
+def test_a_schedule_fitted_to_the_time_limit_ends_its_decay_there(smol, answered, tmp_path, monkeypatch):
+    """`--fit`: the run measures its rate after the warm-up, shortens the cosine schedule to what it reaches by the
+    deadline, and finishes there (not stopped part-way), its last steps at the schedule's floor; a resumed run
+    keeps the fitted length, and the card says so."""
+    data = tmp_path / "data"
+    shutil.copytree(answered[0], data)
+    clock = [0.0]
+
+    def tick() -> float:             # every read of the trainer's clock is one second later
+        clock[0] += 1.0
+        return clock[0]
+    monkeypatch.setattr(eagle3, "time", SimpleNamespace(time=tick))
+    plan = eagle3.Eagle3Plan(kept=256, depth=2, epochs=40, batch=2, warmup=2, lr=2e-3, log_every_s=0,
+                             heldout_every=0)
+    lrs = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return real_step(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    logs = []
+    result = eagle3.train(smol, [data], tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=400.0,
+                          export_when_stopped=True, fit=True)
+    fitted = result["fitted"]
+    assert result["finished"] and "stopped" not in result, result.get("stopped")
+    assert 22 < fitted["steps"] < fitted["planned"] and result["steps"] == fitted["steps"] == len(lrs)
+    assert lrs[-1] == pytest.approx(0.1 * plan.lr, rel=0.02) and max(lrs) == pytest.approx(plan.lr, rel=0.05)
+    assert any(line.startswith("schedule fitted to the time limit") for line in logs)
+    eagle3.write_card(tmp_path / "head", "smollm2", {k: v for k, v in result.items() if k != "finished"}, {},
+                      "python -m engine train-eagle3 --minutes 5 --fit", 1.0)
+    assert f"fitted to the time limit (`--fit`): {fitted['steps']:,} steps of the {fitted['planned']:,}" in \
+        (tmp_path / "head" / "MODEL_CARD.md").read_text()
+    again = eagle3.train(smol, [data], tmp_path / "work", tmp_path / "head", plan, logs.append, deadline=1e9, fit=True)
+    assert again["fitted"] == fitted and again["steps"] == fitted["steps"]   # resumed finished: nothing more
+
+
 def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smol, tmp_path):
     """`--feature-weight w` adds w × smooth-L1(step 1's output at t, the top fused layer's input at t + 1) over
     answer positions, and nothing else; `--noise` perturbs the inputs only while training; a top layer that is
@@ -378,7 +423,8 @@ def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smo
 @pytest.mark.parametrize("argv, words", [(["--lr", "0"], "lr > 0"), (["--depth", "0"], "depth >= 1"),
                                          (["--layers", "2,x"], "--layers takes layer numbers"),
                                          (["--device", "gpu"], "unknown device 'gpu'; use cpu, cuda or cuda:N"),
-                                         (["--device", "cuda:7"], "device cuda:7 is not available")])
+                                         (["--device", "cuda:7"], "device cuda:7 is not available"),
+                                         (["--fit"], "give both")])
 def test_bad_training_options_get_a_sentence_before_any_model_loads(argv, words, capsys, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded before the options were checked")

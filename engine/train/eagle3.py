@@ -262,6 +262,15 @@ class Cursor:
     log: list[dict] = field(default_factory=list)
     seconds: float = 0.0    # training time over every run of the command, resumed ones included
     heldout: list[dict] = field(default_factory=list)   # {step, loss, top1 by step} on the held-out shard
+    fitted: int = 0         # the schedule's steps where it was fitted to a deadline (0: the plan's epochs)
+
+
+def fitted_steps(step: int, planned: int, rate: float, seconds_left: float) -> int:
+    """How long a schedule can be to end by a deadline: the steps a run at `rate` steps a second still takes in
+    `seconds_left`, less a reserve for the export's measurement and save (a twentieth of it, at least 15 s);
+    never more than `planned`, never fewer than one more."""
+    reserve = max(15.0, seconds_left / 20)
+    return max(step + 1, min(planned, step + int(rate * max(0.0, seconds_left - reserve))))
 
 
 def on_cpu(state):
@@ -373,14 +382,17 @@ def prompt_sources(folders: list[Path]) -> dict:
 
 def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
           log=print, deadline: float | None = None, replay: list[Path] = (), device: str | torch.device = "cpu",
-          export_when_stopped: bool = False) -> dict:
+          export_when_stopped: bool = False, fit: bool = False) -> dict:
     """Train (or resume) on every whole shard under `data` (one folder or several) and a seeded
     `plan.replay_share` of those under each `replay` folder (data an earlier head was trained on, revisited so
     that new data does not wash it out); export to `out` when done. The loss is held out on the first `data`
     folder's first chunk. The head trains on `device` (a GPU, say), the target's layers the data did not keep are
     computed where the target sits, and the checkpoint and the export hold CPU tensors, so a run stopped on one
     device resumes on another. `export_when_stopped`: a run the deadline stops also exports the head as it stands
-    (its meta says at which step of how many), for a machine held for a fixed time."""
+    (its meta says at which step of how many), for a machine held for a fixed time. `fit` (with a deadline): once
+    the warm-up is over, the cosine schedule is shortened to the steps this run's measured rate reaches by the
+    deadline, so that a run held for a fixed time ends its decay rather than stopping part-way (kept across a
+    resume)."""
     device = torch.device(device)
     folders = [data] if isinstance(data, Path) else list(data)
     replay = list(replay)
@@ -470,7 +482,8 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         opt.load_state_dict(ckpt["opt"])
     lm = head.lm if config.own_head else target_rows
     sequences = sum(json.loads(p.with_suffix(".json").read_text())["sequences"] for p in paths)
-    total_steps = math.ceil(plan.epochs * sequences / plan.batch)
+    planned = math.ceil(plan.epochs * sequences / plan.batch)
+    total_steps = cursor.fitted or planned
 
     def lr_at(step: int) -> float:
         if step < plan.warmup:
@@ -525,6 +538,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         return figures
 
     t0, last_save, last_log, seen_before = time.time(), time.time(), time.time(), cursor.seen
+    first_step = cursor.step
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
     ahead: dict[Path, Future] = {}
 
@@ -559,7 +573,8 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                 "target_layers": len(target.fused.layers) if target.fused is not None else None,
                 "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
                 "train_seconds": cursor.seconds, "init": init_lineage(Path(plan.init)) if plan.init else None,
-                **({"stopped": {"step": cursor.step, "of": total_steps}} if stopped else {})}
+                **({"stopped": {"step": cursor.step, "of": total_steps}} if stopped else {}),
+                **({"fitted": {"steps": cursor.fitted, "planned": planned}} if cursor.fitted else {})}
         save_head(copy.deepcopy(head).cpu(), kept, out, meta)
         log(f"wrote {out}" + (f" as it stood at step {cursor.step}/{total_steps}" if stopped else ""))
         return {"finished": not stopped, **meta}
@@ -583,6 +598,14 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                 random.Random(plan.seed + cursor.epoch * 100_003 + cursor.shard).shuffle(pending)
                 cursor.shard += 1
             chunk, pending = pending[: plan.batch], pending[plan.batch:]
+            if (fit and deadline is not None and not cursor.fitted and cursor.step >= plan.warmup
+                    and cursor.step - first_step >= 20):
+                now = time.time()
+                total_steps = cursor.fitted = fitted_steps(cursor.step, planned,
+                                                           (cursor.step - first_step) / max(now - t0, 1e-9),
+                                                           deadline - now)
+                log(f"schedule fitted to the time limit: {total_steps:,} steps of the planned {planned:,} "
+                    f"({total_steps * plan.batch / sequences:.2f} epochs)")
             for g in opt.param_groups:
                 g["lr"] = lr_at(cursor.step)
             b = lifted(make_batch(chunk, kept_index, plan.max_len))
@@ -698,6 +721,8 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              f"- {meta['steps']:,} AdamW steps of {plan['batch']} sequences ({plan['epochs']} epochs), lr {plan['lr']} "
              f"with warm-up and cosine decay; training-time test over {plan['depth']} steps (step weights "
              f"{plan['step_decay']}^(s-1)); {loss_words(plan)}; bf16 autocast: {plan['bf16']}",
+             *([f"- the schedule fitted to the time limit (`--fit`): {meta['fitted']['steps']:,} steps of the "
+                f"{meta['fitted']['planned']:,} that {plan['epochs']} epochs take"] if meta.get("fitted") else []),
              *([f"- stopped by its time limit at step {meta['stopped']['step']:,} of {meta['stopped']['of']:,} and "
                 "exported as it stood (`--export-when-stopped`); rerunning its command finishes the schedule"]
                if meta.get("stopped") else []),
@@ -772,6 +797,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export-when-stopped", action="store_true",
                     help="when --minutes stops the run, also export (and measure) the head as it stands, its card "
                          "saying at which step: for a machine held for a fixed time")
+    ap.add_argument("--fit", action="store_true",
+                    help="with --minutes: after the warm-up, shorten the learning-rate schedule to the steps the "
+                         "measured rate reaches by the time limit, so the decay ends there instead of being cut off")
     ap.add_argument("--heldout-every", type=int, default=Eagle3Plan().heldout_every,
                     help="measure the held-out shard every this many steps (0: at the end only)")
     ap.add_argument("--init", type=Path, default=None,
@@ -798,6 +826,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"train-eagle3: {exc}", file=sys.stderr)
         return 2
+    if a.fit and not a.minutes:
+        print("train-eagle3: --fit fits the schedule to --minutes: give both", file=sys.stderr)
+        return 2
     if problem := device_problem(a.device):
         print(f"train-eagle3: {problem}", file=sys.stderr)
         return 2
@@ -812,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(target, data, a.work or REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
                        time.time() + a.minutes * 60 if a.minutes else None, a.replay, a.device,
-                       a.export_when_stopped)
+                       a.export_when_stopped, a.fit)
     except DataError as exc:
         print(exc, file=sys.stderr)
         return 2
