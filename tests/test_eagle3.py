@@ -186,9 +186,19 @@ def test_data_folders_must_keep_the_same_layers(tmp_path):
     for name, layers in (("a", [2, 15, 27]), ("b", [2, 15, 27]), ("c", [3, 15, 27])):
         (tmp_path / name / "answers").mkdir(parents=True)
         (tmp_path / name / "plan.json").write_text(json.dumps({"fingerprint": name, "plan": {"layers": layers}}))
-    (tmp_path / "b" / "answers" / "shard-p0-00000.pt").write_bytes(b"")
+        (tmp_path / name / "answers" / "shard-p0-00000.pt").write_bytes(b"")
+        (tmp_path / name / "prompts.json").write_text("{}")
     shards, layers, _ = eagle3.data_folders([tmp_path / "a", tmp_path / "b"])
-    assert layers == (2, 15, 27) and shards == {tmp_path / "b" / "answers" / "shard-p0-00000.pt": "b"}
+    assert layers == (2, 15, 27) and shards == {tmp_path / n / "answers" / "shard-p0-00000.pt": n for n in "ab"}
+    # a folder whose data was never made (a run that stopped before its prompts or its first shard) is refused
+    # before any training, not when the head is exported minutes later
+    (tmp_path / "b" / "answers" / "shard-p0-00000.pt").unlink()
+    with pytest.raises(eagle3.DataError, match="holds no answers yet .no shards.: finish its data first"):
+        eagle3.data_folders([tmp_path / "a", tmp_path / "b"])
+    (tmp_path / "a" / "prompts.json").unlink()
+    with pytest.raises(eagle3.DataError, match="no frozen prompt list"):
+        eagle3.data_folders([tmp_path / "a"])
+    (tmp_path / "a" / "prompts.json").write_text("{}")
     with pytest.raises(eagle3.DataError, match="same layers"):
         eagle3.data_folders([tmp_path / "a", tmp_path / "c"])
     with pytest.raises(eagle3.DataError, match="given twice"):

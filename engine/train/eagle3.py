@@ -328,8 +328,13 @@ def data_folders(folders: list[Path]) -> tuple[dict[Path, str], tuple[int, ...],
         if missing := packed_only(folder):
             raise DataError(f"{folder} holds {len(missing)} of its shards only as token ids in its pack (a run with "
                             f"--answers-only); rebuild them first: {data_command(folder)}")
+        shards = list(iter_shards(folder))
+        if not shards or not (folder / "prompts.json").is_file():   # refused now, not after the training
+            missing = "no shards" if (folder / "prompts.json").is_file() else "no frozen prompt list"
+            raise DataError(f"{folder} holds no answers yet ({missing}): finish its data first: "
+                            f"{data_command(folder)}")
         plans.append(plan_file)
-        fingerprints.update((path, plan_file["fingerprint"]) for path in iter_shards(folder))
+        fingerprints.update((path, plan_file["fingerprint"]) for path in shards)
     return fingerprints, stored, plans
 
 
@@ -538,7 +543,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         return figures
 
     t0, last_save, last_log, seen_before = time.time(), time.time(), time.time(), cursor.seen
-    first_step = cursor.step
+    first_step, rate_mark = cursor.step, None
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
     ahead: dict[Path, Future] = {}
 
@@ -598,11 +603,13 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                 random.Random(plan.seed + cursor.epoch * 100_003 + cursor.shard).shuffle(pending)
                 cursor.shard += 1
             chunk, pending = pending[: plan.batch], pending[plan.batch:]
+            if fit and deadline is not None and not cursor.fitted and cursor.step - first_step == 10:
+                rate_mark = (cursor.step, time.time())   # the rate is timed from here: a run's first steps are slow
             if (fit and deadline is not None and not cursor.fitted and cursor.step >= plan.warmup
-                    and cursor.step - first_step >= 20):
+                    and rate_mark is not None and cursor.step - rate_mark[0] >= 20):
                 now = time.time()
                 total_steps = cursor.fitted = fitted_steps(cursor.step, planned,
-                                                           (cursor.step - first_step) / max(now - t0, 1e-9),
+                                                           (cursor.step - rate_mark[0]) / max(now - rate_mark[1], 1e-9),
                                                            deadline - now)
                 log(f"schedule fitted to the time limit: {total_steps:,} steps of the planned {planned:,} "
                     f"({total_steps * plan.batch / sequences:.2f} epochs)")
