@@ -197,6 +197,21 @@ def cache_problem(folder: Path) -> str | None:
             return f"{name} is missing or has the wrong size"
         if _sha256(path) != want["sha256"]:
             return f"{name} does not match its recorded digest"
+    return end_token_problem(folder)
+
+
+def end_token_problem(folder: Path) -> str | None:
+    """Why a converted folder's tokenizer does not end turns where its config does (a conversion by a
+    transformers release that read the GGUF's end token wrongly: see `end_of_turn_as_eos`), or None."""
+    try:
+        eos_id = json.loads((folder / "config.json").read_text()).get("eos_token_id")
+        eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
+        added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
+    except (OSError, ValueError, AttributeError):
+        return "its config or tokenizer files cannot be read"
+    ids = {t.get("content"): t.get("id") for t in added if isinstance(t, dict)}
+    if isinstance(eos_id, int) and isinstance(eos, str) and ids.get(eos, eos_id) != eos_id:
+        return f"its tokenizer ends turns with {eos!r} (id {ids[eos]}), its config with id {eos_id}"
     return None
 
 
@@ -224,6 +239,15 @@ def one_tensor_name_map() -> Iterator[None]:
         yield
     finally:
         gguf_package.get_tensor_name_map = original
+
+
+def end_of_turn_as_eos(tokenizer, eos_id: int | None) -> None:
+    """Make the tokenizer's end token the model config's. transformers 5.17 reads SmolLM2's GGUF with
+    `<|im_start|>` (id 1) as the tokenizer's end token while the config says `<|im_end|>` (id 2), where 5.24
+    agrees with the config; a tokenizer saved that way never ends a chat turn (answers run on past
+    `<|im_end|>`). The config's id is the model's own word, so the tokenizer is made to agree with it."""
+    if eos_id is not None and tokenizer.eos_token_id != eos_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
 
 
 def convert_gguf(gguf: Path, folder: Path, progress: Progress | None = None) -> None:
@@ -254,6 +278,7 @@ def convert_gguf(gguf: Path, folder: Path, progress: Progress | None = None) -> 
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(work)
+        end_of_turn_as_eos(tokenizer, config.eos_token_id)
         tokenizer.save_pretrained(work)
         say(0.9, "Checking the converted files")
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(work.iterdir())}

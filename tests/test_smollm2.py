@@ -24,6 +24,8 @@ from engine.sources import (
     SMOLLM2_PIP,
     cache_problem,
     eagle_folder,
+    end_of_turn_as_eos,
+    end_token_problem,
     ensure_converted,
     smollm2_cache_dir,
     smollm2_gguf,
@@ -107,6 +109,30 @@ def test_generation_stops_at_the_end_of_the_turn(smol):
     engine.close()
     assert engine.generated[-1] == 2 and len(engine.generated) < 48 and engine.finished
     assert "<|im_end|>" not in smol.tokenizer.decode(engine.generated[:-1])
+
+
+def test_the_converted_tokenizer_ends_turns_where_the_config_does(smol, tmp_path):
+    """transformers 5.17 gives SmolLM2's GGUF tokenizer <|im_start|> as its end token (seen on a GPU machine: every
+    self-written prompt then ran past <|im_end|>); the conversion makes it the config's <|im_end|>, as saved."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_cache_dir(smollm2_gguf()))
+    tokenizer.eos_token = "<|im_start|>"                 # what 5.17 wrote
+    assert tokenizer.eos_token_id == 1 and smol.model.config.eos_token_id == 2
+    end_of_turn_as_eos(tokenizer, smol.model.config.eos_token_id)
+    tokenizer.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert (tokenizer.eos_token, again.eos_token, again.eos_token_id) == ("<|im_end|>", "<|im_end|>", 2)
+    end_of_turn_as_eos(again, None)                      # a config without an end token leaves it alone
+    assert again.eos_token_id == 2
+    # a folder an older conversion left with the wrong end token is converted again, not used
+    cached = smollm2_cache_dir(smollm2_gguf())
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(cached / name, tmp_path / name)
+    assert end_token_problem(cached) is None and end_token_problem(tmp_path) is None
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_start|>"}))
+    assert end_token_problem(tmp_path) == "its tokenizer ends turns with '<|im_start|>' (id 1), its config with id 2"
 
 
 def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, monkeypatch):
