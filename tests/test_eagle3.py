@@ -425,6 +425,9 @@ def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smo
         noisy, _ = eagle3.unrolled_loss(head, batch, embed, replace(plan, noise=0.05), cos, sin, head.lm)
         assert noisy != plain
     (tmp_path / "plan.json").write_text('{"fingerprint": "f", "plan": {"layers": [2, 15, 27]}}')
+    (tmp_path / "prompts.json").write_text("{}")          # a folder with answers: the options are what is refused
+    (tmp_path / "answers").mkdir()
+    (tmp_path / "answers" / "shard-p0-00000.pt").write_bytes(b"")
     with pytest.raises(eagle3.DataError, match="top fused layer must be 30"):
         eagle3.train(smol, tmp_path, tmp_path / "work", tmp_path / "head",
                      eagle3.Eagle3Plan(layers=(2, 15, 27), feature_weight=0.1), print)

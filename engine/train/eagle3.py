@@ -139,7 +139,7 @@ def target_norms(target: LoadedModel, layers: tuple[int, ...]) -> torch.Tensor:
 @dataclass
 class Batch:
     emb_ids: torch.Tensor      # [B, N] x_t for draft positions t = 1..N
-    feats: torch.Tensor        # [B, N, L * d] the target's layer inputs after x_{t-1}
+    feats: torch.Tensor        # [B, N, L * d] the target's layer inputs after x_{t-1}, as stored (float16)
     label_ids: torch.Tensor    # [B, N, k] kept-vocabulary index of each soft label (0 where unused)
     label_p: torch.Tensor      # [B, N, k] its probability, renormalised over the kept labels (0: unused)
     valid: torch.Tensor        # [B, N] bool: an answer position with a label
@@ -152,20 +152,22 @@ class Batch:
 
 
 def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int) -> Batch:
-    """Right-padded tensors for `examples`; draft position t (column t - 1) predicts x_{t+1}."""
+    """Right-padded tensors for `examples`; draft position t (column t - 1) predicts x_{t+1}. The features stay
+    in the data's precision (float16), cast where the head reads them: half the bytes to copy on the CPU and to
+    move to a GPU."""
     lengths = [min(e.ids.numel(), max_len) - 1 for e in examples]
     n, b = max(lengths), len(examples)
     d_all = examples[0].features.shape[1] * examples[0].features.shape[2]
     k = examples[0].top_ids.shape[1]
     emb_ids = torch.zeros(b, n, dtype=torch.long)
-    feats = torch.zeros(b, n, d_all)
+    feats = torch.zeros(b, n, d_all, dtype=examples[0].features.dtype)
     label_ids = torch.zeros(b, n, k, dtype=torch.long)
     label_p = torch.zeros(b, n, k)
     valid = torch.zeros(b, n, dtype=torch.bool)
     for i, (e, m) in enumerate(zip(examples, lengths)):
         ids = e.ids.long()
         emb_ids[i, :m] = ids[1: m + 1]
-        feats[i, :m] = e.features[:m].reshape(m, -1).float()
+        feats[i, :m] = e.features[:m].reshape(m, -1)
         # column c = draft position t = c + 1 predicts x_{t+1}; its label row is t - (prompt_len - 1)
         first = max(e.prompt_len - 2, 0)            # first column whose t >= prompt_len - 1
         rows = torch.arange(first, m - 1)           # t + 1 <= m: the next token is inside the cut
@@ -218,7 +220,7 @@ def feature_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
     rows = batch.valid[:, :-1] & batch.valid[:, 1:]
     if not rows.any():
         return torch.zeros(())
-    return F.smooth_l1_loss(out[:, :-1][rows].float(), batch.feats[:, 1:, -d:][rows])
+    return F.smooth_l1_loss(out[:, :-1][rows].float(), batch.feats[:, 1:, -d:][rows].float())
 
 
 def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagle3Plan, cos: torch.Tensor,
@@ -230,7 +232,7 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
     total, weights, agree = torch.zeros((), device=emb.device), 0.0, []
     positions = torch.arange(1, n + 1, device=emb.device)
     top1 = batch.label_ids[..., 0]
-    feats, feature = batch.feats, torch.zeros(())
+    feats, feature = batch.feats.float(), torch.zeros(())   # a batch may carry them as stored (float16)
     if plan.noise > 0:
         feats = feats + torch.randn_like(feats) * feats.std() * plan.noise
     steps = unrolled(head, emb, feats, plan.depth, cos, sin, plan.bf16)
@@ -502,7 +504,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         if layers == stored:
             return b.to(device)
         b = b.to(target.device)
-        b.feats = lift_features(target.fused, b.feats, stored, layers)
+        b.feats = lift_features(target.fused, b.feats.float(), stored, layers)
         return b.to(device)
 
     mark = time.time()
