@@ -332,8 +332,8 @@ def data_folders(folders: list[Path]) -> tuple[dict[Path, str], tuple[int, ...],
                             f"--answers-only); rebuild them first: {data_command(folder)}")
         shards = list(iter_shards(folder))
         if not shards or not (folder / "prompts.json").is_file():   # refused now, not after the training
-            missing = "no shards" if (folder / "prompts.json").is_file() else "no frozen prompt list"
-            raise DataError(f"{folder} holds no answers yet ({missing}): finish its data first: "
+            lacking = "no shards" if (folder / "prompts.json").is_file() else "no frozen prompt list"
+            raise DataError(f"{folder} holds no answers yet ({lacking}): finish its data first: "
                             f"{data_command(folder)}")
         plans.append(plan_file)
         fingerprints.update((path, plan_file["fingerprint"]) for path in shards)
