@@ -348,6 +348,47 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
     assert engine.generated == alone.generated
 
 
+def test_the_batch_stream_covers_each_epoch_once_and_resumes_at_its_cursor(tmp_path):
+    paths = [tmp_path / f"shard-{i}.pt" for i in range(5)]
+    sizes = {p: 2 + i for i, p in enumerate(paths)}   # 2..6 sequences a shard
+    reads = []
+
+    def read(path):
+        reads.append(path)
+        return [f"{path.stem}/{j}" for j in range(sizes[path])]
+
+    plan = eagle3.Eagle3Plan(batch=3, seed=4)
+    stream = eagle3.chunks(paths, plan, 0, 0, read)
+    items = [next(stream) for _ in range(40)]
+    stream.close()
+    epoch0 = [seq for seqs, epoch, _ in items if epoch == 0 for seq in seqs]
+    assert sorted(epoch0) == sorted(f"{p.stem}/{j}" for p in paths for j in range(sizes[p]))   # each sequence once
+    assert all(0 < len(seqs) <= 3 and len({s.split("/")[0] for s in seqs}) == 1 for seqs, _, _ in items)
+    epochs = [[seqs for seqs, epoch, _ in items if epoch == e] for e in (0, 1)]
+    assert epochs[0] != epochs[1]                       # another seeded order, shard by shard and within shards
+    # each shard read once an epoch: the one read ahead is used, not read again (the next one may be read ahead)
+    assert len(reads) - len({(e, s) for _, e, s in items}) in (0, 1)
+    # a run stopped after any item resumes, from the cursor that item leaves, with the first batch of the next shard
+    for i, (_, epoch, shard) in enumerate(items[:-8]):
+        nxt = next(j for j in range(i + 1, len(items)) if items[j][1:] != (epoch, shard))
+        resumed = eagle3.chunks(paths, plan, epoch, shard, read)
+        assert [next(resumed) for _ in range(5)] == items[nxt: nxt + 5]
+        resumed.close()
+
+
+def test_a_shard_damaged_after_it_was_made_stops_training_with_its_name(smol, answered, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(answered[0], data)
+    shards = sorted(eagle3_data.iter_shards(data))
+    damaged = shards[-1]                                   # a training shard (the first chunk is held out)
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])   # cut short, its sidecar kept
+    plan = eagle3.Eagle3Plan(kept=256, depth=2, epochs=1, batch=4, warmup=1, heldout_every=0, log_every_s=0)
+    logs = []
+    with pytest.raises(eagle3_data.DataError, match=f"{damaged.name} cannot be read"):
+        eagle3.train(smol, [data], tmp_path / "work", tmp_path / "head", plan, logs.append)
+    assert not (tmp_path / "head").exists()
+
+
 def test_fitted_steps_end_the_schedule_before_the_deadline():
     assert eagle3.fitted_steps(100, 10_000, 10.0, 300.0) == 100 + 2850          # 15 s kept for the export
     assert eagle3.fitted_steps(100, 10_000, 10.0, 600.0) == 100 + 5700          # a twentieth kept

@@ -29,7 +29,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from engine.drafters.eagle import EagleConfig, EagleHead, EagleLoadError, read_head, save_head
 from engine.models import LoadedModel
+from engine.train.ahead import Ahead
 from engine.train.eagle import target_rope, ttt_mask
 from engine.train.eagle3_data import (
     DataError,
@@ -148,7 +149,14 @@ class Batch:
         """The same batch on `device` (itself where it is there already)."""
         if self.emb_ids.device == device:
             return self
-        return Batch(*(t.to(device) for t in (self.emb_ids, self.feats, self.label_ids, self.label_p, self.valid)))
+        return Batch(*(t.to(device, non_blocking=True) for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.emb_ids, self.feats, self.label_ids, self.label_p, self.valid
+
+    def pinned(self) -> "Batch":
+        """The same batch in page-locked memory, so that its copy to a GPU runs while the GPU works."""
+        return Batch(*(t.pin_memory() for t in self.tensors()))
 
 
 def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int) -> Batch:
@@ -290,6 +298,33 @@ def shard_order(paths: list[Path], plan: Eagle3Plan, epoch: int) -> list[Path]:
     order = list(paths)
     random.Random(plan.seed * 7919 + epoch).shuffle(order)
     return order
+
+
+def chunks(paths: list[Path], plan: Eagle3Plan, epoch: int, shard: int,
+           read: Callable[[Path], list[Example]]) -> Iterator[tuple[list[Example], int, int]]:
+    """The training stream from the cursor's (epoch, shard), endless: each epoch's shards in their seeded order,
+    each shard's sequences shuffled (seeded) and cut into batches of `plan.batch` (its last one shorter). Each item
+    is (sequences, epoch, shard): where the cursor stands once the item is taken (the shard after the one it came
+    from), so that a run resumed there goes on with the next shard. `read(path)` loads a shard; the next one is
+    read on another thread while this one's batches are taken."""
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
+    try:
+        upcoming: tuple[Path, Future] | None = None
+        while True:
+            order = shard_order(paths, plan, epoch)
+            if shard >= len(order):
+                epoch, shard = epoch + 1, 0
+                continue
+            path = order[shard]
+            examples = upcoming[1].result() if upcoming and upcoming[0] == path else read(path)
+            following = order[shard + 1] if shard + 1 < len(order) else shard_order(paths, plan, epoch + 1)[0]
+            upcoming = (following, reader.submit(read, following))
+            random.Random(plan.seed + epoch * 100_003 + shard).shuffle(examples)
+            shard += 1
+            for i in range(0, len(examples), plan.batch):
+                yield examples[i: i + plan.batch], epoch, shard
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
 
 
 def heldout_split(paths: list[Path]) -> tuple[Path, list[Path]]:
@@ -546,18 +581,17 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
 
     t0, last_save, last_log, seen_before = time.time(), time.time(), time.time(), cursor.seen
     first_step, rate_mark = cursor.step, None
-    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shards")
-    ahead: dict[Path, Future] = {}
+    pin = device.type == "cuda"
 
-    def shard_examples(order: list[Path], i: int) -> list[Example]:
-        """Shard `order[i]` (read while the previous one trained, where it was asked for then); asks for the next."""
-        path = order[i]
-        wanted = ahead.pop(path, None)
-        ahead.clear()
-        examples = wanted.result() if wanted is not None else load_shard(path, fingerprint_of[path])
-        if i + 1 < len(order):
-            ahead[order[i + 1]] = reader.submit(load_shard, order[i + 1], fingerprint_of[order[i + 1]])
-        return examples
+    def built(epoch: int, shard: int) -> Iterator[tuple[Batch, int, int, int]]:
+        """(batch, sequences, epoch, shard) in the stream's order from (epoch, shard), made on the worker thread."""
+        for examples, epoch, shard in chunks(paths, plan, epoch, shard,
+                                             lambda path: load_shard(path, fingerprint_of[path])):
+            b = make_batch(examples, kept_index, plan.max_len)
+            yield (b.pinned() if pin else b), len(examples), epoch, shard
+
+    batches = Ahead(built(cursor.epoch, cursor.shard), depth=2, name="batches")
+    waited_mark = 0.0
 
     def export(stopped: bool = False) -> dict:
         """Measure the held-out shard, checkpoint, and write the head with its meta to `out` (`stopped`: at the
@@ -587,7 +621,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         return {"finished": not stopped, **meta}
 
     try:
-        running, running_agree, pending = [], [], []
+        running, running_agree = [], []
         head.train()
         while cursor.step < total_steps:
             if deadline is not None and time.time() > deadline:
@@ -596,15 +630,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                     return {**export(stopped=True), "cursor": asdict(cursor)}
                 save()
                 return {"finished": False, "cursor": asdict(cursor)}
-            if not pending:   # the next shard's sequences, shuffled
-                order = shard_order(paths, plan, cursor.epoch)
-                if cursor.shard >= len(order):
-                    cursor.epoch, cursor.shard = cursor.epoch + 1, 0
-                    order = shard_order(paths, plan, cursor.epoch)
-                pending = shard_examples(order, cursor.shard)
-                random.Random(plan.seed + cursor.epoch * 100_003 + cursor.shard).shuffle(pending)
-                cursor.shard += 1
-            chunk, pending = pending[: plan.batch], pending[plan.batch:]
+            built_batch, taken, cursor.epoch, cursor.shard = next(batches)
             if fit and deadline is not None and not cursor.fitted and cursor.step - first_step == 10:
                 rate_mark = (cursor.step, time.time())   # the rate is timed from here: a run's first steps are slow
             if (fit and deadline is not None and not cursor.fitted and cursor.step >= plan.warmup
@@ -617,7 +643,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                     f"({total_steps * plan.batch / sequences:.2f} epochs)")
             for g in opt.param_groups:
                 g["lr"] = lr_at(cursor.step)
-            b = lifted(make_batch(chunk, kept_index, plan.max_len))
+            b = lifted(built_batch)
             n = b.emb_ids.shape[1]
             loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
             opt.zero_grad(set_to_none=True)
@@ -625,18 +651,22 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             cursor.step += 1
-            cursor.seen += len(chunk)
+            cursor.seen += taken
             running.append(float(loss.detach()))
             running_agree.append(agree)
             if time.time() - last_log >= plan.log_every_s or cursor.step == total_steps:
                 by_step = [sum(a[s] for a in running_agree if not math.isnan(a[s])) / max(1, len(running_agree))
                            for s in range(plan.depth)]
                 rate = (cursor.seen - seen_before) / max(time.time() - t0, 1e-9)   # this run's sequences only
+                # what building batches still costs the step: the time the step waited for one (0 when the worker
+                # keeps ahead), a mean over the steps since the last line
+                wait_ms = 1000 * (batches.waited_s - waited_mark) / len(running)
                 log(f"step {cursor.step}/{total_steps} (epoch {cursor.epoch}): loss {sum(running) / len(running):.3f}, "
-                    "top-1 by step " + " ".join(f"{a:.2f}" for a in by_step) + f", {rate:.1f} seq/s")
+                    "top-1 by step " + " ".join(f"{a:.2f}" for a in by_step) + f", {rate:.1f} seq/s, "
+                    f"{wait_ms:.0f} ms a step waiting for its batch")
                 cursor.log.append({"step": cursor.step, "loss": sum(running) / len(running), "top1": by_step,
-                                   "time": time.time()})
-                running, running_agree, last_log = [], [], time.time()
+                                   "time": time.time(), "batch_wait_ms": wait_ms})
+                running, running_agree, last_log, waited_mark = [], [], time.time(), batches.waited_s
             if plan.heldout_every and cursor.step % plan.heldout_every == 0 and cursor.step < total_steps:
                 measured = heldout_point()   # is it still learning what it has not seen, or only its training data?
                 log(f"held-out shard at step {cursor.step}: loss {measured['heldout_loss']:.3f}, top-1 by step "
@@ -646,7 +676,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                 last_save = time.time()
         return export()
     finally:
-        reader.shutdown(wait=True, cancel_futures=True)
+        batches.close()
 
 
 def the_layers(layers: list[int], count: int | None) -> str:
