@@ -73,3 +73,45 @@ def test_bad_options_get_a_sentence_before_the_target_loads(argv, words, capsys,
     monkeypatch.setattr(eagle3_data, "command_start", no_loading)
     assert eagle3_eval.main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_card_is_written_for_a_head_trained_elsewhere(smol, tmp_path, capsys, monkeypatch):
+    """`--card`: the trainer's measure and card for an exported head whose data folders are not on this machine
+    (trained on a GPU machine from the packs): the held-out prompts come from the packs its commands name."""
+    import shutil
+
+    import engine.train.eagle3_data as eagle3_data
+    from engine.train.data_pack import pack_folder
+
+    head = tmp_path / "head"
+    shutil.copytree(eagle_folder("smollm2-eagle3"), head)
+    (head / "MODEL_CARD.md").unlink()
+    # its folders (.cache/draft-data/...) are on the machine that trained it; where one is here too, it holds the
+    # same frozen list as its pack
+    shipped = json.loads((eagle_folder("smollm2-eagle3") / "card.json").read_text())["eval"]
+    measured = {}
+
+    def measure(target, new, today, heldout, log, quick=False):   # the engine's measure is tested on its own
+        measured.update(new=new, today=today, heldout=heldout, quick=quick)
+        return shipped
+
+    monkeypatch.setattr(eagle3_data, "command_start", lambda source, threads: (smol, lambda m: None))
+    monkeypatch.setattr(eagle3_eval, "evaluate_heads", measure)
+    assert eagle3_eval.main(["--card", "--head", str(head)]) == 0
+    packs = [pack_folder("smollm2"), *(pack_folder(f"smollm2-seed{s}") for s in (1, 2))]
+    assert measured["heldout"] == [p for pack in packs for p in eagle3_data.read_prompts(pack)["heldout"]]
+    assert (measured["new"], measured["today"], measured["quick"]) == (head, eagle_folder("smollm2"), False)
+    card = (head / "MODEL_CARD.md").read_text()
+    first = next(iter(shipped.values()))
+    assert f"per-position acceptance α: **{first['alpha']:.3f}**" in card
+    assert "measured afterwards (`python -m engine eval-eagle3 --card`)" in card
+    assert json.loads((head / "card.json").read_text())["eval"] == shipped
+
+    plain = tmp_path / "plain"   # a head whose export kept no training record
+    shutil.copytree(eagle_folder("smollm2-eagle3"), plain)
+    record = json.loads((plain / "eagle.json").read_text())
+    (plain / "eagle.json").write_text(json.dumps({**record, "meta": {}}))
+    assert eagle3_eval.main(["--card", "--head", str(plain)]) == 2
+    assert "keeps no training record" in capsys.readouterr().err
+    assert eagle3_eval.main(["--card", "--head", str(head), "--k", "3"]) == 2
+    assert "--card measures what the trainer measures" in capsys.readouterr().err

@@ -424,7 +424,7 @@ def prompt_sources(folders: list[Path]) -> dict:
 
 def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, plan: Eagle3Plan = Eagle3Plan(),
           log=print, deadline: float | None = None, replay: list[Path] = (), device: str | torch.device = "cpu",
-          export_when_stopped: bool = False, fit: bool = False) -> dict:
+          export_when_stopped: bool = False, fit: bool = False, command: str = "") -> dict:
     """Train (or resume) on every whole shard under `data` (one folder or several) and a seeded
     `plan.replay_share` of those under each `replay` folder (data an earlier head was trained on, revisited so
     that new data does not wash it out); export to `out` when done. The loss is held out on the first `data`
@@ -434,7 +434,8 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     (its meta says at which step of how many), for a machine held for a fixed time. `fit` (with a deadline): once
     the warm-up is over, the cosine schedule is shortened to the steps this run's measured rate reaches by the
     deadline, so that a run held for a fixed time ends its decay rather than stopping part-way (kept across a
-    resume)."""
+    resume). `command`: the line that makes this head, kept in its meta for the card.
+    """
     device = torch.device(device)
     folders = [data] if isinstance(data, Path) else list(data)
     replay = list(replay)
@@ -614,6 +615,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                 "target_layers": len(target.fused.layers) if target.fused is not None else None,
                 "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
                 "train_seconds": cursor.seconds, "init": init_lineage(Path(plan.init)) if plan.init else None,
+                **({"command": command} if command else {}),
                 **({"stopped": {"step": cursor.step, "of": total_steps}} if stopped else {}),
                 **({"fitted": {"steps": cursor.fitted, "planned": planned}} if cursor.fitted else {})}
         save_head(copy.deepcopy(head).cpu(), kept, out, meta)
@@ -735,8 +737,10 @@ def lineage_commands(init: dict | None) -> list[str]:
     return lineage_commands(init.get("init")) + list(init["commands"]) if init else []
 
 
-def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float) -> None:
-    """The model card: data, training, losses, acceptance by position (measured by the engine), time, commands."""
+def write_card(folder: Path, target_source: str, meta: dict, evals: dict, command: str, wall_s: float | None) -> None:
+    """The model card: data, training, losses, acceptance by position (measured by the engine), time, commands.
+    `wall_s`: the training command's own time, measurements included (None: the head was measured afterwards, by
+    `eval-eagle3 --card`)."""
     plan, src = meta["plan"], meta["prompt_sources"]
     lm_head = (f"its own LM head over a {meta['kept']}-token vocabulary" if plan.get("own_head", True) else
                f"the target's LM-head rows for a {meta['kept']}-token vocabulary, frozen")
@@ -769,8 +773,9 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              + ", ".join(f"{a:.2f}" for a in meta["heldout_top1_by_step"]),
              *heldout_curve(meta.get("heldout_log", [])),
              f"- training time, every resumed run of the command included: "
-             f"{meta.get('train_seconds', wall_s) / 3600:.2f} h; this run, its measurements included: "
-             f"{wall_s / 3600:.2f} h", ""]
+             f"{meta.get('train_seconds', wall_s or 0.0) / 3600:.2f} h; "
+             + (f"this run, its measurements included: {wall_s / 3600:.2f} h" if wall_s is not None else
+                "measured afterwards (`python -m engine eval-eagle3 --card`)"), ""]
     for name, e in evals.items():
         how = "greedy" if not e.get("temperature") else f"T = {e['temperature']:g}"
         speed = ""
@@ -882,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(target, data, a.work or REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
                        time.time() + a.minutes * 60 if a.minutes else None, a.replay, a.device,
-                       a.export_when_stopped, a.fit)
+                       a.export_when_stopped, a.fit, command_line("train-eagle3", argv))
     except DataError as exc:
         print(exc, file=sys.stderr)
         return 2

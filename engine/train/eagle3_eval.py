@@ -92,6 +92,27 @@ def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout:
             **evaluate_sets(target, heads, [chat], log, SamplingParams(temperature=0.7, top_p=0.95))}
 
 
+def trained_heldout(meta: dict, target_name: str) -> list[str]:
+    """The held-out self-written prompts of every data folder a head's meta names, in its order: read from the
+    folder where it is on this machine, else from the pack its command names (a head trained on another machine,
+    whose folders were rebuilt there from the packs); DataError when neither is here."""
+    import shlex
+
+    from engine.sources import REPO_ROOT
+    from engine.train.data_pack import pack_folder
+    from engine.train.eagle3_data import read_prompts
+
+    prompts = []
+    for entry in meta.get("data_folders", []):
+        folder = Path(entry["folder"])
+        if not (folder / "prompts.json").exists():
+            words = shlex.split(entry.get("command", ""))
+            folder = Path(words[words.index("--pack") + 1]) if "--pack" in words[:-1] else pack_folder(target_name)
+            folder = folder if folder.is_absolute() else REPO_ROOT / folder
+        prompts += read_prompts(folder)["heldout"]
+    return prompts
+
+
 def shown(folder: Path) -> str:
     """A folder as a reader of the checkout names it: relative to the repository where it lies inside."""
     from engine.sources import REPO_ROOT
@@ -140,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--top-p", type=float, default=0.95, help="with --temperature above 0 (default 0.95)")
     ap.add_argument("--json", type=Path, default=None, help="write every measure here")
+    ap.add_argument("--card", action="store_true",
+                    help="measure --head as train-eagle3 does after training (against --against, default the "
+                         "target's first EAGLE head) and write its model card from the record its export kept: for a "
+                         "head trained with --skip-eval, or on another machine; with --chat-only, greedy on the chat "
+                         "prompts only")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     if not 1 <= a.k <= K_BOUND or a.per_set < 1 or a.new_tokens < 1:
@@ -155,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     shipped = sorted(p for p in pack_folder(slug).parent.glob(f"{slug}*")
                      if (p.name == slug or p.name.startswith(slug + "-")) and (p / "prompts.json").exists())
     packs = [] if a.chat_only else (a.pack or shipped)
+    if a.card:
+        return card(a, slug, heads[0][1], argv)
     for name, folder in heads:   # refused with a sentence before the target loads
         try:
             read_head(folder)
@@ -176,6 +204,42 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(line(key, e) for key, e in evals.items()))
     if a.json:
         a.json.write_text(json.dumps(evals, indent=1) + "\n")
+    return 0
+
+
+def card(a, slug: str, head: Path, argv: list[str] | None) -> int:
+    """`eval-eagle3 --card`: the trainer's measure of `head` and its model card, from the meta its export holds."""
+    from engine.drafters.eagle import CONFIG, EagleLoadError, read_head
+    from engine.sources import eagle_folder
+    from engine.train.eagle3 import write_card
+    from engine.train.eagle3_data import DataError, command_start
+
+    if a.packs_only or a.pack or a.trained_too or a.temperature > 0 or a.k != 4 or a.new_tokens != 64:
+        print("eval-eagle3: --card measures what the trainer measures; it takes only --head, --against, --chat-only, "
+              "--json and --threads", file=sys.stderr)
+        return 2
+    try:
+        read_head(head)
+        meta = json.loads((head / CONFIG).read_text()).get("meta") or {}
+        if not meta.get("plan"):
+            raise DataError(f"{head / CONFIG} keeps no training record: --card writes the card of a head that "
+                            "`python -m engine train-eagle3` exported")
+        heldout = trained_heldout(meta, slug)
+        against = a.against or eagle_folder(slug)
+        if a.against is not None:
+            read_head(against)
+    except (EagleLoadError, DataError) as exc:
+        print(f"eval-eagle3: {exc}", file=sys.stderr)
+        return 2
+    target, log = command_start(a.target, a.threads)
+    if target is None:
+        return 2
+    evals = evaluate_heads(target, head, against, heldout, log, quick=a.chat_only)
+    command = meta.get("command") or "python -m engine train-eagle3 (its command was not recorded)"
+    write_card(head, a.target, meta, evals, command, None)
+    if a.json:
+        a.json.write_text(json.dumps(evals, indent=1) + "\n")
+    log(f"wrote {head / 'MODEL_CARD.md'}")
     return 0
 
 
