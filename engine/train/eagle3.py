@@ -586,10 +586,10 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
 
     def built(epoch: int, shard: int) -> Iterator[tuple[Batch, int, int, int]]:
         """(batch, sequences, epoch, shard) in the stream's order from (epoch, shard), made on the worker thread."""
-        for examples, epoch, shard in chunks(paths, plan, epoch, shard,
-                                             lambda path: load_shard(path, fingerprint_of[path])):
+        for examples, now_epoch, now_shard in chunks(paths, plan, epoch, shard,
+                                                     lambda path: load_shard(path, fingerprint_of[path])):
             b = make_batch(examples, kept_index, plan.max_len)
-            yield (b.pinned() if pin else b), len(examples), epoch, shard
+            yield (b.pinned() if pin else b), len(examples), now_epoch, now_shard
 
     batches = Ahead(built(cursor.epoch, cursor.shard), depth=2, name="batches")
     waited_mark = 0.0
