@@ -883,11 +883,11 @@ def main(argv: list[str] | None = None) -> int:
     data = a.data or [default_folder(target.name)]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)
     out = a.out or eagle_folder(f"{slug}-eagle3")
-    t0 = time.time()
+    t0, command = time.time(), command_line("train-eagle3", argv)
     try:
         result = train(target, data, a.work or REPO_ROOT / ".cache" / "train-eagle3" / slug, out, plan, log,
                        time.time() + a.minutes * 60 if a.minutes else None, a.replay, a.device,
-                       a.export_when_stopped, a.fit, command_line("train-eagle3", argv))
+                       a.export_when_stopped, a.fit, command)
     except DataError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -895,9 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     heldout = [p for folder in data + a.replay for p in read_prompts(folder)["heldout"]]
     evals = evaluate_heads(target, out, eagle_folder(a.target), heldout, log, a.quick_eval)
-    write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals,
-               command_line("train-eagle3", argv),
-               time.time() - t0)
+    write_card(out, a.target, {k: v for k, v in result.items() if k != "finished"}, evals, command, time.time() - t0)
     return 0
 
 

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                      if (p.name == slug or p.name.startswith(slug + "-")) and (p / "prompts.json").exists())
     packs = [] if a.chat_only else (a.pack or shipped)
     if a.card:
-        return card(a, slug, heads[0][1], argv)
+        return card(a, slug, heads[0][1])
     for name, folder in heads:   # refused with a sentence before the target loads
         try:
             read_head(folder)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def card(a, slug: str, head: Path, argv: list[str] | None) -> int:
+def card(a, slug: str, head: Path) -> int:
     """`eval-eagle3 --card`: the trainer's measure of `head` and its model card, from the meta its export holds."""
     from engine.drafters.eagle import CONFIG, EagleLoadError, read_head
     from engine.sources import eagle_folder
