@@ -59,6 +59,13 @@ class TreeSpec:
     def max_depth(self) -> int:
         return len(self.widths) if self.widths else self.depth
 
+    @property
+    def draft_room(self) -> int:
+        """Draft KV slots one round's growth may fill beyond the committed tokens (engine.tree.grow drafts a
+        level at a time, each level's nodes that may still get children, some pushed out later): at most a
+        level's width, or the budget, on every level but the last."""
+        return sum(self.widths[:-1]) if self.widths else self.budget * (self.depth - 1)
+
     @staticmethod
     def parse(text: str) -> "TreeSpec":
         """'4-2-2-1' (static widths) or 'N16' / 'N16d6' (dynamic: budget, optional depth); a trailing 'q'

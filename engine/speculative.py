@@ -38,15 +38,20 @@ def kv_capacity(prompt_tokens: int, config: SpecConfig) -> int:
     return prompt_tokens + config.max_new_tokens + K_SLACK
 
 
+def draft_capacity(prompt_tokens: int, config: SpecConfig) -> int:
+    """Tokens a drafter's KV pool holds: the target's, and the room a tree round may draft into."""
+    return kv_capacity(prompt_tokens, config) + (config.tree.draft_room if config.tree is not None else 0)
+
+
 def kv_bytes(pair: ModelPair, prompt_tokens: int, config: SpecConfig) -> int:
     """Bytes of the KV pools one engine allocates (the target's, plus the draft model's if it runs one)."""
-    capacity = kv_capacity(prompt_tokens, config)
+    capacity, drafts = kv_capacity(prompt_tokens, config), draft_capacity(prompt_tokens, config)
     total = pool_bytes(pair.target, capacity, config.block_size)
     if pair.draft is not None and config.uses_draft_model:
-        total += pool_bytes(pair.draft, capacity, config.block_size)
+        total += pool_bytes(pair.draft, drafts, config.block_size)
     if pair.eagle is not None and config.uses_eagle:
         shape = pair.eagle.config.kv_shape
-        total += shape.bytes_per_slot(pair.target.dtype) * pool_blocks(capacity, config.block_size) * config.block_size
+        total += shape.bytes_per_slot(pair.target.dtype) * pool_blocks(drafts, config.block_size) * config.block_size
     return total
 
 
@@ -81,7 +86,7 @@ class SpeculativeEngine:
         self.target_cache = self.target_runner.new_sequence()
         self.gen_verify = torch.Generator().manual_seed(config.seed)
         self.gen_draft = torch.Generator().manual_seed(config.seed + DRAFT_SEED_OFFSET)
-        self.drafter = self._make_drafter(capacity, kv_blocks)
+        self.drafter = self._make_drafter(draft_capacity(len(prompt_ids), config), kv_blocks)
         self._needs_features = self.drafter is not None and self.drafter.needs_features
         self._taps = self.drafter.feature_layers if self._needs_features else ()
         self.recorder = RoundRecorder(target.tokenizer, config, drafter_of(config), self.sequence.prompt)

@@ -38,7 +38,6 @@ which hands it to `verify_tree` to show the losslessness test fail.
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -130,100 +129,123 @@ Weigh = Callable[[float, int, int], float]   # (a child's q, its rank (DraftTree
 COPIED = -1   # the rank of a child proposed by prompt lookup
 
 
-@dataclass(order=True, slots=True)
-class _Option:
-    priority: float                       # negated for the min-heap
-    node: int = field(compare=False)
-    order: list[int] = field(compare=False, default_factory=list)  # v's children in draw order (ids)
-    ranks: list[int] = field(compare=False, default_factory=list)  # their ranks (DraftTree.ranks)
-    taken: int = field(compare=False, default=0)
-
-
 def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int,
-                copy: int | None = None) -> tuple[list[int], list[int]]:
-    """The first `limit` children of a node in draw order, and their ranks: by probability when greedy,
-    else a sample without replacement from q (Gumbel top-k: the order of log q + Gumbel noise). A
-    copied token comes first, and the model's children are then drawn from q without it."""
+                copy: int | None = None) -> tuple[list[int], list[int], list[float]]:
+    """The first `limit` children of a node in draw order, their ranks and their q: by probability when
+    greedy, else a sample without replacement from q (Gumbel top-k: the order of log q + Gumbel noise).
+    A copied token comes first, and the model's children are then drawn from q without it."""
     if copy is not None:
-        rest, ranks = _draw_order(q.clone().index_fill_(0, torch.tensor([copy], device=q.device), 0.0),
-                                  greedy, generator, limit - 1)
+        rest, ranks, _ = _draw_order(q.clone().index_fill_(0, torch.tensor([copy], device=q.device), 0.0),
+                                     greedy, generator, limit - 1)
         if greedy:   # a greedy child's rank is its place in the draft's own order, the copy left out
             above = int((q > q[copy]).sum())
             ranks = [r + (r >= above) for r in ranks]
-        return [copy, *rest], [COPIED, *ranks]
+        tokens = [copy, *rest]
+        return tokens, [COPIED, *ranks], q[torch.tensor(tokens, device=q.device)].tolist()
     support = int((q > 0).sum())
     limit = min(limit, support)
     if limit <= 0:
-        return [], []
+        return [], [], []
     if greedy:
-        return torch.topk(q, limit).indices.tolist(), list(range(limit))
+        values, indices = torch.topk(q, limit)
+        return indices.tolist(), list(range(limit)), values.tolist()
     u = draw_uniform(q.shape[0], generator, q.device).clamp(min=1e-300)
     keys = torch.where(q > 0, q.double().log() - (-u.log()).log(), torch.tensor(-math.inf, dtype=torch.float64))
-    return torch.topk(keys, limit).indices.tolist(), list(range(limit))
+    tokens = torch.topk(keys, limit).indices
+    return tokens.tolist(), list(range(limit)), q[tokens].tolist()
+
+
+class _Growth:
+    """The candidates of one tree's growth, kept in a working tree (every node whose children might be
+    chosen, and those children), with each candidate's turn: when best-first growth would add it.
+
+    Best-first growth (EAGLE-2) adds "the next child of v" in order of its priority: score(v) times
+    that child's weighed q when greedy (the order is known), the q mass not yet drawn from v when
+    sampling (known before the draw). A child can be added only after its parent and its previous
+    sibling, so its turn is the lower of its own priority and its predecessor's turn; the tree of N
+    nodes is the first N candidates by turn (ties: the earlier candidate) whose predecessor is in and
+    whose depth still has room. Every key is fixed once a candidate exists, so the choice among the
+    candidates known so far holds every node of the final tree that is known yet: more candidates
+    only push a node down. That is what lets a whole level be drafted in one forward."""
+
+    def __init__(self, spec: TreeSpec, root_token: int, greedy: bool, generator: torch.Generator,
+                 weigh: Weigh, copy_at: CopyAt | None) -> None:
+        self.spec, self.greedy, self.generator, self.weigh, self.copy_at = spec, greedy, generator, weigh, copy_at
+        self.work = DraftTree.root(root_token)
+        self.turn = [math.inf]     # the root is always in
+        self.before = [-1]         # the candidate that must be in first: previous sibling, else parent
+        self.caps = list(spec.widths) if spec.widths else None
+
+    def chosen(self) -> list[int]:
+        """The tree among the candidates so far, in turn order (parents before children, siblings in draw order)."""
+        work, taken, filled, out = self.work, {0}, [0] * (self.spec.max_depth + 1), []
+        for node in sorted(range(1, len(work.tokens)), key=lambda n: (-self.turn[n], n)):
+            if len(out) == self.spec.nodes:
+                break
+            depth = work.depths[node]
+            if self.before[node] not in taken or (self.caps is not None and filled[depth] >= self.caps[depth - 1]):
+                continue     # a predecessor left out, or a full depth: best-first drops the rest of that option
+            taken.add(node)
+            filled[depth] += 1
+            out.append(node)
+        return out
+
+    def bar(self, chosen: list[int]) -> float:
+        """The turn a new candidate must beat to enter (created later, it loses ties): the last chosen one's
+        when the budget is full."""
+        return self.turn[chosen[-1]] if len(chosen) == self.spec.nodes else -math.inf
+
+    def expand(self, node: int, bar: float) -> None:
+        """Add `node`'s children, in draw order, while their turn beats `bar` (a later one's is no higher)."""
+        work, depth = self.work, self.work.depths[node] + 1
+        copy = self.copy_at(work, node) if self.copy_at else None
+        tokens, ranks, qs = _draw_order(work.q_rows[node], self.greedy, self.generator, self.spec.nodes, copy)
+        score, before, drawn = work.scores[node], node, 0.0
+        for token, rank, q in zip(tokens, ranks, qs):
+            weight = self.weigh(q, rank, depth)
+            priority = score * weight if self.greedy else score * max(0.0, 1.0 - drawn)
+            turn = min(priority, self.turn[before])
+            if turn <= bar:
+                break
+            drawn += q
+            self.turn.append(turn)
+            self.before.append(before)
+            before = work.add(node, token, score * weight, rank)
+
+    def subtree(self, chosen: list[int]) -> DraftTree:
+        """The chosen candidates as a tree of their own (renumbered), with the rows of those that have them."""
+        work, tree, index = self.work, DraftTree.root(self.work.tokens[0]), {0: 0}
+        for node in chosen:
+            index[node] = tree.add(index[work.parents[node]], work.tokens[node], work.scores[node], work.ranks[node])
+        tree.q_rows = {index[n]: row for n, row in work.q_rows.items() if n in index}
+        return tree
 
 
 def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generator: torch.Generator,
          weigh: Weigh | None = None, copy_at: CopyAt | None = None) -> DraftTree:
-    """Build a tree best-first. rows_at(tree, nodes) runs the drafter on those nodes (one forward, a tree
-    mask; node 0 alone: the drafter's forward up to the root) and returns their draft rows; it is called
-    once per wave of nodes whose rows are needed. Greedy rows rank children; sampled rows are the
-    distributions children are drawn from.
+    """The tree best-first growth builds (_Growth), drafted a level at a time. rows_at(tree, nodes) runs
+    the drafter on those nodes (one forward, a tree mask; node 0 alone: the drafter's forward up to the
+    root) and returns their draft rows; it is called once per level, on that level's nodes that may still
+    get children, so a tree costs a forward per level, not per node. Greedy rows rank children; sampled
+    rows are the distributions children are drawn from.
 
     A node's score is its parent's times the child's chance of acceptance: its draft probability, or
     when greedy and `weigh` is given, weigh(q, rank, depth) (a Confidence table's estimate from earlier rounds).
-    `copy_at(tree, v)`: prompt lookup's token after node v (from v's context), merged in as v's first child."""
-    tree = DraftTree.root(root_token)
-    weigh = weigh if greedy and weigh is not None else raw_q
-    caps = list(spec.widths) if spec.widths else None
-    heap: list[_Option] = [_Option(-1.0, 0)]
-    pending: list[_Option] = []           # options of nodes whose rows are not computed yet
-    filled = [0] * (spec.max_depth + 1)
-    while tree.size < spec.nodes and (heap or pending):
-        if pending and (not heap or -heap[0].priority < -min(pending).priority):
-            for node, row in rows_at(tree, [o.node for o in pending]).items():
-                tree.q_rows[node] = row
-            for o in pending:
-                o.order, o.ranks = _draw_order(tree.q_rows[o.node], greedy, generator, spec.nodes,
-                                               copy_at(tree, o.node) if copy_at else None)
-                o.priority = -_next_priority(tree, o, greedy, weigh)
-                if o.order:
-                    heapq.heappush(heap, o)
-            pending = []
-            continue
-        if not heap:
-            break
-        option = heapq.heappop(heap)
-        if option.node == 0 and not option.order and 0 not in tree.q_rows:
-            pending.append(option)       # the root's row comes from the drafter's first forward
-            continue
-        depth = tree.depths[option.node] + 1
-        if depth > spec.max_depth or (caps is not None and filled[depth] >= caps[depth - 1]):
-            continue                      # that depth is full: the option (and its later siblings) is dropped
-        token = option.order[option.taken]
-        q = tree.q_rows[option.node]
-        rank = option.ranks[option.taken]
-        child = tree.add(option.node, token, tree.scores[option.node] * weigh(float(q[token]), rank, depth), rank)
-        filled[depth] += 1
-        option.taken += 1
-        if option.taken < len(option.order):
-            option.priority = -_next_priority(tree, option, greedy, weigh)
-            heapq.heappush(heap, option)
-        if depth < spec.max_depth:
-            pending.append(_Option(-tree.scores[child], child))   # an upper bound until its row is known
-    return tree
-
-
-def _next_priority(tree: DraftTree, option: _Option, greedy: bool, weigh: Weigh) -> float:
-    """Score of v times the chance of its next child: that child's weighed q when greedy (the order is
-    known), the mass not yet drawn when sampling (known before the draw)."""
-    q = tree.q_rows[option.node]
-    if option.taken >= len(option.order):
-        return 0.0
-    if greedy:
-        return tree.scores[option.node] * weigh(float(q[option.order[option.taken]]), option.ranks[option.taken],
-                                                 tree.depths[option.node] + 1)
-    drawn = sum(float(q[t]) for t in option.order[: option.taken])
-    return tree.scores[option.node] * max(0.0, 1.0 - drawn)
+    `copy_at(tree, v)`: prompt lookup's token after node v (from v's context), merged in as v's first child.
+    When sampling, whether v gets its j-th child depends on earlier draws only (the mass they took, other
+    nodes' draws), never on the j-th draw itself: that is what keeps sampling lossless."""
+    growth = _Growth(spec, root_token, greedy, generator, weigh if greedy and weigh is not None else raw_q, copy_at)
+    work, level, chosen = growth.work, [0], []
+    while level:
+        for node, row in rows_at(work, level).items():
+            work.q_rows[node] = row
+        for node in level:
+            growth.expand(node, growth.bar(chosen))
+        chosen = growth.chosen()
+        bar, depth = growth.bar(chosen), work.depths[level[0]] + 1
+        level = [n for n in chosen if work.depths[n] == depth < spec.max_depth
+                 and min(work.scores[n], growth.turn[n]) > bar]   # its first child's turn is at most that
+    return growth.subtree(chosen)
 
 
 class Confidence:

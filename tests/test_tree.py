@@ -3,6 +3,8 @@ each node's path, greedy parity with target-only and generate for static and dyn
 cache after every tree round equal to a fresh prefill, and records that describe the tree."""
 from __future__ import annotations
 
+import heapq
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from engine.records import Outcome
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine
-from engine.tree import COPIED, Confidence, Confidences, DraftTree, attention_mask, grow, verify_tree
+from engine.tree import COPIED, Confidence, Confidences, DraftTree, _draw_order, attention_mask, grow, verify_tree
 from tests.conftest import hf_greedy
 from tests.test_speculative import CODE, assert_cache_holds
 
@@ -238,8 +240,8 @@ def test_a_copy_from_prompt_lookup_is_merged_in_first_along_its_chain():
             model_kids = [k for k in kids if not tree.copied(k)]
             assert not any(tree.copied(k) for k in kids[1:])                  # a copy is always the first child
             assert len({tree.tokens[k] for k in kids}) == len(kids)           # the model never repeats the copy
-            if greedy:
-                order = rows[parent].argsort(descending=True).tolist()
+            if greedy and kids:
+                order = tree.q_rows[parent].argsort(descending=True).tolist()
                 assert [tree.ranks[k] for k in model_kids] == [order.index(tree.tokens[k]) for k in model_kids]
     assert tree.ranks[tree.children[0][0]] == COPIED
 
@@ -372,3 +374,105 @@ def test_a_seed_reproduces_a_greedy_tree_run_whatever_ran_before_it(builtin_pair
     assert len(first) > 3 and again == first
 
 
+
+
+def best_first(spec: TreeSpec, root: int, rows_at, greedy: bool, weigh, copy_at) -> tuple[DraftTree, int]:
+    """The specification grow must meet: best-first growth (EAGLE-2), one "next child of v" at a time from a
+    heap, rows fetched whenever a node without one could be next (the engine's growth until it drafted a
+    level per forward). Returns the tree and how many times it called rows_at."""
+    tree, calls = DraftTree.root(root), 0
+    caps, filled = (list(spec.widths) if spec.widths else None), [0] * (spec.max_depth + 1)
+    heap, pending, count = [], [0], 0      # heap entries: (-priority, tie, node, order, ranks, qs, taken)
+
+    def priority(node, ranks, qs, taken):
+        if taken >= len(ranks):
+            return 0.0
+        if greedy:
+            return tree.scores[node] * weigh(qs[taken], ranks[taken], tree.depths[node] + 1)
+        return tree.scores[node] * max(0.0, 1.0 - sum(qs[:taken]))
+    while tree.size < spec.nodes and (heap or pending):
+        bound = max(tree.scores[n] for n in pending) if pending else -1.0
+        if pending and (not heap or -heap[0][0] < bound):
+            calls += 1
+            tree.q_rows.update(rows_at(tree, pending))
+            for node in pending:
+                tokens, ranks, qs = _draw_order(tree.q_rows[node], greedy, None, spec.nodes,
+                                                copy_at(tree, node) if copy_at else None)
+                if tokens:
+                    count += 1
+                    heapq.heappush(heap, (-priority(node, ranks, qs, 0), count, node, tokens, ranks, qs, 0))
+            pending = []
+            continue
+        _, _, node, tokens, ranks, qs, taken = heapq.heappop(heap)
+        depth = tree.depths[node] + 1
+        if depth > spec.max_depth or (caps is not None and filled[depth] >= caps[depth - 1]):
+            continue
+        child = tree.add(node, tokens[taken], tree.scores[node] * weigh(qs[taken], ranks[taken], depth), ranks[taken])
+        filled[depth] += 1
+        if taken + 1 < len(tokens):
+            count += 1
+            heapq.heappush(heap, (-priority(node, ranks, qs, taken + 1), count, node, tokens, ranks, qs,
+                                  taken + 1))
+        if depth < spec.max_depth:
+            pending.append(child)
+    return tree, calls
+
+
+def _shape(tree: DraftTree) -> set:
+    """A tree as the set of its nodes' token paths (node numbering aside), with ranks and scores."""
+    return {(tuple(tree.tokens[n] for n in tree.path_to(i)), tree.ranks[i], round(tree.scores[i], 12))
+            for i in range(1, len(tree.tokens))}
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_tree_drafted_a_level_at_a_time_is_the_tree_best_first_growth_builds(monkeypatch, greedy):
+    """Random draft rows keyed by each node's token path (so both growths see the same rows whatever they
+    number nodes), every kind of shape, measured confidence that ranks later siblings above first ones,
+    and prompt lookup's copies: the level-by-level growth builds exactly best-first's tree, children in
+    the same order, and calls the drafter at most once per level (best-first: up to once per node). When
+    sampling, every node draws the same Gumbel noise, so both see identical draws."""
+    from engine import tree as tree_mod
+    if not greedy:
+        noise = torch.rand(40, generator=torch.Generator().manual_seed(9))
+        monkeypatch.setattr(tree_mod, "draw_uniform", lambda n, generator, device: noise[:n].clone())
+    v, trials, level_calls, node_calls = 40, 0, 0, 0
+    for seed in range(24):
+        g = torch.Generator().manual_seed(seed)
+        sharpness = float(torch.rand(1, generator=g)) * 4 + 0.5
+
+        def rows_at(tree, nodes, salt=seed):
+            out = {}
+            for n in nodes:
+                path = (salt, *(tree.tokens[i] for i in tree.path_to(n)))
+                logits = torch.randn(v, generator=torch.Generator().manual_seed(hash(path) % 2**31)) * sharpness
+                out[n] = torch.softmax(logits, dim=-1)
+            return out
+
+        def weigh(q, rank, depth):   # a confidence table that trusts later siblings more than first ones
+            return min(0.99, q * (0.6 if rank == 0 else 1.3) * (1.0 + 0.05 * depth))
+
+        def copy_at(tree, node):      # prompt lookup copies along the root's first-child chain
+            return (7 + tree.depths[node]) if node == 0 or tree.copied(node) else None
+        for spec in (TreeSpec(budget=6, depth=4), TreeSpec(budget=16, depth=8), TreeSpec(budget=24, depth=5),
+                     TreeSpec(widths=(4, 3, 2, 2, 1))):
+            for w, c in ((None, None), (weigh if greedy else None, None), (None, copy_at)):
+                calls = []
+
+                def counted(tree, nodes):
+                    calls.append(len(nodes))
+                    return rows_at(tree, nodes)
+                grown = grow(spec, 5, counted, greedy, torch.Generator(), w, c)
+                reference, reference_calls = best_first(spec, 5, rows_at, greedy, w if greedy and w else tree_mod.raw_q, c)
+                assert _shape(grown) == _shape(reference)
+                for node, kids in enumerate(grown.children):   # the same sibling order (draw order)
+                    ref = next(i for i in range(len(reference.tokens))
+                               if [reference.tokens[n] for n in reference.path_to(i)] ==
+                               [grown.tokens[n] for n in grown.path_to(node)])
+                    assert [grown.tokens[k] for k in kids] == [reference.tokens[k] for k in reference.children[ref]]
+                    if kids:
+                        assert torch.equal(grown.q_rows[node], reference.q_rows[ref])
+                assert len(calls) <= max(grown.depths) + 1
+                trials, level_calls, node_calls = trials + 1, level_calls + len(calls), node_calls + reference_calls
+    assert trials == 24 * 12
+    # greedy trees here run deep (2.8 times fewer drafter calls); sampled ones are wide and shallow
+    assert level_calls < node_calls / 2 if greedy else level_calls <= node_calls
