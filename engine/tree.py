@@ -6,11 +6,13 @@ sees the committed context plus its own ancestors; one target forward over [root
 p row at every node. The walk starts at the root; at each accepted node it tests that node's
 children, and stops with a correction (no child accepted) or a bonus (a leaf was accepted).
 
-Construction (`grow`) is best-first over "draw the next child of node v" options, EAGLE-2 style (Li et
-al. 2024): an option's priority is the cumulative draft probability of v times the draft mass still
-available to its next child. Children of v are drawn in order: greedily the most likely first; when
-sampling, without replacement from q_v (Gumbel top-k). Whether v gets its j-th child is decided
-before that child is drawn (it depends on earlier draws only), which is what keeps sampling lossless.
+Construction (`grow`) builds the tree best-first growth over "draw the next child of node v" options
+builds, EAGLE-2 style (Li et al. 2024): an option's priority is the cumulative draft probability of v
+times the draft mass still available to its next child. Children of v are drawn in order: greedily the
+most likely first; when sampling, without replacement from q_v (Gumbel top-k). Whether v gets its j-th
+child is decided before that child is drawn (it depends on earlier draws only), which is what keeps
+sampling lossless. The drafter runs once per level of the tree, on every node of that level that may
+still get children, not once per node: the same tree at a fraction of the draft forwards.
 
 A hybrid drafter also merges prompt lookup into the tree, as SpecInfer merges the trees of several
 speculators: wherever a node's context (the committed tokens and the node's path) ends in an n-gram

@@ -388,7 +388,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None,
                      copy_at: CopyAt | None = None) -> TreeProposal:
-        """A draft tree: the first forward (real features) gives the root's prediction; each wave of nodes
+        """A draft tree: the first forward (real features) gives the root's prediction; each level of nodes
         then reads its parents' predicted features, attending to the real positions and its ancestors."""
         n, cached = len(committed), self.cache.table.length
         predicted: dict[int, torch.Tensor] = {}

@@ -84,7 +84,7 @@ class ModelDrafter:
 
     def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None,
                      copy_at: CopyAt | None = None) -> TreeProposal:
-        """A draft tree: one forward up to the root, then one per wave of nodes (engine.tree.grow), each
+        """A draft tree: one forward up to the root, then one per level of nodes (engine.tree.grow), each
         node attending to the committed context and its ancestors."""
         feed, root_position, forwards = self._draftable(committed[self.cache.table.length:]), len(committed) - 1, 0
         fed: list[int] = []
