@@ -82,6 +82,17 @@ def cpu_vendor() -> str:
         return ""
 
 
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags); without
+    them torch emulates bf16 products, slower than fp32 ones."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def machine_name() -> str:
     """What a measurement ran on, for its report: the CPU's model name (from /proc/cpuinfo where there is
     one), the torch thread count, and the GPU when CUDA is present. Figures move with the machine, and

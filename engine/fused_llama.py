@@ -91,10 +91,14 @@ class BlockedWeights:
     differs), like any change of GEMM kernel; greedy parity is tested end to end. CPU and fp32 only.
     """
 
-    def __init__(self, matrices: list[torch.Tensor]) -> None:
-        self._blocked = {id(m): torch.ops.mkldnn._reorder_linear_weight(m, None) for m in matrices}
+    def __init__(self, matrices: list[torch.Tensor], bf16: bool = False) -> None:
+        """`bf16`: the copies are bfloat16, and `linear` rounds its input to bf16 and returns fp32 (the products
+        accumulate in fp32); for a drafter's matrices, whose rounding cannot change what verification emits."""
+        self.bf16 = bf16
+        self._blocked = {id(m): torch.ops.mkldnn._reorder_linear_weight(m.to(torch.bfloat16) if bf16 else m, None)
+                         for m in matrices}
         self._keep = matrices  # the ids stay valid while the dense matrices live
-        self.bytes = sum(m.numel() * m.element_size() for m in matrices)
+        self.bytes = sum(m.numel() * (2 if bf16 else m.element_size()) for m in matrices)
 
     @staticmethod
     def unsupported(matrices: list[torch.Tensor]) -> str | None:
@@ -112,6 +116,9 @@ class BlockedWeights:
         blocked = self._blocked.get(id(weight))
         if blocked is None:
             return F.linear(x, weight, bias)
+        if self.bf16:
+            out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), blocked, None, "none", [], "").float()
+            return out if bias is None else out + bias
         return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
 
 

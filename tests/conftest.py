@@ -24,6 +24,10 @@ os.environ.setdefault("GRADIO_HEARTBEAT_INTERVAL", "0.25")
 # (engine.fused_llama.one_copy_reason). In-process tests keep both copies, so that the row rule's switch
 # between them, which the large models take, is exercised everywhere; test_fused_llama checks the rule itself.
 fused_llama.ONE_COPY_BELOW_BYTES = 0
+# A head drafts with bf16 copies of its matrices on CPUs that multiply bf16 natively
+# (engine.drafters.eagle.draft_in_bf16). The tests that compare a head's state or rows with a recomputation to
+# fp32 tolerances must not depend on the machine: they draft in fp32, and test_eagle tests the bf16 copies.
+os.environ.setdefault("SPECPLAY_DRAFT_BF16", "0")
 
 
 @pytest.fixture(scope="session")

@@ -179,3 +179,36 @@ def test_save_and_load_round_trip_and_refuse_another_target(builtin_pair, builti
         load_runtime(tmp_path / "missing", target)
     with pytest.raises(ValueError, match="needs an EAGLE head"):
         SpeculativeEngine(ModelPair(target), [1, 2, 3], SpecConfig(drafter=DrafterKind.EAGLE))
+
+
+def test_a_head_drafting_with_bf16_copies_proposes_nearly_the_same_and_emits_exactly_the_same(builtin_pair):
+    """The head's bf16 copies (the default where the CPU multiplies bf16 natively) round its products, not
+    its verification: greedy output equals the fp32 head's and generate's token for token; the rounding is
+    really there (its predicted features differ from fp32's), stays at bf16's scale (a relative error under
+    2%), and moves acceptance by little."""
+    from engine.drafters.eagle import draft_in_bf16, read_head
+    from engine.sources import eagle_folder
+
+    _, target = builtin_pair
+    runs = {}
+    for bf16 in (False, True):
+        head, kept = read_head(eagle_folder("builtin"))
+        runtime = EagleRuntime(head, kept, target, bf16=bf16)
+        assert runtime._blocked is not None and runtime._blocked.bf16 is bf16
+        prompt = encode_prompt(target.tokenizer, CODE)
+        engine = SpeculativeEngine(ModelPair(target, None, runtime), prompt,
+                                   SpecConfig(drafter=DrafterKind.EAGLE, k=4, max_new_tokens=40, stop_at_eos=False))
+        rounds = engine.run()
+        engine.close()
+        feats = torch.randn(6, runtime.config.hidden, generator=torch.Generator().manual_seed(0))
+        cache = EagleRunCache(runtime.config.kv_shape, 6)
+        predicted = runtime.forward(cache.cache, prompt[1:7], feats)
+        cache.cache.free()
+        runs[bf16] = (engine.generated, sum(r.accepted for r in rounds if r.k) / sum(r.k for r in rounds if r.k),
+                      predicted)
+    (plain, alpha, exact), (rounded, alpha_bf16, approx) = runs[False], runs[True]
+    assert plain == rounded == hf_greedy(target, encode_prompt(target.tokenizer, CODE), 40)
+    assert not torch.equal(exact, approx)
+    assert float((exact - approx).norm() / exact.norm()) < 0.02
+    assert abs(alpha - alpha_bf16) < 0.1 and alpha > 0.3
+    assert draft_in_bf16() is False      # the suite pins fp32 drafting (conftest) whatever the CPU

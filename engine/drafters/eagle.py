@@ -21,6 +21,7 @@ never drafted, and the residual max(0, p - q) still covers it.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.clock import ForwardTimer, Now
+from engine.clock import ForwardTimer, Now, native_bf16
 from engine.config import DrafterKind
 from engine.drafters.base import DraftCache, Proposal, TreeProposal
 from engine.fused_llama import BlockedWeights, _rms_norm, decoder_block
@@ -187,11 +188,20 @@ def save_head(head: EagleHead, kept_ids: torch.Tensor, folder: Path, meta: dict 
     (folder / CONFIG).write_text(json.dumps({"config": asdict(head.config), "meta": meta or {}}, indent=1) + "\n")
 
 
+def draft_in_bf16() -> bool:
+    """Whether a head drafts with bfloat16 copies of its matrices: where the CPU multiplies bf16 natively
+    (engine.clock.native_bf16), unless SPECPLAY_DRAFT_BF16 is set to 0 or 1. A draft's rounding changes which
+    tokens it proposes, never which ones verification emits: the target stays fp32."""
+    override = os.environ.get("SPECPLAY_DRAFT_BF16", "").strip()
+    return override == "1" if override in ("0", "1") else native_bf16()
+
+
 class EagleRuntime:
     """A trained head bound to its target: the head's layer, the target's embeddings and the kept slice
     of its LM head, on the target's device and dtype. Read-only; shared by every drafter of the target."""
 
-    def __init__(self, head: EagleHead, kept_ids: torch.Tensor, target: LoadedModel, name: str = "eagle") -> None:
+    def __init__(self, head: EagleHead, kept_ids: torch.Tensor, target: LoadedModel, name: str = "eagle",
+                 bf16: bool | None = None) -> None:
         if target.fused is None:
             raise EagleLoadError(f"The EAGLE drafter reads the target's features through the engine's fused "
                                  f"forward, which {target.name!r} does not have.")
@@ -205,22 +215,24 @@ class EagleRuntime:
         else:
             self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
         self._rope = target.fused._rope
-        self._blocked = self._blocked_copies(target)
+        self._blocked = self._blocked_copies(target, draft_in_bf16() if bf16 is None else bf16)
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
         borrowed = 0 if head.config.own_head else self.head_weight.numel() * self.head_weight.element_size()
         self.weight_bytes = own + borrowed   # counted once: read every round for the cache panel
+        if self._blocked is not None and self._blocked.bf16:   # its matrices are read as bf16 copies: half
+            self.weight_bytes -= self._blocked.bytes           # their fp32 bytes (the copies' count)
 
-    def _blocked_copies(self, target: LoadedModel) -> BlockedWeights | None:
+    def _blocked_copies(self, target: LoadedModel, bf16: bool) -> BlockedWeights | None:
         """oneDNN blocked copies of the head's matrices (its layer, fc, the fusion and the LM head rows) when the
         target's own forward uses them: the head reads them once per draft, where the blocked product is the
-        faster one (engine.fused_llama.blocked_min_rows)."""
+        faster one (engine.fused_llama.blocked_min_rows). `bf16`: bfloat16 copies (see draft_in_bf16)."""
         if target.fused.blocked is None:
             return None
         layer = self.layer
         matrices = [layer.qkv, layer.o, layer.gate_up, layer.down, self.head.fc.weight, self.head_weight]
         if self.config.feature_layers:
             matrices.append(self.head.fuse.weight)
-        return BlockedWeights(matrices) if BlockedWeights.unsupported(matrices) is None else None
+        return BlockedWeights(matrices, bf16) if BlockedWeights.unsupported(matrices) is None else None
 
     def linear(self, rows: int):
         """The matrix product for `rows` rows at once: the blocked copies' from the target's threshold on."""
