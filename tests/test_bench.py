@@ -249,6 +249,9 @@ def test_two_eagle_heads_are_compared_in_one_bench(tmp_path, capsys):
                  "--eagle3", "builtin", "--json", str(out)]) == 0
     by = {r["label"]: r for r in json.loads(out.read_text())["records"]}
     assert by["eagle3 K=2"]["identical_tokens"] and by["eagle K=2"]["identical_tokens"]
+    # the report says how the heads multiplied (the suite drafts with fp32 copies on every CPU, see conftest)
+    assert json.loads(out.read_text())["meta"]["eagle_matrices"] == "fp32 copies"
+    assert "the EAGLE head drafts with fp32 copies" in capsys.readouterr().out
     assert (by["eagle3 K=2"]["accepted"], by["eagle3 K=2"]["drafted"]) == (by["eagle K=2"]["accepted"],
                                                                           by["eagle K=2"]["drafted"])
     assert main(["--quick", "--ks", "2", "--no-progress", "--methods", "eagle3", "--eagle3", "no-such-head"]) != 0

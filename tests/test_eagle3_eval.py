@@ -3,6 +3,7 @@ with a sentence before the target loads."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -115,3 +116,20 @@ def test_a_card_is_written_for_a_head_trained_elsewhere(smol, tmp_path, capsys, 
     assert "keeps no training record" in capsys.readouterr().err
     assert eagle3_eval.main(["--card", "--head", str(head), "--k", "3"]) == 2
     assert "--card measures what the trainer measures" in capsys.readouterr().err
+
+
+def test_the_engines_measure_says_how_the_head_drafted(smol, tmp_path):
+    """A measure of acceptance depends a little on the draft's arithmetic (bf16 copies where the CPU multiplies
+    bf16, engine.drafters.eagle.draft_in_bf16): each measure and the card line under it say which it was."""
+    from engine.train import eagle3
+    from engine.train.draft import evaluate
+
+    ids = encode_chat(smol.tokenizer, ChatPrompt(HELDOUT[0]))
+    e = evaluate(smol, eagle_folder("smollm2-eagle3"), k=2, new_tokens=8, prompts=[ids])
+    assert e.matrices == "fp32 copies" and e.tokens_per_round >= 1.0      # the suite drafts in fp32 (conftest)
+    head = tmp_path / "head"
+    head.mkdir()
+    meta = json.loads((eagle_folder("smollm2-eagle3") / "card.json").read_text())
+    eagle3.write_card(head, "smollm2", {k: v for k, v in meta.items() if k not in ("eval", "commands")},
+                      {"this head: one prompt": asdict(e)}, "python -m engine eval-eagle3", None)
+    assert "; the head drafted with fp32 copies" in (head / "MODEL_CARD.md").read_text()

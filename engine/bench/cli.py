@@ -163,7 +163,9 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
             drafted = calibrate(target, context=context, repeats=settings.calibration_repeats, draft=draft)
         samples = run_bench(settings, models, prompts, progress=not a.no_progress)
     results = summarize_all(list(samples), samples, curve.at, drafted.at if drafted else None)
-    meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0, curve, drafted)
+    heads = sorted({pair.eagle.matrices for pair in (models.pair, models.eagle3) if pair and pair.eagle})
+    meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0, curve, drafted,
+                     ", ".join(heads))
     report = format_table(results, meta)
     if a.json:
         write_json(a.json, meta, results)

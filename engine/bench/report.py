@@ -52,11 +52,12 @@ class BenchMeta:
     fastest_baseline_tokens_per_s: float
     all_identical: bool
     wall_s: float
+    eagle_matrices: str = ""         # how the EAGLE heads drafted (EagleRuntime.matrices), when any did
 
 
 def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel, draft: LoadedModel | None,
               prompts: Sequence[Prompt], results: Sequence[MethodResult], wall_s: float,
-              calibration: RCurve, after_draft: RCurve | None = None) -> BenchMeta:
+              calibration: RCurve, after_draft: RCurve | None = None, eagle_matrices: str = "") -> BenchMeta:
     import transformers
 
     fastest = max((r for r in results if r.method in UNDRAFTED), key=lambda r: r.tokens_per_s)
@@ -70,7 +71,7 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
         prompt_set=settings.prompt_set, prompt_names=[p.name for p in prompts], prompt_lengths=[len(p.ids) for p in prompts],
         new_tokens=settings.new_tokens, repeats=settings.repeats, warmup=settings.warmup, ks=list(settings.ks),
         fastest_baseline=fastest.label, fastest_baseline_tokens_per_s=fastest.tokens_per_s,
-        all_identical=all(r.identical_tokens for r in results), wall_s=wall_s)
+        all_identical=all(r.identical_tokens for r in results), wall_s=wall_s, eagle_matrices=eagle_matrices)
 
 
 def forward_name(target: LoadedModel) -> str:
@@ -163,7 +164,8 @@ def format_table(results: Sequence[MethodResult], meta: BenchMeta) -> str:
     rows = [" ".join(f(r).rjust(w) if i else f(r).ljust(w) for i, (_, w, f) in enumerate(COLUMNS)) for r in results]
     lines = [f"{meta.target} <- {meta.draft or '(no draft)'} on {meta.machine}; {meta.prompt_set} prompts "
              f"x{len(meta.prompt_names)}, {meta.new_tokens} new tokens, greedy, median of {meta.repeats}; "
-             f"{meta.dtype}, {meta.forward} forward",
+             f"{meta.dtype}, {meta.forward} forward"
+             + (f"; the EAGLE head drafts with {meta.eagle_matrices}" if meta.eagle_matrices else ""),
              head, "-" * len(head), *rows, ""]
     if meta.calibration_after_draft is not None:
         lines.append("r cal of the methods that run the draft model: calibrated with the draft's chain before each "

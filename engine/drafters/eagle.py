@@ -222,6 +222,11 @@ class EagleRuntime:
         if self._blocked is not None and self._blocked.bf16:   # its matrices are read as bf16 copies: half
             self.weight_bytes -= self._blocked.bytes           # their fp32 bytes (the copies' count)
 
+    @property
+    def matrices(self) -> str:
+        """How a draft step multiplies, for reports: "bf16 copies", "fp32 copies" (oneDNN-blocked) or "fp32"."""
+        return "fp32" if self._blocked is None else ("bf16" if self._blocked.bf16 else "fp32") + " copies"
+
     def _blocked_copies(self, target: LoadedModel, bf16: bool) -> BlockedWeights | None:
         """oneDNN blocked copies of the head's matrices (its layer, fc, the fusion and the LM head rows) when the
         target's own forward uses them: the head reads them once per draft, where the blocked product is the

@@ -42,6 +42,7 @@ class DraftEval:
     temperature: float = 0.0      # 0: greedy
     tokens_per_s: float | None = None          # the head's run, prompts one after another
     target_tokens_per_s: float | None = None   # target-only on the same prompts, run beside it
+    matrices: str = ""            # how the head's draft steps multiplied (EagleRuntime.matrices)
 
 
 def training_prompts(target, source: str, count: int | None = None) -> list[list[int]]:
@@ -89,7 +90,8 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: li
     from engine.pair import ModelPair
     from engine.speculative import SpeculativeEngine
 
-    pair = ModelPair(target, None, load_runtime(folder, target))
+    runtime = load_runtime(folder, target)
+    pair = ModelPair(target, None, runtime)
     # stop at the end of the turn, as in use: the training answers end there, and what a target writes
     # past its EOS is text no head was trained on
     from engine.sampling import SamplingParams
@@ -116,7 +118,7 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: li
                      metrics.position_rates(drafted), sum(len(r.emitted) for r in drafted) / len(drafted),
                      draft / step, draft, step, sampling.temperature,
                      tokens[Mode.V2] / seconds[Mode.V2] if seconds[Mode.V2] else None,
-                     tokens[Mode.TARGET] / seconds[Mode.TARGET] if seconds[Mode.TARGET] else None)
+                     tokens[Mode.TARGET] / seconds[Mode.TARGET] if seconds[Mode.TARGET] else None, runtime.matrices)
 
 
 def write_card(folder: Path, target_source: str, figures: DraftEval, meta: dict) -> None:

@@ -786,7 +786,8 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
                   f"{e['new_tokens']} new tokens)",
                   f"- per-position acceptance α: **{e['alpha']:.3f}**; at positions 1..{e['k']}: "
                   + ", ".join(f"{r:.2f}" for r in e["position_rates"]),
-                  f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}{speed}", ""]
+                  f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}{speed}"
+                  + (f"; the head drafted with {e['matrices']}" if e.get("matrices") else ""), ""]
     data_lines = [f["command"] for f in meta.get("data_folders", [])] or ["python -m engine draft-data --target "
                                                                            + target_source]
     earlier = lineage_commands(meta.get("init"))
