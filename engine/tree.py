@@ -131,11 +131,26 @@ Weigh = Callable[[float, int, int], float]   # (a child's q, its rank (DraftTree
 COPIED = -1   # the rank of a child proposed by prompt lookup
 
 
+def _ranked(rows: list[Tensor], limit: int) -> list[tuple[list[float], list[int]]]:
+    """Each row's `limit` most likely tokens and their q, best first: one top-k for a level's rows."""
+    values, indices = torch.topk(torch.stack(rows), min(limit, rows[0].shape[0]), dim=-1)
+    return list(zip(values.tolist(), indices.tolist()))
+
+
 def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int,
-                copy: int | None = None) -> tuple[list[int], list[int], list[float]]:
+                copy: int | None = None,
+                ranked: tuple[list[float], list[int]] | None = None) -> tuple[list[int], list[int], list[float]]:
     """The first `limit` children of a node in draw order, their ranks and their q: by probability when
     greedy, else a sample without replacement from q (Gumbel top-k: the order of log q + Gumbel noise).
-    A copied token comes first, and the model's children are then drawn from q without it."""
+    A copied token comes first, and the model's children are then drawn from q without it. `ranked`: q's
+    `limit` + 1 most likely tokens, best first (_ranked), when greedy and already known."""
+    if greedy and ranked is not None:   # a child's rank is its place in the draft's own order, a copy's too
+        values, tokens = ranked
+        order = [(t, r, v) for r, (v, t) in enumerate(zip(values, tokens)) if v > 0 and t != copy]
+        order = order[:limit - (copy is not None)]
+        if copy is not None:
+            order.insert(0, (copy, COPIED, float(q[copy])))
+        return [t for t, _, _ in order], [r for _, r, _ in order], [v for _, _, v in order]
     if copy is not None:
         rest, ranks, _ = _draw_order(q.clone().index_fill_(0, torch.tensor([copy], device=q.device), 0.0),
                                      greedy, generator, limit - 1)
@@ -197,11 +212,13 @@ class _Growth:
         when the budget is full."""
         return self.turn[chosen[-1]] if len(chosen) == self.spec.nodes else -math.inf
 
-    def expand(self, node: int, bar: float) -> None:
-        """Add `node`'s children, in draw order, while their turn beats `bar` (a later one's is no higher)."""
+    def expand(self, node: int, bar: float, ranked: tuple[list[float], list[int]] | None = None) -> None:
+        """Add `node`'s children, in draw order, while their turn beats `bar` (a later one's is no higher);
+        `ranked`: its row's most likely tokens, when greedy (_ranked)."""
         work, depth = self.work, self.work.depths[node] + 1
         copy = self.copy_at(work, node) if self.copy_at else None
-        tokens, ranks, qs = _draw_order(work.q_rows[node], self.greedy, self.generator, self.spec.nodes, copy)
+        tokens, ranks, qs = _draw_order(work.q_rows[node], self.greedy, self.generator, self.spec.nodes, copy,
+                                        ranked)
         score, before, drawn = work.scores[node], node, 0.0
         for token, rank, q in zip(tokens, ranks, qs):
             weight = self.weigh(q, rank, depth)
@@ -241,8 +258,9 @@ def grow(spec: TreeSpec, root_token: int, rows_at: RowsAt, greedy: bool, generat
     while level:
         for node, row in rows_at(work, level).items():
             work.q_rows[node] = row
-        for node in level:
-            growth.expand(node, growth.bar(chosen))
+        ranked = _ranked([work.q_rows[n] for n in level], spec.nodes + 1) if greedy else [None] * len(level)
+        for node, top in zip(level, ranked):
+            growth.expand(node, growth.bar(chosen), top)
         chosen = growth.chosen()
         bar, depth = growth.bar(chosen), work.depths[level[0]] + 1
         level = [n for n in chosen if work.depths[n] == depth < spec.max_depth
