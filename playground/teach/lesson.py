@@ -525,7 +525,8 @@ class LessonDriver:
     def _drafter_facts(self) -> dict[str, str]:
         """What drafts in this run, as the text names it, and its weights in MiB."""
         if self.plan.settings.drafter.uses_eagle and self.pair.eagle is not None:
-            name, size = "the target's EAGLE head (one decoder layer reading the target's own features)", \
+            bf16 = "; its matrices read as bf16 copies" if self.pair.eagle.matrices == "bf16 copies" else ""
+            name, size = f"the target's EAGLE head (one decoder layer reading the target's own features{bf16})", \
                 self.pair.eagle.weight_bytes
         else:
             name, size = f"the draft model (`{self.pair.draft.name}`)", self.pair.draft.weight_bytes
