@@ -159,16 +159,16 @@ def _draw_order(q: Tensor, greedy: bool, generator: torch.Generator, limit: int,
             ranks = [r + (r >= above) for r in ranks]
         tokens = [copy, *rest]
         return tokens, [COPIED, *ranks], q[torch.tensor(tokens, device=q.device)].tolist()
-    support = int((q > 0).sum())
-    limit = min(limit, support)
+    ids = torch.nonzero(q > 0).flatten()     # q's support: the draws are among it (top-p keeps it small)
+    limit = min(limit, ids.shape[0])
     if limit <= 0:
         return [], [], []
     if greedy:
         values, indices = torch.topk(q, limit)
         return indices.tolist(), list(range(limit)), values.tolist()
-    u = draw_uniform(q.shape[0], generator, q.device).clamp(min=1e-300)
-    keys = torch.where(q > 0, q.double().log() - (-u.log()).log(), torch.tensor(-math.inf, dtype=torch.float64))
-    tokens = torch.topk(keys, limit).indices
+    u = draw_uniform(ids.shape[0], generator, q.device).clamp(min=1e-300)
+    keys = q[ids].double().log() - (-u.log()).log()
+    tokens = ids[torch.topk(keys, limit).indices]
     return tokens.tolist(), list(range(limit)), q[tokens].tolist()
 
 
