@@ -6,9 +6,9 @@ sees the committed context plus its own ancestors; one target forward over [root
 p row at every node. The walk starts at the root; at each accepted node it tests that node's
 children, and stops with a correction (no child accepted) or a bonus (a leaf was accepted).
 
-Construction (`grow`) builds the tree best-first growth over "draw the next child of node v" options
-builds, EAGLE-2 style (Li et al. 2024): an option's priority is the cumulative draft probability of v
-times the draft mass still available to its next child. Children of v are drawn in order: greedily the
+Construction (`grow`) builds the tree that best-first growth over "draw the next child of node v"
+options would, EAGLE-2 style (Li et al. 2024): an option's priority is the cumulative draft probability
+of v times the draft mass still available to its next child. Children of v are drawn in order: greedily the
 most likely first; when sampling, without replacement from q_v (Gumbel top-k). Whether v gets its j-th
 child is decided before that child is drawn (it depends on earlier draws only), which is what keeps
 sampling lossless. The drafter runs once per level of the tree, on every node of that level that may
