@@ -124,7 +124,9 @@ def test_a_head_trains_on_the_gpu_and_resumes_on_the_cpu(smol, gpu_smol, tmp_pat
     saved = torch.load(tmp_path / "work" / "checkpoint.pt", weights_only=False)
     assert all(t.device.type == "cpu" for t in saved["head"].values())
     result = eagle3.train(smol, [tmp_path / "data"], tmp_path / "work", tmp_path / "head", train_plan, logs.append)
-    assert result["finished"] and result["log"][-1]["loss"] < result["log"][0]["loss"]
+    losses = [p["loss"] for p in result["log"]]   # a quarter of the steps each end: one batch's loss is noisy
+    quarter = max(1, len(losses) // 4)
+    assert result["finished"] and sum(losses[-quarter:]) < sum(losses[:quarter]), losses
     from engine.drafters.eagle import read_head
 
     loaded, kept_ids = read_head(tmp_path / "head")

@@ -280,8 +280,11 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
     assert any(line.startswith(f"resumed at step {stopped['cursor']['step']}") for line in logs)
     assert result["finished"] and result["feature_layers"] == list(LAYERS)
     assert stopped["cursor"]["seconds"] < result["train_seconds"] < 1e6   # both runs counted, the pause not
-    first, last = result["log"][0]["loss"], result["log"][-1]["loss"]
-    assert last < first, (first, last)
+    # one batch's loss is noisy (a step's batch may simply be harder): compare the first and last few steps, and
+    # the held-out shard, the same sequences each time
+    losses, heldout = [p["loss"] for p in result["log"]], [p["loss"] for p in result["heldout_log"]]
+    quarter = max(1, len(losses) // 4)
+    assert sum(losses[-quarter:]) < sum(losses[:quarter]) and heldout[-1] < heldout[0], (losses, heldout)
     # the held-out shard measured every 2 steps across the stop, then at the end, as the card reports it
     steps = [p["step"] for p in result["heldout_log"]]
     exported_at = {stopped["cursor"]["step"]} if own_head else set()   # an export measures where it stops
