@@ -3,6 +3,8 @@ at several K, the head's cache and features equal to a fresh recomputation after
 heads that refuse a target they were not trained for."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -37,13 +39,18 @@ def start_from_last_layer(head: EagleHead, target: torch.nn.Module) -> None:
     head.fc.bias.zero_()
 
 
-def random_head(target: LoadedModel, kept: int, seed: int = 0, trained_like: bool = True) -> EagleRuntime:
-    """A head initialised from the target's last layer, with `kept` random token ids kept (always the EOS)."""
+def random_head(target: LoadedModel, kept: int, seed: int = 0, trained_like: bool = True,
+                own_head: bool = False) -> EagleRuntime:
+    """A head initialised from the target's last layer, with `kept` random token ids kept (always the EOS);
+    `own_head`: an LM head of its own, starting from the target's kept rows."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(target.vocab_size, generator=g)[:kept]
     ids = torch.unique(torch.cat([ids, torch.tensor([target.tokenizer.eos_token_id])]))
-    head = EagleHead(EagleConfig.for_target(target, len(ids)))
+    head = EagleHead(replace(EagleConfig.for_target(target, len(ids)), own_head=own_head))
     start_from_last_layer(head, target.model)
+    if own_head:
+        with torch.no_grad():
+            head.lm.copy_(target.model.lm_head.weight[ids])
     if trained_like:  # perturb it so that its drafts are neither always right nor always wrong
         with torch.no_grad():
             for p in head.parameters():
@@ -75,21 +82,41 @@ def run(pair: ModelPair, prompt: list[int], **config) -> SpeculativeEngine:
     return engine
 
 
-def test_q_rows_sum_to_one_and_are_exactly_zero_outside_the_kept_set(builtin_eagle, builtin_pair):
+@pytest.mark.parametrize("own_head", [False, True], ids=["target-lm-head", "own-lm-head"])
+def test_q_rows_sum_to_one_and_are_exactly_zero_outside_the_kept_set_and_the_context(builtin_pair, own_head):
+    """q covers the kept tokens and, for a head reading the target's LM head, the context's tokens outside them,
+    each scored by its own row of that LM head; nothing else. A head with its own LM head covers its kept set."""
     _, target = builtin_pair
+    runtime = random_head(target, 1500, seed=2, own_head=own_head)
+    pair = ModelPair(target, None, runtime)
     prompt = encode_prompt(target.tokenizer, CODE)
-    kept = set(builtin_eagle.eagle.kept_ids.tolist())
-    outside = torch.tensor([t for t in range(target.vocab_size) if t not in kept])
-    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_k=40, top_p=0.9)):
-        engine = SpeculativeEngine(builtin_eagle, prompt, SpecConfig(drafter=DrafterKind.EAGLE, k=4, sampling=sampling,
-                                                                     max_new_tokens=6, stop_at_eos=False))
+    kept = set(runtime.kept_ids.tolist())
+    assert set(prompt) - kept                          # the test needs context tokens the head did not keep
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
+        engine = SpeculativeEngine(pair, prompt, SpecConfig(drafter=DrafterKind.EAGLE, k=4, sampling=sampling,
+                                                            max_new_tokens=6, stop_at_eos=False))
+        engine.step()
         engine.step()
         drafter = engine.drafter
+        covered = kept if own_head else kept | set(engine.tokens)
+        assert set(drafter.vocabulary.ids.tolist()) == covered and len(drafter.vocabulary.ids) == len(covered)
+        outside = torch.tensor([t for t in range(target.vocab_size) if t not in covered])
         proposal = drafter.propose(engine.tokens, 4)
         assert torch.allclose(proposal.q_draft.sum(-1), torch.ones(4), atol=1e-5)
         assert float(proposal.q_draft[:, outside].abs().max()) == 0.0
-        assert all(t in kept for t in proposal.tokens)
+        assert all(t in covered for t in proposal.tokens)
         assert proposal.source is DrafterKind.EAGLE and proposal.forwards == 4
+        if not sampling.greedy and not own_head:   # an extra token's q: its LM-head row's logit, softmaxed with the rest
+            extra = sorted(covered - kept)
+            assert extra and float(proposal.q_draft[:, extra].min()) > 0.0
+            with torch.inference_mode():
+                scratch = drafter.pool.new_sequence()
+                feats = drafter.runtime.forward(scratch, [engine.tokens[-1]], drafter.features[-1:])
+                scratch.free()
+                got = drafter.vocabulary.logits(feats)[0]
+                want = (feats @ target.fused.lm_head[extra].T)[0].float()
+            columns = {t: i for i, t in enumerate(drafter.vocabulary.ids.tolist())}
+            assert torch.allclose(got[[columns[t] for t in extra]], want, atol=1e-4)
         engine.close()
 
 
