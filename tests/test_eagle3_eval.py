@@ -89,7 +89,8 @@ def test_a_card_is_written_for_a_head_trained_elsewhere(smol, tmp_path, capsys, 
     (head / "MODEL_CARD.md").unlink()
     # its folders (.cache/draft-data/...) are on the machine that trained it; where one is here too, it holds the
     # same frozen list as its pack
-    shipped = json.loads((eagle_folder("smollm2-eagle3") / "card.json").read_text())["eval"]
+    shipped_card = json.loads((eagle_folder("smollm2-eagle3") / "card.json").read_text())
+    shipped = shipped_card["eval"]
     measured = {}
 
     def measure(target, new, today, heldout, log, quick=False):   # the engine's measure is tested on its own
@@ -107,6 +108,9 @@ def test_a_card_is_written_for_a_head_trained_elsewhere(smol, tmp_path, capsys, 
     assert f"per-position acceptance α: **{first['alpha']:.3f}**" in card
     assert "measured afterwards (`python -m engine eval-eagle3 --card`)" in card
     assert json.loads((head / "card.json").read_text())["eval"] == shipped
+    # its export kept no command; the one its card named is kept, not lost to "not recorded"
+    trained = [c for c in shipped_card["commands"] if c.startswith("python -m engine train-eagle3 --")]
+    assert trained and trained[-1] in card and "not recorded" not in card
 
     plain = tmp_path / "plain"   # a head whose export kept no training record
     shutil.copytree(eagle_folder("smollm2-eagle3"), plain)

@@ -113,6 +113,19 @@ def trained_heldout(meta: dict, target_name: str) -> list[str]:
     return prompts
 
 
+def training_command(head: Path, meta: dict) -> str:
+    """The command that trained the head in `head`: its export's record, else the one its card already names
+    (an export made before the record kept it), else a line saying it was not recorded."""
+    if meta.get("command"):
+        return meta["command"]
+    try:
+        named = json.loads((head / "card.json").read_text()).get("commands", [])
+    except (OSError, ValueError, AttributeError):
+        named = []
+    trained = [c for c in named if isinstance(c, str) and c.startswith("python -m engine train-eagle3 --")]
+    return trained[-1] if trained else "python -m engine train-eagle3 (its command was not recorded)"
+
+
 def shown(folder: Path) -> str:
     """A folder as a reader of the checkout names it: relative to the repository where it lies inside."""
     from engine.sources import REPO_ROOT
@@ -235,8 +248,7 @@ def card(a, slug: str, head: Path) -> int:
     if target is None:
         return 2
     evals = evaluate_heads(target, head, against, heldout, log, quick=a.chat_only)
-    command = meta.get("command") or "python -m engine train-eagle3 (its command was not recorded)"
-    write_card(head, a.target, meta, evals, command, None)
+    write_card(head, a.target, meta, evals, training_command(head, meta), None)
     if a.json:
         a.json.write_text(json.dumps(evals, indent=1) + "\n")
     log(f"wrote {head / 'MODEL_CARD.md'}")
