@@ -219,6 +219,60 @@ def answered(smol, tmp_path_factory) -> tuple[Path, Eagle3DataPlan]:
     return data, plan
 
 
+def test_training_covers_each_sequences_context_as_the_engine_drafts_it(smol, answered):
+    """A head reading the target's LM head trains on the q the engine drafts from: the kept tokens and each
+    sequence's tokens outside them once the sequence holds them (engine.drafters.eagle.DraftVocabulary). The
+    batch's cover and labels, and step 1's loss, against a recomputation position by position."""
+    data, plan = answered
+    examples = [e for p in eagle3_data.iter_shards(data) for e in eagle3_data.load_shard(p, plan.fingerprint())][:3]
+    kept = eagle3.kept_vocabulary(examples, 128, (2,))
+    index = torch.full((smol.vocab_size,), -1, dtype=torch.long)
+    index[kept] = torch.arange(len(kept))
+    batch = eagle3.make_batch(examples, index, 384, context=True)
+    plain = eagle3.make_batch(examples, index, 384)
+    assert plain.extra_ids.numel() == 0 and (batch.emb_ids == plain.emb_ids).all()
+    k_kept, extra = len(kept), batch.extra_ids.tolist()
+    cut = [e.ids[: min(e.ids.numel(), 384)].tolist() for e in examples]
+    assert extra == sorted({t for ids in cut for t in ids} - set(kept.tolist()))
+    for i, ids in enumerate(cut):
+        assert batch.first_at[i].tolist() == [ids.index(t) if t in ids else eagle3.NEVER for t in extra]
+    columns = torch.arange(batch.emb_ids.shape[1])          # step 2 at column c: a chain whose last commit is x_c
+    assert (batch.visible(2) == (batch.first_at[:, None, :] <= columns[None, :, None])).all()
+
+    runtime = random_head(smol, kept=k_kept)
+    head = EagleHead(replace(runtime.config, own_head=False, feature_layers=LAYERS))
+    head.init_for_training(torch.Generator().manual_seed(3))
+    lm_all = smol.model.get_output_embeddings().weight.detach().float()
+    n = batch.emb_ids.shape[1]
+    cos, sin = target_rope(smol, head.config.head_dim, n + 1)
+    embed = smol.model.get_input_embeddings().weight.detach().float()
+    one = eagle3.Eagle3Plan(kept=k_kept, depth=1)
+    with torch.no_grad():
+        loss, _ = eagle3.unrolled_loss(head, batch, embed, one, cos[1:], sin[1:], lm_all[kept], lm_all)
+        out = next(eagle3.unrolled(head, torch.nn.functional.embedding(batch.emb_ids, embed), batch.feats.float(), 1,
+                                   cos[1:], sin[1:]))
+    terms, covered_extra = [], 0
+    for i, e in enumerate(examples):
+        ids, m = cut[i], len(cut[i]) - 1
+        for c in range(e.prompt_len - 2, m - 1):
+            row = c + 1 - (e.prompt_len - 1)
+            if row < 0:
+                continue
+            cover = sorted(set(kept.tolist()) | set(ids[: c + 2]))       # x_0 .. x_t, t = c + 1
+            tops, p = e.top_ids[row].tolist(), e.top_logp[row].float().exp()
+            use = torch.tensor([t in cover for t in tops])
+            if not use.any():
+                continue
+            covered_extra += sum(t in cover and t not in kept.tolist() for t in tops)
+            logq = torch.log_softmax(out[i, c] @ lm_all[cover].T, -1)
+            col = {t: j for j, t in enumerate(cover)}
+            w = p * use / (p * use).sum()
+            terms.append(-sum(float(w[j]) * float(logq[col[t]]) for j, t in enumerate(tops) if use[j]))
+    assert covered_extra > 0                    # labels the kept set alone would have dropped
+    mean = sum(terms) / len(terms)
+    assert abs(float(loss) - mean) < 1e-5 * abs(mean), (float(loss), mean)
+
+
 @pytest.mark.parametrize("own_head, feature_norm", [(True, False), (False, True)],
                          ids=["own-lm-head", "target-lm-head-normed-layers"])
 def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answered, tmp_path, monkeypatch, own_head,

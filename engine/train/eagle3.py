@@ -137,13 +137,22 @@ def target_norms(target: LoadedModel, layers: tuple[int, ...]) -> torch.Tensor:
                         inner.layers[i].input_layernorm.weight.detach().float().cpu() for i in layers])
 
 
+NEVER = 2**40   # first_at of a token a sequence does not hold
+
+
 @dataclass
 class Batch:
     emb_ids: torch.Tensor      # [B, N] x_t for draft positions t = 1..N
     feats: torch.Tensor        # [B, N, L * d] the target's layer inputs after x_{t-1}, as stored (float16)
-    label_ids: torch.Tensor    # [B, N, k] kept-vocabulary index of each soft label (0 where unused)
-    label_p: torch.Tensor      # [B, N, k] its probability, renormalised over the kept labels (0: unused)
+    label_ids: torch.Tensor    # [B, N, k] column of each soft label (0 where unused): its kept-vocabulary index,
+                               # or kept + j for the j-th of `extra_ids`
+    label_p: torch.Tensor      # [B, N, k] its probability, renormalised over the labels q covers there (0: unused)
     valid: torch.Tensor        # [B, N] bool: an answer position with a label
+    # a head reading the target's LM head drafts each sequence's context tokens outside the kept set too
+    # (engine.drafters.eagle.DraftVocabulary): those of the batch, and where each sequence first holds them
+    extra_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))   # [E] token ids
+    first_at: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.long))  # [B, E] index
+                               # into the sequence's ids of its first copy of each (NEVER: none)
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch on `device` (itself where it is there already)."""
@@ -152,19 +161,41 @@ class Batch:
         return Batch(*(t.to(device, non_blocking=True) for t in self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.emb_ids, self.feats, self.label_ids, self.label_p, self.valid
+        return self.emb_ids, self.feats, self.label_ids, self.label_p, self.valid, self.extra_ids, self.first_at
+
+    def visible(self, step: int) -> torch.Tensor:
+        """[B, N, E] bool: which extra tokens the engine's q covers at each draft position for the `step`-th draft
+        of a chain: those committed by then. Draft position t (column t - 1) drafting step s belongs to a chain
+        started at t - s + 1, whose committed tokens are x_0 .. x_{t-s+1}."""
+        n = self.emb_ids.shape[1]
+        last = torch.arange(n, device=self.first_at.device) + 2 - step      # index of the last committed token
+        return self.first_at[:, None, :] <= last[None, :, None]
 
     def pinned(self) -> "Batch":
         """The same batch in page-locked memory, so that its copy to a GPU runs while the GPU works."""
         return Batch(*(t.pin_memory() for t in self.tensors()))
 
 
-def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int) -> Batch:
+def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int, context: bool = False) -> Batch:
     """Right-padded tensors for `examples`; draft position t (column t - 1) predicts x_{t+1}. The features stay
     in the data's precision (float16), cast where the head reads them: half the bytes to copy on the CPU and to
-    move to a GPU."""
+    move to a GPU. `context`: q covers each sequence's tokens outside the kept set as well, from where it first
+    holds them, as the engine's drafter does for a head reading the target's LM head."""
     lengths = [min(e.ids.numel(), max_len) - 1 for e in examples]
     n, b = max(lengths), len(examples)
+    kept = int((kept_index >= 0).sum())
+    extra_ids, first_at, columns = torch.zeros(0, dtype=torch.long), torch.zeros(b, 0, dtype=torch.long), kept_index
+    if context:
+        cut = [e.ids[: m + 1].long() for e, m in zip(examples, lengths)]
+        extra_ids = torch.unique(torch.cat([ids[kept_index[ids] < 0] for ids in cut]))
+        columns = kept_index.clone()
+        columns[extra_ids] = kept + torch.arange(len(extra_ids))
+        first_at = torch.full((b, len(extra_ids)), NEVER, dtype=torch.long)
+        for i, ids in enumerate(cut):
+            where = columns[ids] - kept                      # each position's extra column (negative: kept)
+            at = torch.arange(len(ids))
+            outside = where >= 0
+            first_at[i].scatter_reduce_(0, where[outside], at[outside], reduce="amin")
     d_all = examples[0].features.shape[1] * examples[0].features.shape[2]
     k = examples[0].top_ids.shape[1]
     emb_ids = torch.zeros(b, n, dtype=torch.long)
@@ -182,14 +213,18 @@ def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int) 
         label_rows = rows + 1 - (e.prompt_len - 1)
         ok = label_rows >= 0
         rows, label_rows = rows[ok], label_rows[ok]
-        ids_k = kept_index[e.top_ids[label_rows].long()]
-        p = e.top_logp[label_rows].float().exp() * (ids_k >= 0)
+        ids_k = columns[e.top_ids[label_rows].long()]
+        covered = ids_k >= 0
+        if context:      # an extra label counts from where the sequence holds its token: x_0 .. x_{t} at column t-1
+            extra = (ids_k - kept).clamp(min=0)
+            covered &= (ids_k < kept) | (first_at[i][extra] <= (rows + 1)[:, None])
+        p = e.top_logp[label_rows].float().exp() * covered
         mass = p.sum(-1, keepdim=True)
         has = mass[:, 0] > 0
         label_ids[i, rows[has]] = ids_k[has].clamp(min=0)
         label_p[i, rows[has]] = p[has] / mass[has]
         valid[i, rows[has]] = True
-    return Batch(emb_ids, feats, label_ids, label_p, valid)
+    return Batch(emb_ids, feats, label_ids, label_p, valid, extra_ids, first_at)
 
 
 def unrolled(head: EagleHead, emb: torch.Tensor, feats: torch.Tensor, depth: int, cos: torch.Tensor,
@@ -232,30 +267,48 @@ def feature_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagle3Plan, cos: torch.Tensor,
-                  sin: torch.Tensor, lm: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+                  sin: torch.Tensor, lm: torch.Tensor, lm_all: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, list[float]]:
     """The weighted soft-label loss over `depth` unrolled steps, and each step's top-1 agreement; `lm` is the
-    [kept, d] LM head the drafts are read through (the head's own, or the target's rows)."""
+    [kept, d] LM head the drafts are read through (the head's own, or the target's rows). A batch with extra
+    tokens (make_batch's `context`) reads them through their rows of `lm_all`, the target's whole LM head [V, d]:
+    at each step q covers those the engine's would there, and the labels are renormalised over what it covers."""
     n = batch.emb_ids.shape[1]
     emb = F.embedding(batch.emb_ids, embed)
     total, weights, agree = torch.zeros((), device=emb.device), 0.0, []
     positions = torch.arange(1, n + 1, device=emb.device)
-    top1 = batch.label_ids[..., 0]
     feats, feature = batch.feats.float(), torch.zeros(())   # a batch may carry them as stored (float16)
     if plan.noise > 0:
         feats = feats + torch.randn_like(feats) * feats.std() * plan.noise
+    extra = batch.extra_ids.numel()
+    extra_rows = lm_all.index_select(0, batch.extra_ids.to(lm_all.device)) if extra else None
+    kept = lm.shape[0]
     steps = unrolled(head, emb, feats, plan.depth, cos, sin, plan.bf16)
     for step, out in enumerate(steps, start=1):
         if step == 1 and plan.feature_weight > 0:
             feature = plan.feature_weight * feature_loss(out, batch)
         rows = batch.valid & (positions >= step)[None]
-        if rows.any():
+        label_p, label_ids = batch.label_p[rows], batch.label_ids[rows]
+        if extra:
+            visible = batch.visible(step)[rows]                                          # [R, E]
+            is_extra = label_ids >= kept
+            seen = visible.gather(1, (label_ids - kept).clamp(min=0)) | ~is_extra
+            label_p = label_p * seen
+            mass = label_p.sum(-1, keepdim=True)
+            keep = mass[:, 0] > 0
+            label_p, label_ids, rows_kept = label_p[keep] / mass[keep], label_ids[keep], keep
+        if rows.any() and label_p.shape[0]:
             with torch.autocast(emb.device.type, dtype=torch.bfloat16, enabled=plan.bf16):
-                logits = F.linear(out[rows], lm)
+                picked = out[rows] if not extra else out[rows][rows_kept]
+                logits = F.linear(picked, lm)
+                if extra:
+                    others = F.linear(picked, extra_rows).float().masked_fill(~visible[rows_kept], -math.inf)
+                    logits = torch.cat([logits.float(), others], dim=-1)
             logq = torch.log_softmax(logits.float(), dim=-1)
-            ce = -(batch.label_p[rows] * logq.gather(1, batch.label_ids[rows])).sum(-1).mean()
+            ce = -(label_p * logq.gather(1, label_ids).clamp(min=-1e4)).sum(-1).mean()
             w = plan.step_decay ** (step - 1)
             total, weights = total + w * ce, weights + w
-            agree.append(float((logq.argmax(-1) == top1[rows]).float().mean()))
+            agree.append(float((logq.argmax(-1) == label_ids[:, 0]).float().mean()))
         else:
             agree.append(math.nan)
     return total / max(weights, 1e-9) + feature, agree
@@ -524,6 +577,9 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
     if ckpt is not None:
         opt.load_state_dict(ckpt["opt"])
     lm = head.lm if config.own_head else target_rows
+    # a head reading the target's LM head drafts its context's tokens too (engine.drafters.eagle.DraftVocabulary)
+    context = not config.own_head
+    lm_all = target.model.get_output_embeddings().weight.detach().float().to(device) if context else None
     sequences = sum(json.loads(p.with_suffix(".json").read_text())["sequences"] for p in paths)
     planned = math.ceil(plan.epochs * sequences / plan.batch)
     total_steps = cursor.fitted or planned
@@ -563,9 +619,9 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         losses, agree = [], []
         with torch.no_grad():
             for i in range(0, len(examples), plan.batch):
-                b = lifted(make_batch(examples[i: i + plan.batch], kept_index, plan.max_len))
+                b = lifted(make_batch(examples[i: i + plan.batch], kept_index, plan.max_len, context))
                 n = b.emb_ids.shape[1]
-                loss, a = unrolled_loss(head, b, embed, clean, cos_all[1: n + 1], sin_all[1: n + 1], lm)
+                loss, a = unrolled_loss(head, b, embed, clean, cos_all[1: n + 1], sin_all[1: n + 1], lm, lm_all)
                 losses.append(float(loss))
                 agree.append(a)
         head.train()
@@ -588,7 +644,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         """(batch, sequences, epoch, shard) in the stream's order from (epoch, shard), made on the worker thread."""
         for examples, now_epoch, now_shard in chunks(paths, plan, epoch, shard,
                                                      lambda path: load_shard(path, fingerprint_of[path])):
-            b = make_batch(examples, kept_index, plan.max_len)
+            b = make_batch(examples, kept_index, plan.max_len, context)
             yield (b.pinned() if pin else b), len(examples), now_epoch, now_shard
 
     batches = Ahead(built(cursor.epoch, cursor.shard), depth=2, name="batches")
@@ -611,7 +667,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
         meta = {"plan": asdict(plan), "params": sum(p.numel() for p in head.parameters()), "sequences": sequences,
                 "tokens": tokens, "shards": len(paths), "heldout_shard": held_path.name, "steps": cursor.step,
                 "kept": len(kept), "prompt_sources": prompt_sources(folders + replay), "data_folders": by_folder,
-                "feature_layers": list(layers),
+                "feature_layers": list(layers), "context_cover": context,
                 "target_layers": len(target.fused.layers) if target.fused is not None else None,
                 "data_plan": plan_file["plan"], **figures, "log": cursor.log, "heldout_log": cursor.heldout,
                 "train_seconds": cursor.seconds, "init": init_lineage(Path(plan.init)) if plan.init else None,
@@ -647,7 +703,7 @@ def train(target: LoadedModel, data: Path | list[Path], work: Path, out: Path, p
                 g["lr"] = lr_at(cursor.step)
             b = lifted(built_batch)
             n = b.emb_ids.shape[1]
-            loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm)
+            loss, agree = unrolled_loss(head, b, embed, plan, cos_all[1: n + 1], sin_all[1: n + 1], lm, lm_all)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -744,6 +800,8 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
     plan, src = meta["plan"], meta["prompt_sources"]
     lm_head = (f"its own LM head over a {meta['kept']}-token vocabulary" if plan.get("own_head", True) else
                f"the target's LM-head rows for a {meta['kept']}-token vocabulary, frozen")
+    if meta.get("context_cover"):
+        lm_head += " (and for each sequence's tokens outside it, trained to draft them as the engine does)"
     lines = [f"# EAGLE-3-style head for `{target_source}`", "",
              f"One decoder layer that drafts from a fusion of the target's layers {meta['feature_layers']} "
              f"({the_layers(meta['feature_layers'], meta.get('target_layers'))})"
