@@ -288,21 +288,19 @@ def unrolled_loss(head: EagleHead, batch: Batch, embed: torch.Tensor, plan: Eagl
         if step == 1 and plan.feature_weight > 0:
             feature = plan.feature_weight * feature_loss(out, batch)
         rows = batch.valid & (positions >= step)[None]
-        label_p, label_ids = batch.label_p[rows], batch.label_ids[rows]
-        if extra:
+        picked, label_p, label_ids = out[rows], batch.label_p[rows], batch.label_ids[rows]
+        if extra:   # this step's cover: an extra label the chain has not committed yet is dropped, the rest renormalised
             visible = batch.visible(step)[rows]                                          # [R, E]
-            is_extra = label_ids >= kept
-            seen = visible.gather(1, (label_ids - kept).clamp(min=0)) | ~is_extra
-            label_p = label_p * seen
+            label_p = label_p * (visible.gather(1, (label_ids - kept).clamp(min=0)) | (label_ids < kept))
             mass = label_p.sum(-1, keepdim=True)
-            keep = mass[:, 0] > 0
-            label_p, label_ids, rows_kept = label_p[keep] / mass[keep], label_ids[keep], keep
-        if rows.any() and label_p.shape[0]:
+            labelled = mass[:, 0] > 0
+            picked, visible = picked[labelled], visible[labelled]
+            label_p, label_ids = label_p[labelled] / mass[labelled], label_ids[labelled]
+        if label_p.shape[0]:
             with torch.autocast(emb.device.type, dtype=torch.bfloat16, enabled=plan.bf16):
-                picked = out[rows] if not extra else out[rows][rows_kept]
                 logits = F.linear(picked, lm)
                 if extra:
-                    others = F.linear(picked, extra_rows).float().masked_fill(~visible[rows_kept], -math.inf)
+                    others = F.linear(picked, extra_rows).float().masked_fill(~visible, -math.inf)
                     logits = torch.cat([logits.float(), others], dim=-1)
             logq = torch.log_softmax(logits.float(), dim=-1)
             ce = -(label_p * logq.gather(1, label_ids).clamp(min=-1e4)).sum(-1).mean()
