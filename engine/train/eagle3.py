@@ -140,6 +140,14 @@ def target_norms(target: LoadedModel, layers: tuple[int, ...]) -> torch.Tensor:
 NEVER = 2**40   # first_at of a token a sequence does not hold
 
 
+def last_committed(columns: torch.Tensor, step: int) -> torch.Tensor:
+    """The index in its sequence's ids of the last token committed when the `step`-th draft of a chain is made at
+    each of `columns`: draft position t (column t - 1) drafting step s belongs to a chain started at t - s + 1,
+    whose committed tokens are x_0 .. x_{t-s+1}. A token outside the kept set is drafted there from where the
+    sequence first holds it up to this index, as the engine's drafter does."""
+    return columns + 2 - step
+
+
 @dataclass
 class Batch:
     emb_ids: torch.Tensor      # [B, N] x_t for draft positions t = 1..N
@@ -165,10 +173,8 @@ class Batch:
 
     def visible(self, step: int) -> torch.Tensor:
         """[B, N, E] bool: which extra tokens the engine's q covers at each draft position for the `step`-th draft
-        of a chain: those committed by then. Draft position t (column t - 1) drafting step s belongs to a chain
-        started at t - s + 1, whose committed tokens are x_0 .. x_{t-s+1}."""
-        n = self.emb_ids.shape[1]
-        last = torch.arange(n, device=self.first_at.device) + 2 - step      # index of the last committed token
+        of a chain: those committed by then (`last_committed`)."""
+        last = last_committed(torch.arange(self.emb_ids.shape[1], device=self.first_at.device), step)
         return self.first_at[:, None, :] <= last[None, :, None]
 
     def pinned(self) -> "Batch":
@@ -215,9 +221,9 @@ def make_batch(examples: list[Example], kept_index: torch.Tensor, max_len: int, 
         rows, label_rows = rows[ok], label_rows[ok]
         ids_k = columns[e.top_ids[label_rows].long()]
         covered = ids_k >= 0
-        if context:      # an extra label counts from where the sequence holds its token: x_0 .. x_{t} at column t-1
+        if context:      # an extra label counts from where the sequence holds its token (a chain's first draft)
             extra = (ids_k - kept).clamp(min=0)
-            covered &= (ids_k < kept) | (first_at[i][extra] <= (rows + 1)[:, None])
+            covered &= (ids_k < kept) | (first_at[i][extra] <= last_committed(rows, 1)[:, None])
         p = e.top_logp[label_rows].float().exp() * covered
         mass = p.sum(-1, keepdim=True)
         has = mass[:, 0] > 0
