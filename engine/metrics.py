@@ -71,6 +71,38 @@ def alpha(rounds: Rounds) -> float | None:
     return alpha_rate(sum(r.accepted for r in rounds), verified) if verified else None
 
 
+def prompt_counts(rounds: Rounds) -> tuple[int, int]:
+    """(accepted, verified positions) over one prompt's drafted rounds: what `alpha_interval` resamples."""
+    drafted = drafted_rounds(rounds)
+    return sum(r.accepted for r in drafted), sum(r.verified for r in drafted)
+
+
+def alpha_interval(counts: Sequence[Sequence[int]], against: Sequence[Sequence[int]] | None = None,
+                   level: float = 0.95, draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """Alpha over prompts, (accepted, verified) per prompt, as accepted / verified summed over them, and the
+    percentile bootstrap interval at `level` with the prompts resampled: how far the figure could move on
+    another draw of prompts like these. With `against` (another head's counts on the same prompts, in the same
+    order): alpha - alpha_against, the prompts resampled in pairs, so that what both heads find hard on a prompt
+    cancels. Greedy alpha is deterministic given the prompts, so the prompts are the only chance in it."""
+    import random
+
+    if against is not None and len(against) != len(counts):
+        raise ValueError(f"paired counts need the same prompts: {len(counts)} against {len(against)}")
+    if not counts or not 0 < level < 1 or draws < 1:
+        raise ValueError("alpha_interval needs at least one prompt, 0 < level < 1 and draws >= 1")
+    pairs = [(a, v, *(against[i] if against is not None else (0, 0))) for i, (a, v) in enumerate(counts)]
+
+    def value(sample: Sequence[tuple[int, int, int, int]]) -> float:
+        verified, other = sum(p[1] for p in sample), sum(p[3] for p in sample)
+        mine = sum(p[0] for p in sample) / verified if verified else 0.0
+        return mine - (sum(p[2] for p in sample) / other if other else 0.0) if against is not None else mine
+
+    rng = random.Random(seed)
+    spread = sorted(value(rng.choices(pairs, k=len(pairs))) for _ in range(draws))
+    tail = (1 - level) / 2
+    return value(pairs), spread[int(tail * (draws - 1))], spread[math.ceil((1 - tail) * (draws - 1))]
+
+
 def running_acceptance(rounds: Rounds) -> tuple[list[float | None], list[float | None]]:
     """(draft_acceptance, alpha) over rounds[:i + 1] for each i: the cumulative curves the charts draw."""
     drafted_rates, alphas = [], []

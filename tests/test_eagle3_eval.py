@@ -54,8 +54,16 @@ def test_two_heads_measured_on_the_same_prompts_one_line_each(smol, pack, tmp_pa
     for e in evals.values():
         assert (e["prompts"], e["k"], e["new_tokens"], e["temperature"]) == (2, 3, 12, 0.0)
         assert 0 <= e["alpha"] <= 1 and len(e["position_rates"]) == 3 and 1 <= e["tokens_per_round"] <= 4
+        # the counts by prompt are what alpha sums: its interval resamples them
+        assert len(e["per_prompt"]) == 2
+        assert sum(a for a, _ in e["per_prompt"]) / sum(v for _, v in e["per_prompt"]) == pytest.approx(e["alpha"])
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 2 and all(" alpha " in line and "tokens a round" in line for line in printed)
+    assert len(printed) == 3 and all(" alpha " in line and "tokens a round" in line for line in printed[:2])
+    assert all("95% over prompts" in line for line in printed)
+    gap = evals[f"{head}: 2 held-out self-written prompts of smollm2-test"]["alpha"] - \
+        evals[f"{today}: 2 held-out self-written prompts of smollm2-test"]["alpha"]
+    assert printed[2].startswith(f"{head} - {today}: 2 held-out self-written prompts of smollm2-test: "
+                                 f"alpha {gap:+.3f} (95% over prompts, paired: ")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -134,6 +142,14 @@ def test_the_engines_measure_says_how_the_head_drafted(smol, tmp_path):
     head = tmp_path / "head"
     head.mkdir()
     meta = json.loads((eagle_folder("smollm2-eagle3") / "card.json").read_text())
+    older = evaluate(smol, eagle_folder("smollm2"), k=2, new_tokens=8, prompts=[ids])
     eagle3.write_card(head, "smollm2", {k: v for k, v in meta.items() if k not in ("eval", "commands")},
-                      {"this head: one prompt": asdict(e)}, "python -m engine eval-eagle3", None)
-    assert "; the head drafted with fp32 copies" in (head / "MODEL_CARD.md").read_text()
+                      {"this head: one prompt": asdict(e), "today's head: one prompt": asdict(older)},
+                      "python -m engine eval-eagle3", None)
+    card = (head / "MODEL_CARD.md").read_text()
+    assert "; the head drafted with fp32 copies" in card
+    # one prompt: every resample is that prompt, so the interval is the figure itself
+    assert f"**{e.alpha:.3f}** (95% interval over prompts {e.alpha:.3f} to {e.alpha:.3f})" in card
+    gap = e.alpha - older.alpha
+    assert (f"- this head - today's head: one prompt: alpha {gap:+.3f} (95% over prompts, paired: {gap:+.3f} to "
+            f"{gap:+.3f}; ") in card

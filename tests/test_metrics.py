@@ -221,8 +221,63 @@ def test_prompt_lookup_rounds_cost_no_draft_forward():
         lambda: predicted_speedup(math.nan, 4, 0.1, 1.0),
         lambda: best_k(0.5, 0.1, k_max=0),
         lambda: best_k(0.5, 0.1, r_of_n=lambda n: -1.0),
+        lambda: metrics.alpha_interval([]),
+        lambda: metrics.alpha_interval([(1, 2)], [(1, 2), (0, 1)]),
+        lambda: metrics.alpha_interval([(1, 2)], level=1.0),
     ],
 )
 def test_validation_errors(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_prompt_counts_sum_the_drafted_rounds_of_one_prompt():
+    rounds = [make_round(0, ""), make_round(1, "aar"), make_round(2, "aaaa"), make_round(3, "ruu")]
+    assert metrics.prompt_counts(rounds) == (6, 8)
+    assert metrics.prompt_counts(rounds) == (sum(r.accepted for r in rounds), sum(r.verified for r in rounds))
+
+
+def test_the_alpha_interval_is_the_ratio_of_sums_and_a_head_against_itself_differs_by_nothing():
+    counts = [(10, 40), (30, 50), (5, 30)]
+    value, lo, hi = metrics.alpha_interval(counts)
+    assert value == pytest.approx(45 / 120) and lo < value < hi
+    assert metrics.alpha_interval(counts, counts) == (0.0, 0.0, 0.0)
+    assert metrics.alpha_interval(counts, [(a - 5, v) for a, v in counts])[0] == pytest.approx(15 / 120)
+
+
+def _population(rng, size=2000):
+    """Prompts of unequal difficulty and length: each a (true alpha, verified positions)."""
+    return [(min(0.95, max(0.05, rng.gauss(0.5, 0.15))), rng.randint(15, 60)) for _ in range(size)]
+
+
+def test_the_alpha_interval_covers_the_populations_alpha_about_as_often_as_it_says():
+    import random
+
+    rng = random.Random(7)
+    population = _population(rng)
+    # the population's alpha: expected accepted over expected verified
+    truth = sum(a * v for a, v in population) / sum(v for _, v in population)
+    covered = 0
+    trials = 150
+    for t in range(trials):
+        sample = rng.sample(population, 24)
+        counts = [(sum(rng.random() < a for _ in range(v)), v) for a, v in sample]
+        _, lo, hi = metrics.alpha_interval(counts, draws=500, seed=t)
+        covered += lo <= truth <= hi
+    # a percentile bootstrap over 24 prompts runs a little narrow; one over positions, not prompts, would
+    # cover far less often (prompts differ far more than binomial noise within one)
+    assert 0.85 <= covered / trials <= 0.99
+
+
+def test_pairing_tells_a_small_steady_gain_from_chance_where_two_separate_intervals_overlap():
+    import random
+
+    rng = random.Random(3)
+    prompts = _population(rng, 32)
+    base, better = [], []
+    for a, v in prompts:        # the second head accepts 2 more positions of every 50 on every prompt
+        accepted = sum(rng.random() < a for _ in range(v))
+        base.append((accepted, v))
+        better.append((min(v, accepted + max(1, round(0.04 * v))), v))
+    assert metrics.alpha_interval(better, base)[1] > 0
+    assert metrics.alpha_interval(better)[1] < metrics.alpha_interval(base)[2]    # apart, the two intervals overlap

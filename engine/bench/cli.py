@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype; auto = fp32 on CPU, bf16 on CUDA")
     p.add_argument("--prompts", choices=PROMPT_SETS, default="heldout",
                    help="heldout: windows of held-out stdlib test files; code: their first halves, to continue; "
-                        "chat: the project's 32 chat questions; chat-heldout: the 16 kept from every training "
-                        "(both through the target's chat template)")
+                        "chat: the project's 32 chat questions; chat-heldout: the 16 kept from every training; "
+                        "chat-fresh: 12 written after the data; chat-wide: 48 more on held-out subjects "
+                        "(all through the target's chat template)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts (default: 8)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help=f"heldout: window length (default 128); code: most prompt tokens kept (default {CODE_PROMPT_TOKENS})")

@@ -28,7 +28,7 @@ STATIC_TREES = {1: (1,), 2: (2,), 3: (2, 1), 4: (2, 1, 1), 6: (3, 2, 1), 8: (3, 
 DYNAMIC_TREE_DEPTH = 8
 DEFAULT_METHODS = METHOD_NAMES[:12]   # the EAGLE and tree methods run when named (--methods)
 UNDRAFTED = ("hf-generate", "target", "target-transformers")  # target-only: no K
-PROMPT_SETS = ("heldout", "code", "chat", "chat-heldout", "chat-fresh")
+PROMPT_SETS = ("heldout", "code", "chat", "chat-heldout", "chat-fresh", "chat-wide")
 NGRAM_MAX = 4
 # Code prompts keep the last 192 tokens of each file's first half: the built-in pair was trained on
 # 256-token windows, so 192 + 64 new tokens stay inside what it learned. Past that both models are

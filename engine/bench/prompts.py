@@ -70,10 +70,10 @@ def make_prompts(settings: BenchSettings, target: LoadedModel) -> list[Prompt]:
         raise PromptError(f"{settings.new_tokens} new tokens leave no room for a prompt in a "
                           f"{target.max_context}-token context")
     length = min(settings.prompt_tokens, room)
-    if settings.prompt_set in ("chat", "chat-heldout", "chat-fresh"):
-        which = {"chat": "bench", "chat-heldout": "heldout", "chat-fresh": "fresh"}[settings.prompt_set]
-        return chat_prompts(target.tokenizer, which,
-                            settings.num_prompts)
+    if settings.prompt_set.startswith("chat"):
+        which = {"chat": "bench", "chat-heldout": "heldout", "chat-fresh": "fresh",
+                 "chat-wide": "wide"}[settings.prompt_set]
+        return chat_prompts(target.tokenizer, which, settings.num_prompts)
     if settings.prompt_set == "code":
         return code_prompts(target.tokenizer, settings.num_prompts, length, settings.seed)
     return heldout_prompts(target.tokenizer, settings.num_prompts, length, settings.seed)

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ class DraftEval:
     tokens_per_s: float | None = None          # the head's run, prompts one after another
     target_tokens_per_s: float | None = None   # target-only on the same prompts, run beside it
     matrices: str = ""            # how the head's draft steps multiplied (EagleRuntime.matrices)
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)   # (accepted, verified) by prompt, in order
 
 
 def training_prompts(target, source: str, count: int | None = None) -> list[list[int]]:
@@ -99,7 +100,7 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: li
     sampling = sampling or SamplingParams()
     config = SpecConfig(drafter=drafter or DrafterKind.EAGLE, k=k, max_new_tokens=new_tokens, record=False,
                         sampling=sampling)
-    rounds, baseline = [], []
+    rounds, baseline, per_prompt = [], [], []
     tokens, seconds = {Mode.V2: 0, Mode.TARGET: 0}, {Mode.V2: 0.0, Mode.TARGET: 0.0}
     prompts = prompts if prompts is not None else heldout_prompts(target)
     for i, ids in enumerate(prompts):
@@ -108,6 +109,8 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: li
             done = engine.run()
             engine.close()
             out += done
+            if mode is Mode.V2:
+                per_prompt.append(metrics.prompt_counts(done))
             if done:
                 tokens[mode] += done[-1].tokens_total
                 seconds[mode] += done[-1].elapsed_s
@@ -118,7 +121,8 @@ def evaluate(target, folder: Path, k: int = 4, new_tokens: int = 64, prompts: li
                      metrics.position_rates(drafted), sum(len(r.emitted) for r in drafted) / len(drafted),
                      draft / step, draft, step, sampling.temperature,
                      tokens[Mode.V2] / seconds[Mode.V2] if seconds[Mode.V2] else None,
-                     tokens[Mode.TARGET] / seconds[Mode.TARGET] if seconds[Mode.TARGET] else None, runtime.matrices)
+                     tokens[Mode.TARGET] / seconds[Mode.TARGET] if seconds[Mode.TARGET] else None, runtime.matrices,
+                     per_prompt)
 
 
 def write_card(folder: Path, target_source: str, figures: DraftEval, meta: dict) -> None:

@@ -838,18 +838,29 @@ def write_card(folder: Path, target_source: str, meta: dict, evals: dict, comman
              f"{meta.get('train_seconds', wall_s or 0.0) / 3600:.2f} h; "
              + (f"this run, its measurements included: {wall_s / 3600:.2f} h" if wall_s is not None else
                 "measured afterwards (`python -m engine eval-eagle3 --card`)"), ""]
+    from engine.metrics import alpha_interval
+    from engine.train.eagle3_eval import differences
+
     for name, e in evals.items():
         how = "greedy" if not e.get("temperature") else f"T = {e['temperature']:g}"
+        spread = ""
+        if e.get("per_prompt"):
+            _, lo, hi = alpha_interval(e["per_prompt"])
+            spread = f" (95% interval over prompts {lo:.3f} to {hi:.3f})"
         speed = ""
         if e.get("tokens_per_s") and e.get("target_tokens_per_s"):
             speed = (f"; {e['tokens_per_s']:.1f} tok/s against target-only {e['target_tokens_per_s']:.1f}, decoded "
                      f"beside it prompt by prompt: **{e['tokens_per_s'] / e['target_tokens_per_s']:.2f}×**")
         lines += [f"## Measured by the engine: {name} ({e['prompts']} prompts, {how}, K = {e['k']}, up to "
                   f"{e['new_tokens']} new tokens)",
-                  f"- per-position acceptance α: **{e['alpha']:.3f}**; at positions 1..{e['k']}: "
+                  f"- per-position acceptance α: **{e['alpha']:.3f}**{spread}; at positions 1..{e['k']}: "
                   + ", ".join(f"{r:.2f}" for r in e["position_rates"]),
                   f"- tokens per round: {e['tokens_per_round']:.2f}; c = {e['c']:.3f}{speed}"
                   + (f"; the head drafted with {e['matrices']}" if e.get("matrices") else ""), ""]
+    paired = differences(["this head", "today's head"],
+                         [key[len("this head: "):] for key in evals if key.startswith("this head: ")], evals)
+    if paired:
+        lines += ["## This head against today's head, prompt for prompt", *(f"- {text}" for text in paired), ""]
     data_lines = [f["command"] for f in meta.get("data_folders", [])] or ["python -m engine draft-data --target "
                                                                            + target_source]
     earlier = lineage_commands(meta.get("init"))

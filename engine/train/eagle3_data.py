@@ -40,7 +40,7 @@ import torch
 from engine.fused_llama import BatchForward, FusedLlama
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, sample_from
-from engine.train.chat_prompts import HELDOUT_SUBJECTS, OPENERS, SETS, chat_prompts, training_prompts
+from engine.train.chat_prompts import OPENERS, SETS, chat_prompts, touches_heldout_subject, training_prompts
 from engine.train.draft_data import SamplingPass
 
 Log = Callable[[str], None]
@@ -178,10 +178,7 @@ def clean_prompt(text: str) -> str | None:
         return None
     if sum(ch.isprintable() or ch in "\n\t" for ch in text) < len(text) or sum(ch.isascii() for ch in text) < 0.9 * len(text):
         return None
-    lowered = set(re.findall(r"[a-z]+", text.lower()))
-    if any(w.startswith(s) for s in HELDOUT_SUBJECTS for w in lowered):
-        return None
-    return text
+    return None if touches_heldout_subject(text) else text
 
 
 def is_heldout(text: str, every: int) -> bool:

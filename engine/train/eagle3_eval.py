@@ -1,13 +1,14 @@
 """Measuring an EAGLE-3 head by the kind of prompt it drafts for: `python -m engine eval-eagle3`.
 
 A head's acceptance depends on what the target is asked. The held-out chat prompts the project wrote
-(`engine.train.chat_prompts`, "heldout" and "fresh") are ordinary questions on subjects no training prompt
+(`engine.train.chat_prompts`, "heldout", "fresh" and "wide") are ordinary questions on subjects no training prompt
 touches; the self-written (Magpie) prompts of a data pack are the target's own, often odd, user turns. Each
 pack keeps some of those out of training (its "heldout" list); its "train" list is what a head trained on it
 saw. This command runs the engine with a head (and, with --against, a second head on the same prompts in the
 same process) over each kind, greedy or sampled, and prints per-position acceptance, tokens per round and the
 speed against target-only decoded beside it, one line per kind, so that a figure is always read with the
-prompts it came from.
+prompts it came from; with its interval over prompts (a percentile bootstrap), and with --against, the two
+heads' difference on each kind with its paired interval, so that a gain is not read off chance.
 """
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ class PromptSet:
 
 
 def chat_sets(target: LoadedModel) -> list[PromptSet]:
-    """The project's written chat prompts: the 16 held-out ones and the 12 written after the data."""
+    """The project's written chat prompts: the 16 held-out ones, the 12 written after the data and the 48 on
+    held-out subjects written after every pack."""
     from engine.prompts import ChatPrompt, encode_chat
     from engine.train.chat_prompts import chat_prompts
 
-    fresh = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in chat_prompts("fresh")]
+    fresh, wide = ([encode_chat(target.tokenizer, ChatPrompt(p)) for p in chat_prompts(which)]
+                   for which in ("fresh", "wide"))
     return [PromptSet("the 16 held-out chat prompts", None),
-            PromptSet(f"the {len(fresh)} fresh chat prompts (written after the data)", fresh)]
+            PromptSet(f"the {len(fresh)} fresh chat prompts (written after the data)", fresh),
+            PromptSet(f"the {len(wide)} wide held-out chat prompts", wide)]
 
 
 def pack_sets(target: LoadedModel, packs: list[Path], per_set: int, trained_too: bool) -> list[PromptSet]:
@@ -60,8 +64,7 @@ def evaluate_sets(target: LoadedModel, heads: list[tuple[str, Path]], sets: list
     "<head's name>: <set's name>" (", T = ..." added when sampled)."""
     from engine.train.draft import evaluate
 
-    how = "" if sampling is None or sampling.temperature == 0 else \
-        f", T = {sampling.temperature:g}, top-p {sampling.top_p:g}"
+    how = sampled(sampling)
     evals = {}
     for s in sets:
         for name, folder in heads:
@@ -70,7 +73,32 @@ def evaluate_sets(target: LoadedModel, heads: list[tuple[str, Path]], sets: list
             evals[key] = asdict(evaluate(target, folder, k=k, new_tokens=new_tokens, prompts=s.prompts,
                                          sampling=sampling))
             log(f"{line(key, evals[key])} ({time.time() - t0:.0f} s)")
+        for text in differences([name for name, _ in heads], [s.name + how], evals):
+            log(text)
     return evals
+
+
+def sampled(sampling) -> str:
+    """What a measure's key adds when it was sampled: ", T = ..., top-p ..."; nothing when greedy."""
+    return "" if sampling is None or sampling.temperature == 0 else \
+        f", T = {sampling.temperature:g}, top-p {sampling.top_p:g}"
+
+
+def differences(names: list[str], measured: list[str], evals: dict) -> list[str]:
+    """For two heads measured on the same prompts (evaluate_sets: keys "<head>: <what was measured>"): a line for
+    each of `measured` that both have counts by prompt for, saying whether their alpha differs by more than the
+    prompts' chance: the difference and its paired bootstrap interval (engine.metrics.alpha_interval)."""
+    from engine.metrics import alpha_interval
+
+    out = []
+    for what in measured if len(names) == 2 else []:
+        mine, other = (evals.get(f"{name}: {what}", {}).get("per_prompt") for name in names)
+        if mine and other:
+            d, lo, hi = alpha_interval(mine, other)
+            verdict = "more than chance" if lo > 0 or hi < 0 else "within chance"
+            out.append(f"{names[0]} - {names[1]}: {what}: alpha {d:+.3f} (95% over prompts, paired: "
+                       f"{lo:+.3f} to {hi:+.3f}; {verdict})")
+    return out
 
 
 def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log,
@@ -82,13 +110,13 @@ def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout:
     from engine.prompts import ChatPrompt, encode_chat
     from engine.sampling import SamplingParams
 
-    chat, fresh = chat_sets(target)
+    chat, fresh, wide = chat_sets(target)
     magpie = [encode_chat(target.tokenizer, ChatPrompt(p)) for p in heldout[:32]]
     heads = [("this head", head)] + ([("today's head", today)] if today is not None and today.is_dir() else [])
     if quick:
-        return evaluate_sets(target, heads, [chat, fresh], log)
+        return evaluate_sets(target, heads, [chat, fresh, wide], log)
     return {**evaluate_sets(target, heads, [chat, PromptSet(f"{len(magpie)} held-out Magpie prompts", magpie),
-                                            fresh], log),
+                                            fresh, wide], log),
             **evaluate_sets(target, heads, [chat], log, SamplingParams(temperature=0.7, top_p=0.95))}
 
 
@@ -140,8 +168,14 @@ def line(key: str, e: dict) -> str:
     speed = ""
     if e.get("tokens_per_s") and e.get("target_tokens_per_s"):
         speed = f", {e['tokens_per_s'] / e['target_tokens_per_s']:.2f}x target-only"
+    spread = ""
+    if e.get("per_prompt"):
+        from engine.metrics import alpha_interval
+
+        _, lo, hi = alpha_interval(e["per_prompt"])
+        spread = f"; 95% over prompts {lo:.3f} to {hi:.3f}"
     return (f"{key}: alpha {e['alpha']:.3f} (by position " + " ".join(f"{r:.2f}" for r in e["position_rates"])
-            + f"), {e['tokens_per_round']:.2f} tokens a round{speed}")
+            + f"{spread}), {e['tokens_per_round']:.2f} tokens a round{speed}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     named = [(f"{name} ({shown(folder)})", folder) for name, folder in heads]
     evals = evaluate_sets(target, named, sets, log, sampling, a.k, a.new_tokens)
     print("\n".join(line(key, e) for key, e in evals.items()))
+    for text in differences([name for name, _ in named], [s.name + sampled(sampling) for s in sets], evals):
+        print(text)
     if a.json:
         a.json.write_text(json.dumps(evals, indent=1) + "\n")
     return 0
