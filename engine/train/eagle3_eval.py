@@ -104,9 +104,9 @@ def differences(names: list[str], measured: list[str], evals: dict) -> list[str]
 def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log,
                    quick: bool = False) -> dict:
     """The trainer's measure of a new head (and of today's head in `today`, on the same prompts, in the same
-    process): greedy on the 16 held-out chat prompts, on 32 of its data's held-out Magpie prompts and on the 12
-    fresh chat prompts, and at T = 0.7, top-p 0.95 on the held-out chat prompts; `quick`: the held-out and the
-    fresh chat prompts, greedy, only."""
+    process): greedy on the 16 held-out chat prompts, on 32 of its data's held-out Magpie prompts, on the 12
+    fresh and on the 48 wide chat prompts, and at T = 0.7, top-p 0.95 on the held-out chat prompts; `quick`: the
+    three chat sets, greedy, only."""
     from engine.prompts import ChatPrompt, encode_chat
     from engine.sampling import SamplingParams
 
