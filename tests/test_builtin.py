@@ -60,8 +60,7 @@ def test_tokenizer_round_trips_source_exactly(builtin_tokenizer, name):
 
 
 def test_heldout_loss_below_ceiling(builtin_pair):
-    from engine.train.builtin import heldout_loss
-    from engine.train.builtin_eval import heldout_windows
+    from engine.train.builtin_eval import heldout_loss, heldout_windows
 
     _, target = builtin_pair
     loss = heldout_loss(target.model, heldout_windows(16, 257, seed=7))

@@ -14,7 +14,8 @@ from engine.train.chat_prompts import (
     touches_heldout_subject,
     training_prompts,
 )
-from engine.train.eagle3_data import clean_prompt, read_prompts
+from engine.train.eagle3_data import clean_prompt
+from engine.train.eagle3_folder import read_prompts
 
 PACKS = sorted(p for p in (ASSETS / "draft-data").glob("smollm2*") if (p / "prompts.json").exists())
 

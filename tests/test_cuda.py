@@ -12,10 +12,10 @@ import torch
 from engine.models import load_model
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
-from engine.train import data_pack, eagle3
+from engine.train import data_pack, eagle3, eagle3_batch, eagle3_folder, eagle3_loss
 from engine.train import eagle3_data as data
 from engine.train.draft_data import SamplingPass
-from engine.train.eagle3_data import DataFolder, Eagle3DataPlan
+from engine.train.eagle3_folder import DataFolder, Eagle3DataPlan
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
               pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")]
@@ -67,11 +67,11 @@ def test_a_gpu_rebuild_from_the_pack_is_the_cpu_one(smol, gpu_smol, tmp_path):
     assert data_pack.replay_rows(gpu_smol.fused) > data_pack.replay_rows(smol.fused)
     with DataFolder(tmp_path / "gpu", p, smol.name) as folder:
         rebuilt = data_pack.restore(folder, tmp_path / "pack", gpu_smol.fused, lambda m: None)
-    shards = sorted(data.iter_shards(tmp_path / "cpu"))
+    shards = sorted(eagle3_folder.iter_shards(tmp_path / "cpu"))
     assert rebuilt == len(shards) > 0
     for path in shards:
-        made = data.load_shard(path, p.fingerprint())
-        again = data.load_shard(tmp_path / "gpu" / "answers" / path.name, p.fingerprint())
+        made = eagle3_folder.load_shard(path, p.fingerprint())
+        again = eagle3_folder.load_shard(tmp_path / "gpu" / "answers" / path.name, p.fingerprint())
         for m, a in zip(made, again, strict=True):
             assert torch.equal(m.ids, a.ids) and m.prompt_len == a.prompt_len
             assert close_features(a.features, m.features)
@@ -86,8 +86,8 @@ def test_a_head_trains_on_the_gpu_and_resumes_on_the_cpu(smol, gpu_smol, tmp_pat
     with DataFolder(tmp_path / "data", p, smol.name) as folder:
         data.build_prompts(folder, smol.fused, smol.tokenizer, 2, lambda m: None, None)
         data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, lambda m: None, None)
-    examples = [e for path in data.iter_shards(tmp_path / "data") for e in data.load_shard(path, p.fingerprint())]
-    kept = eagle3.kept_vocabulary(examples, 256, (2,))
+    examples = [e for path in eagle3_folder.iter_shards(tmp_path / "data") for e in eagle3_folder.load_shard(path, p.fingerprint())]
+    kept = eagle3_batch.kept_vocabulary(examples, 256, (2,))
     index = torch.full((smol.vocab_size,), -1, dtype=torch.long)
     index[kept] = torch.arange(len(kept))
     train_plan = eagle3.Eagle3Plan(kept=256, depth=4, epochs=4, batch=4, warmup=2, lr=2e-3, log_every_s=0,
@@ -99,14 +99,14 @@ def test_a_head_trains_on_the_gpu_and_resumes_on_the_cpu(smol, gpu_smol, tmp_pat
                             "own_head": True})
     head = EagleHead(config)
     head.init_for_training(torch.Generator().manual_seed(0))
-    batch = eagle3.make_batch(examples[:4], index, 384)
+    batch = eagle3_batch.make_batch(examples[:4], index, 384)
     n = batch.emb_ids.shape[1]
     cos, sin = target_rope(smol, config.head_dim, n + 1)
     embed = smol.model.get_input_embeddings().weight.detach().float()
     losses = {}
     for device in ("cpu", "cuda"):
         moved = head.to(device)
-        loss, _ = eagle3.unrolled_loss(moved, batch.to(torch.device(device)), embed.to(device), train_plan,
+        loss, _ = eagle3_loss.unrolled_loss(moved, batch.to(torch.device(device)), embed.to(device), train_plan,
                                        cos[1: n + 1].to(device), sin[1: n + 1].to(device), moved.lm)
         losses[device] = float(loss)
     assert abs(losses["cpu"] - losses["cuda"]) < 1e-3 * abs(losses["cpu"]) + 1e-4, losses

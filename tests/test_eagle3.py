@@ -18,9 +18,9 @@ from engine.prompts import ChatPrompt, encode_chat
 from engine.runner import ModelRunner
 from engine.sources import SMOLLM2_PIP, smollm2_gguf
 from engine.speculative import SpeculativeEngine
-from engine.train import eagle3, eagle3_data
+from engine.train import eagle3, eagle3_batch, eagle3_card, eagle3_data, eagle3_folder, eagle3_loss, eagle3_plan
 from engine.train.eagle import target_rope
-from engine.train.eagle3_data import DataFolder, Eagle3DataPlan
+from engine.train.eagle3_folder import DataFolder, Eagle3DataPlan
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
 LAYERS = (2, 15, 27)
@@ -74,15 +74,15 @@ def test_a_head_learns_from_layers_past_the_ones_the_data_kept(smol):
     padded = torch.zeros(2, len(ids) + 5, kept.shape[1])
     padded[:, : len(ids)] = kept.half().float()          # as a shard stores it, right-padded in a batch
     padded[1, len(ids):] = 1e4                            # padding never reaches a real row
-    lifted = eagle3.lift_features(smol.fused, padded, LAYERS, wanted)[:, : len(ids)]
+    lifted = eagle3_loss.lift_features(smol.fused, padded, LAYERS, wanted)[:, : len(ids)]
     assert lifted.shape == (2, len(ids), 3 * 576)
     assert torch.equal(lifted[0], lifted[1])
     rel = (lifted[0] - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert rel.max() < 2e-3
-    assert eagle3.layers_error(LAYERS, (2, 15, 30), 30) is None
-    assert eagle3.layers_error(LAYERS, LAYERS, 30) is None
+    assert eagle3_loss.layers_error(LAYERS, (2, 15, 30), 30) is None
+    assert eagle3_loss.layers_error(LAYERS, LAYERS, 30) is None
     for bad in [(2, 20), (31,), (2, 2, 30), ()]:
-        assert "the data kept the inputs of layers [2, 15, 27]" in eagle3.layers_error(LAYERS, bad, 30)
+        assert "the data kept the inputs of layers [2, 15, 27]" in eagle3_loss.layers_error(LAYERS, bad, 30)
 
 
 def test_normed_fusion_starts_from_what_each_layer_reads(smol):
@@ -93,7 +93,7 @@ def test_normed_fusion_starts_from_what_each_layer_reads(smol):
     config = replace(EagleConfig.for_target(smol, 64), feature_layers=layers, feature_norm=True)
     head = EagleHead(config)
     with torch.no_grad():
-        head.fuse_norm.copy_(eagle3.target_norms(smol, layers))
+        head.fuse_norm.copy_(eagle3_loss.target_norms(smol, layers))
     ids = encode_chat(smol.tokenizer, ChatPrompt("Name a river."))
     with torch.inference_mode():
         hidden = smol.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
@@ -164,7 +164,7 @@ def test_the_engine_drafts_what_training_computes(smol, feature_norm):
         feats[0, : n - 1] = real[: n - 1]          # only the committed tokens' features are real
         cos, sin = target_rope(smol, head.config.head_dim, len(chain))
         with torch.inference_mode():
-            outs = list(eagle3.unrolled(head, torch.nn.functional.embedding(torch.tensor([chain[1:]]), embed),
+            outs = list(eagle3_loss.unrolled(head, torch.nn.functional.embedding(torch.tensor([chain[1:]]), embed),
                                         feats, k, cos[1:], sin[1:]))
         for step, row in enumerate(logits, start=1):
             column = n + step - 3                  # draft position n - 2 + step, column = position - 1
@@ -176,7 +176,7 @@ def test_the_engine_drafts_what_training_computes(smol, feature_norm):
 
 def test_no_pass_over_the_held_out_prompts_is_trained_on():
     paths = sorted(Path(f"shard-p{p}-{c:05d}.pt") for c in range(3) for p in range(2))
-    held, train = eagle3.heldout_split(paths)
+    held, train = eagle3_batch.heldout_split(paths)
     assert held.name == "shard-p0-00000.pt"
     assert [p.name for p in train] == ["shard-p0-00001.pt", "shard-p0-00002.pt", "shard-p1-00001.pt",
                                        "shard-p1-00002.pt"]
@@ -188,23 +188,23 @@ def test_data_folders_must_keep_the_same_layers(tmp_path):
         (tmp_path / name / "plan.json").write_text(json.dumps({"fingerprint": name, "plan": {"layers": layers}}))
         (tmp_path / name / "answers" / "shard-p0-00000.pt").write_bytes(b"")
         (tmp_path / name / "prompts.json").write_text("{}")
-    shards, layers, _ = eagle3.data_folders([tmp_path / "a", tmp_path / "b"])
+    shards, layers, _ = eagle3_batch.data_folders([tmp_path / "a", tmp_path / "b"])
     assert layers == (2, 15, 27) and shards == {tmp_path / n / "answers" / "shard-p0-00000.pt": n for n in "ab"}
     # a folder whose data was never made (a run that stopped before its prompts or its first shard) is refused
     # before any training, not when the head is exported minutes later
     (tmp_path / "b" / "answers" / "shard-p0-00000.pt").unlink()
-    with pytest.raises(eagle3.DataError, match="holds no answers yet .no shards.: finish its data first"):
-        eagle3.data_folders([tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(eagle3_folder.DataError, match="holds no answers yet .no shards.: finish its data first"):
+        eagle3_batch.data_folders([tmp_path / "a", tmp_path / "b"])
     (tmp_path / "a" / "prompts.json").unlink()
-    with pytest.raises(eagle3.DataError, match="no frozen prompt list"):
-        eagle3.data_folders([tmp_path / "a"])
+    with pytest.raises(eagle3_folder.DataError, match="no frozen prompt list"):
+        eagle3_batch.data_folders([tmp_path / "a"])
     (tmp_path / "a" / "prompts.json").write_text("{}")
-    with pytest.raises(eagle3.DataError, match="same layers"):
-        eagle3.data_folders([tmp_path / "a", tmp_path / "c"])
-    with pytest.raises(eagle3.DataError, match="given twice"):
-        eagle3.data_folders([tmp_path / "a", tmp_path / "a"])
-    with pytest.raises(eagle3.DataError, match="cannot be read"):
-        eagle3.data_folders([tmp_path / "nothing"])
+    with pytest.raises(eagle3_folder.DataError, match="same layers"):
+        eagle3_batch.data_folders([tmp_path / "a", tmp_path / "c"])
+    with pytest.raises(eagle3_folder.DataError, match="given twice"):
+        eagle3_batch.data_folders([tmp_path / "a", tmp_path / "a"])
+    with pytest.raises(eagle3_folder.DataError, match="cannot be read"):
+        eagle3_batch.data_folders([tmp_path / "nothing"])
 
 
 @pytest.fixture(scope="module")
@@ -224,18 +224,18 @@ def test_training_covers_each_sequences_context_as_the_engine_drafts_it(smol, an
     sequence's tokens outside them once the sequence holds them (engine.drafters.eagle.DraftVocabulary). The
     batch's cover and labels, and step 1's loss, against a recomputation position by position."""
     data, plan = answered
-    examples = [e for p in eagle3_data.iter_shards(data) for e in eagle3_data.load_shard(p, plan.fingerprint())][:3]
-    kept = eagle3.kept_vocabulary(examples, 128, (2,))
+    examples = [e for p in eagle3_folder.iter_shards(data) for e in eagle3_folder.load_shard(p, plan.fingerprint())][:3]
+    kept = eagle3_batch.kept_vocabulary(examples, 128, (2,))
     index = torch.full((smol.vocab_size,), -1, dtype=torch.long)
     index[kept] = torch.arange(len(kept))
-    batch = eagle3.make_batch(examples, index, 384, context=True)
-    plain = eagle3.make_batch(examples, index, 384)
+    batch = eagle3_batch.make_batch(examples, index, 384, context=True)
+    plain = eagle3_batch.make_batch(examples, index, 384)
     assert plain.extra_ids.numel() == 0 and (batch.emb_ids == plain.emb_ids).all()
     k_kept, extra = len(kept), batch.extra_ids.tolist()
     cut = [e.ids[: min(e.ids.numel(), 384)].tolist() for e in examples]
     assert extra == sorted({t for ids in cut for t in ids} - set(kept.tolist()))
     for i, ids in enumerate(cut):
-        assert batch.first_at[i].tolist() == [ids.index(t) if t in ids else eagle3.NEVER for t in extra]
+        assert batch.first_at[i].tolist() == [ids.index(t) if t in ids else eagle3_batch.NEVER for t in extra]
     columns = torch.arange(batch.emb_ids.shape[1])          # step 2 at column c: a chain whose last commit is x_c
     assert (batch.visible(2) == (batch.first_at[:, None, :] <= columns[None, :, None])).all()
 
@@ -248,8 +248,8 @@ def test_training_covers_each_sequences_context_as_the_engine_drafts_it(smol, an
     embed = smol.model.get_input_embeddings().weight.detach().float()
     one = eagle3.Eagle3Plan(kept=k_kept, depth=1)
     with torch.no_grad():
-        loss, _ = eagle3.unrolled_loss(head, batch, embed, one, cos[1:], sin[1:], lm_all[kept], lm_all)
-        out = next(eagle3.unrolled(head, torch.nn.functional.embedding(batch.emb_ids, embed), batch.feats.float(), 1,
+        loss, _ = eagle3_loss.unrolled_loss(head, batch, embed, one, cos[1:], sin[1:], lm_all[kept], lm_all)
+        out = next(eagle3_loss.unrolled(head, torch.nn.functional.embedding(batch.emb_ids, embed), batch.feats.float(), 1,
                                    cos[1:], sin[1:]))
     terms, covered_extra = [], 0
     for i, e in enumerate(examples):
@@ -288,12 +288,12 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
             assert made["train"] and not {eagle3_data.normalized(p) for p in made["train"]} & taken
             eagle3_data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, lambda m: None, None)
         folders.append(tmp_path / "more")
-    examples = [e for p in eagle3_data.iter_shards(data) for e in eagle3_data.load_shard(p, plan.fingerprint())]
-    kept = eagle3.kept_vocabulary(examples, 256, (2,))
+    examples = [e for p in eagle3_folder.iter_shards(data) for e in eagle3_folder.load_shard(p, plan.fingerprint())]
+    kept = eagle3_batch.kept_vocabulary(examples, 256, (2,))
     assert 2 in kept.tolist() and kept.tolist() == sorted(kept.tolist())
     index = torch.full((smol.vocab_size,), -1, dtype=torch.long)
     index[kept] = torch.arange(len(kept))
-    batch = eagle3.make_batch(examples[:4], index, 384)
+    batch = eagle3_batch.make_batch(examples[:4], index, 384)
     assert batch.valid.any() and torch.allclose(batch.label_p[batch.valid].sum(-1), torch.ones(int(batch.valid.sum())))
 
     logs, clock = [], [0.0]
@@ -310,7 +310,7 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
     if own_head:   # exported as it stood, and its card says where it stopped; the checkpoint still resumes
         assert stopped["stopped"] == {"step": stopped["cursor"]["step"], "of": stopped["stopped"]["of"]}
         assert stopped["stopped"]["step"] < stopped["stopped"]["of"] and (tmp_path / "head" / "eagle.json").exists()
-        eagle3.write_card(tmp_path / "head", "smollm2", {k: v for k, v in stopped.items() if k != "cursor"}, {},
+        eagle3_card.write_card(tmp_path / "head", "smollm2", {k: v for k, v in stopped.items() if k != "cursor"}, {},
                           "python -m engine train-eagle3 --minutes 1 --export-when-stopped", 1.0)
         assert f"stopped by its time limit at step {stopped['cursor']['step']:,} of" in \
             (tmp_path / "head" / "MODEL_CARD.md").read_text()
@@ -318,19 +318,19 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
         assert "stopped" not in stopped and not (tmp_path / "head").exists()
     clock[0] += 1e6                  # a day between the runs: not training time
     if len(folders) > 1:             # a checkpoint is not resumed on other data
-        with pytest.raises(eagle3.DataError, match="rerun with the same --data"):
+        with pytest.raises(eagle3_folder.DataError, match="rerun with the same --data"):
             eagle3.train(smol, folders[::-1], tmp_path / "work", tmp_path / "head", plan, logs.append)
     result = eagle3.train(smol, folders, tmp_path / "work", tmp_path / "head", plan, logs.append)
-    shards = {f: sum(1 for _ in eagle3_data.iter_shards(f)) for f in folders}
+    shards = {f: sum(1 for _ in eagle3_folder.iter_shards(f)) for f in folders}
     assert [d["shards"] for d in result["data_folders"]] == [shards[data] - 2, *(shards[f] for f in folders[1:])]
     assert result["shards"] == sum(shards.values()) - 2                 # all but the held-out chunk's two passes
-    eagle3.write_card(tmp_path / "head", "smollm2", {k: v for k, v in result.items() if k != "finished"}, {},
+    eagle3_card.write_card(tmp_path / "head", "smollm2", {k: v for k, v in result.items() if k != "finished"}, {},
                       "python -m engine train-eagle3 --data x", 1.0)
     card = (tmp_path / "head" / "MODEL_CARD.md").read_text()
-    magpie = sum(eagle3_data.read_prompts(f)["sources"]["magpie"] for f in folders)
+    magpie = sum(eagle3_folder.read_prompts(f)["sources"]["magpie"] for f in folders)
     assert f"prompts: {magpie:,} written by the target itself" in card
     for f in folders:                # each folder's command, and a line of its own where there are several
-        assert eagle3_data.data_command(f) in card and (f"`{f}` (seed" in card) == (len(folders) > 1)
+        assert eagle3_folder.data_command(f) in card and (f"`{f}` (seed" in card) == (len(folders) > 1)
     assert any(line.startswith(f"resumed at step {stopped['cursor']['step']}") for line in logs)
     assert result["finished"] and result["feature_layers"] == list(LAYERS)
     assert stopped["cursor"]["seconds"] < result["train_seconds"] < 1e6   # both runs counted, the pause not
@@ -345,19 +345,19 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
     assert steps == sorted({*range(2, result["steps"], 2), result["steps"], *exported_at}), steps
     assert result["heldout_log"][-1]["top1"] == result["heldout_top1_by_step"]
     assert len({round(p["loss"], 6) for p in result["heldout_log"]}) > 1   # measured each time, not copied
-    assert "held-out top-1 during training" in "\n".join(eagle3.heldout_curve(result["heldout_log"]))
+    assert "held-out top-1 during training" in "\n".join(eagle3_card.heldout_curve(result["heldout_log"]))
     if not own_head:   # the second folder replayed: a seeded share of its shards, the same on every run
-        more = sorted(eagle3_data.iter_shards(folders[1]))
-        sample = eagle3.replay_sample(more, 0.5, 0)
+        more = sorted(eagle3_folder.iter_shards(folders[1]))
+        sample = eagle3_batch.replay_sample(more, 0.5, 0)
         assert len(sample) == round(0.5 * len(more)) and set(sample) < set(more)
-        assert sample == eagle3.replay_sample(more[::-1], 0.5, 0) != eagle3.replay_sample(more, 0.5, 1)
+        assert sample == eagle3_batch.replay_sample(more[::-1], 0.5, 0) != eagle3_batch.replay_sample(more, 0.5, 1)
         replayed = eagle3.train(smol, folders[:1], tmp_path / "replay", tmp_path / "replay-head",
                                 replace(plan, epochs=0.25, heldout_every=0, replay_share=0.5), logs.append,
                                 replay=folders[1:])
         assert [d["shards"] for d in replayed["data_folders"]] == [shards[data] - 2, len(sample)]
         assert replayed["data_folders"][1]["replay"] == 0.5 and "replay" not in replayed["data_folders"][0]
-        assert "a 50% sample of its shards" in "\n".join(eagle3.folder_lines(replayed["data_folders"]))
-        with pytest.raises(eagle3.DataError, match="--replay"):   # its checkpoint resumes only on the same replay
+        assert "a 50% sample of its shards" in "\n".join(eagle3_card.folder_lines(replayed["data_folders"]))
+        with pytest.raises(eagle3_folder.DataError, match="--replay"):   # its checkpoint resumes only on the same replay
             eagle3.train(smol, folders[:1], tmp_path / "replay", tmp_path / "replay-head",
                          replace(plan, epochs=0.25, heldout_every=0, replay_share=0.25), logs.append,
                          replay=folders[1:])
@@ -376,17 +376,17 @@ def test_training_lowers_the_loss_and_exports_a_head_the_engine_loads(smol, answ
         lineage = warm["init"]
         assert (lineage["steps"], lineage["tokens"], lineage["folder"]) == (result["steps"], result["tokens"],
                                                                               str(tmp_path / "head"))
-        eagle3.write_card(tmp_path / "warm-head", "smollm2", {k: v for k, v in warm.items() if k != "finished"}, {},
+        eagle3_card.write_card(tmp_path / "warm-head", "smollm2", {k: v for k, v in warm.items() if k != "finished"}, {},
                           "python -m engine train-eagle3 --init head", 1.0)
         card = (tmp_path / "warm-head" / "MODEL_CARD.md").read_text()
         assert f"`{tmp_path / 'head'}`, not at random: itself {result['steps']:,} steps" in card
         commands = json.loads((tmp_path / "warm-head" / "card.json").read_text())["commands"]
         assert commands[-2:] == ["python -m engine train-eagle3 --data x", "python -m engine train-eagle3 --init head"]
-        assert eagle3.init_lineage(tmp_path / "nothing") is None
-        with pytest.raises(eagle3.DataError, match="fuses layers"):
+        assert eagle3_card.init_lineage(tmp_path / "nothing") is None
+        with pytest.raises(eagle3_folder.DataError, match="fuses layers"):
             eagle3.train(smol, folders, tmp_path / "warm2", tmp_path / "warm-head",
                          replace(plan, init=str(tmp_path / "head"), layers=(2, 15, 30)), logs.append)
-        with pytest.raises(eagle3.DataError, match="--init: No usable EAGLE head"):
+        with pytest.raises(eagle3_folder.DataError, match="--init: No usable EAGLE head"):
             eagle3.train(smol, folders, tmp_path / "warm3", tmp_path / "warm-head",
                          replace(plan, init=str(tmp_path / "nothing")), logs.append)
     runtime = load_runtime(tmp_path / "head", smol)
@@ -415,7 +415,7 @@ def test_the_batch_stream_covers_each_epoch_once_and_resumes_at_its_cursor(tmp_p
         return [f"{path.stem}/{j}" for j in range(sizes[path])]
 
     plan = eagle3.Eagle3Plan(batch=3, seed=4)
-    stream = eagle3.chunks(paths, plan, 0, 0, read)
+    stream = eagle3_batch.chunks(paths, plan, 0, 0, read)
     items = [next(stream) for _ in range(40)]
     stream.close()
     epoch0 = [seq for seqs, epoch, _ in items if epoch == 0 for seq in seqs]
@@ -428,7 +428,7 @@ def test_the_batch_stream_covers_each_epoch_once_and_resumes_at_its_cursor(tmp_p
     # a run stopped after any item resumes, from the cursor that item leaves, with the first batch of the next shard
     for i, (_, epoch, shard) in enumerate(items[:-8]):
         nxt = next(j for j in range(i + 1, len(items)) if items[j][1:] != (epoch, shard))
-        resumed = eagle3.chunks(paths, plan, epoch, shard, read)
+        resumed = eagle3_batch.chunks(paths, plan, epoch, shard, read)
         assert [next(resumed) for _ in range(5)] == items[nxt: nxt + 5]
         resumed.close()
 
@@ -436,22 +436,22 @@ def test_the_batch_stream_covers_each_epoch_once_and_resumes_at_its_cursor(tmp_p
 def test_a_shard_damaged_after_it_was_made_stops_training_with_its_name(smol, answered, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(answered[0], data)
-    shards = sorted(eagle3_data.iter_shards(data))
+    shards = sorted(eagle3_folder.iter_shards(data))
     damaged = shards[-1]                                   # a training shard (the first chunk is held out)
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])   # cut short, its sidecar kept
     plan = eagle3.Eagle3Plan(kept=256, depth=2, epochs=1, batch=4, warmup=1, heldout_every=0, log_every_s=0)
     logs = []
-    with pytest.raises(eagle3_data.DataError, match=f"{damaged.name} cannot be read"):
+    with pytest.raises(eagle3_folder.DataError, match=f"{damaged.name} cannot be read"):
         eagle3.train(smol, [data], tmp_path / "work", tmp_path / "head", plan, logs.append)
     assert not (tmp_path / "head").exists()
 
 
 def test_fitted_steps_end_the_schedule_before_the_deadline():
-    assert eagle3.fitted_steps(100, 10_000, 10.0, 300.0) == 100 + 2850          # 15 s kept for the export
-    assert eagle3.fitted_steps(100, 10_000, 10.0, 600.0) == 100 + 5700          # a twentieth kept
-    assert eagle3.fitted_steps(100, 10_000, 10.0, 2000.0) == 10_000              # the plan's, at most
-    assert eagle3.fitted_steps(100, 1_000, 10.0, 10.0) == 101                    # no time left: one more step
-    assert eagle3.fitted_steps(100, 150, 10.0, 3600.0) == 150                    # it fits already: the plan's
+    assert eagle3_plan.fitted_steps(100, 10_000, 10.0, 300.0) == 100 + 2850          # 15 s kept for the export
+    assert eagle3_plan.fitted_steps(100, 10_000, 10.0, 600.0) == 100 + 5700          # a twentieth kept
+    assert eagle3_plan.fitted_steps(100, 10_000, 10.0, 2000.0) == 10_000              # the plan's, at most
+    assert eagle3_plan.fitted_steps(100, 1_000, 10.0, 10.0) == 101                    # no time left: one more step
+    assert eagle3_plan.fitted_steps(100, 150, 10.0, 3600.0) == 150                    # it fits already: the plan's
 
 
 def test_a_schedule_fitted_to_the_time_limit_ends_its_decay_there(smol, answered, tmp_path, monkeypatch):
@@ -483,7 +483,7 @@ def test_a_schedule_fitted_to_the_time_limit_ends_its_decay_there(smol, answered
     assert 22 < fitted["steps"] < fitted["planned"] and result["steps"] == fitted["steps"] == len(lrs)
     assert lrs[-1] == pytest.approx(0.1 * plan.lr, rel=0.02) and max(lrs) == pytest.approx(plan.lr, rel=0.05)
     assert any(line.startswith("schedule fitted to the time limit") for line in logs)
-    eagle3.write_card(tmp_path / "head", "smollm2", {k: v for k, v in result.items() if k != "finished"}, {},
+    eagle3_card.write_card(tmp_path / "head", "smollm2", {k: v for k, v in result.items() if k != "finished"}, {},
                       "python -m engine train-eagle3 --minutes 5 --fit", 1.0)
     assert f"fitted to the time limit (`--fit`): {fitted['steps']:,} steps of the {fitted['planned']:,}" in \
         (tmp_path / "head" / "MODEL_CARD.md").read_text()
@@ -504,7 +504,7 @@ def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smo
         head.fuse.weight.normal_(0, 0.05, generator=gen)   # training starts both near zero: let them count
         head.lm.normal_(0, 0.05, generator=gen)
     valid = torch.tensor([[False, True, True, True, True, False]])
-    batch = eagle3.Batch(emb_ids=torch.randint(0, 500, (1, n), generator=gen),
+    batch = eagle3_batch.Batch(emb_ids=torch.randint(0, 500, (1, n), generator=gen),
                          feats=torch.randn(1, n, 2 * d, generator=gen), label_ids=torch.randint(0, 64, (1, n, 4), generator=gen),
                          label_p=torch.full((1, n, 4), 0.25), valid=valid)
     embed = smol.model.get_input_embeddings().weight.detach().float()
@@ -512,21 +512,21 @@ def test_the_feature_loss_regresses_step_one_onto_the_next_post_norm_feature(smo
     cos, sin = cos[1: n + 1], sin[1: n + 1]
     plan = eagle3.Eagle3Plan(kept=64, depth=2)
     with torch.no_grad():
-        plain, _ = eagle3.unrolled_loss(head, batch, embed, plan, cos, sin, head.lm)
-        weighted, _ = eagle3.unrolled_loss(head, batch, embed, replace(plan, feature_weight=0.5), cos, sin, head.lm)
+        plain, _ = eagle3_loss.unrolled_loss(head, batch, embed, plan, cos, sin, head.lm)
+        weighted, _ = eagle3_loss.unrolled_loss(head, batch, embed, replace(plan, feature_weight=0.5), cos, sin, head.lm)
         emb = torch.nn.functional.embedding(batch.emb_ids, embed)
-        step1 = next(eagle3.unrolled(head, emb, batch.feats, 1, cos, sin))
+        step1 = next(eagle3_loss.unrolled(head, emb, batch.feats, 1, cos, sin))
         rows = torch.tensor([False, True, True, True, False])          # t and t + 1 both answer positions
         by_hand = torch.nn.functional.smooth_l1_loss(step1[0, :-1][rows], batch.feats[0, 1:, -d:][rows])
         assert torch.allclose(weighted - plain, 0.5 * by_hand, rtol=1e-5)
         torch.manual_seed(0)
-        noisy, _ = eagle3.unrolled_loss(head, batch, embed, replace(plan, noise=0.05), cos, sin, head.lm)
+        noisy, _ = eagle3_loss.unrolled_loss(head, batch, embed, replace(plan, noise=0.05), cos, sin, head.lm)
         assert noisy != plain
     (tmp_path / "plan.json").write_text('{"fingerprint": "f", "plan": {"layers": [2, 15, 27]}}')
     (tmp_path / "prompts.json").write_text("{}")          # a folder with answers: the options are what is refused
     (tmp_path / "answers").mkdir()
     (tmp_path / "answers" / "shard-p0-00000.pt").write_bytes(b"")
-    with pytest.raises(eagle3.DataError, match="top fused layer must be 30"):
+    with pytest.raises(eagle3_folder.DataError, match="top fused layer must be 30"):
         eagle3.train(smol, tmp_path, tmp_path / "work", tmp_path / "head",
                      eagle3.Eagle3Plan(layers=(2, 15, 27), feature_weight=0.1), print)
 

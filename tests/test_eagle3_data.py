@@ -10,10 +10,10 @@ import torch
 
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sources import ASSETS, SMOLLM2_PIP, smollm2_gguf
-from engine.train import data_pack, eagle3
+from engine.train import command, data_pack, eagle3_batch, eagle3_folder
 from engine.train import eagle3_data as data
 from engine.train.draft_data import SamplingPass
-from engine.train.eagle3_data import DataError, DataFolder, Eagle3DataPlan
+from engine.train.eagle3_folder import DataError, DataFolder, Eagle3DataPlan
 from tests.conftest import hf_greedy
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
@@ -23,15 +23,15 @@ QUESTIONS = ("Why is the sky blue?", "Name a bird.", "What does a compiler do in
 
 def test_the_recorded_command_keeps_what_changes_the_data():
     typed = ["--target", "smollm2", "--minutes", "15", "--seed", "1", "--threads=2", "--exclude", "a/minutes"]
-    assert data.command_line("draft-data", typed) == \
+    assert command.command_line("draft-data", typed) == \
         "python -m engine draft-data --target smollm2 --seed 1 --exclude a/minutes"
-    assert data.command_line("train-eagle3", ["--minutes=5", "--epochs", "1"]) == \
+    assert command.command_line("train-eagle3", ["--minutes=5", "--epochs", "1"]) == \
         "python -m engine train-eagle3 --epochs 1"
-    assert data.command_line("draft-data", ["--rebuild-dtype", "bfloat16", "--seed", "2"]) == \
+    assert command.command_line("draft-data", ["--rebuild-dtype", "bfloat16", "--seed", "2"]) == \
         "python -m engine draft-data --seed 2"
-    assert data.command_line("draft-data", ["--answers-only", "--seed", "2", "--answers-only"]) == \
+    assert command.command_line("draft-data", ["--answers-only", "--seed", "2", "--answers-only"]) == \
         "python -m engine draft-data --seed 2"
-    assert data.command_line("draft-data", ["--device", "cuda", "--seed", "2"]) == \
+    assert command.command_line("draft-data", ["--device", "cuda", "--seed", "2"]) == \
         "python -m engine draft-data --seed 2"
 
 
@@ -109,14 +109,14 @@ def test_a_second_folder_leaves_out_the_first_ones_prompts_and_keeps_its_own_pac
     pack = tmp_path / "pack"
     with DataFolder(tmp_path / "a", tiny_plan(), "smol") as folder:
         data_pack.check_pack(folder, pack)                     # no pack yet: this folder starts it
-        data.write_atomic(folder.root / "command.txt", "python -m engine draft-data --magpie 6\n")
+        eagle3_folder.write_atomic(folder.root / "command.txt", "python -m engine draft-data --magpie 6\n")
         data_pack.save_pack(folder, pack, print)
         data_pack.check_pack(folder, pack)                     # its own pack
         assert (pack / "command.txt").read_text() == (folder.root / "command.txt").read_text()
     with DataFolder(tmp_path / "b", tiny_plan(seed=1, written_prompts=0), "smol") as folder:
         with pytest.raises(DataError, match="give this folder its own pack"):
             data_pack.check_pack(folder, pack)
-        assert data.data_command(folder.root) == "python -m engine draft-data --target smol --magpie 6 --seed 1 --written 0"
+        assert eagle3_folder.data_command(folder.root) == "python -m engine draft-data --target smol --magpie 6 --seed 1 --written 0"
     (pack / "plan.json").write_text("{")
     with DataFolder(tmp_path / "a", tiny_plan(), "smol") as folder, pytest.raises(DataError, match="cannot be read"):
         data_pack.check_pack(folder, pack)
@@ -129,7 +129,7 @@ def test_a_larger_prompt_list_is_refused_once_answers_index_the_frozen_one(tmp_p
     (pack / "prompts.json").write_text(json.dumps({"magpie_target": 3}))
     assert data.frozen_count(root, pack) == 3                                     # the pack's list
     with DataFolder(root, tiny_plan(magpie_prompts=4), "smol") as folder:
-        data.write_atomic(root / "prompts.json", json.dumps({"magpie_target": 2, "train": ["a"], "heldout": []}))
+        eagle3_folder.write_atomic(root / "prompts.json", json.dumps({"magpie_target": 2, "train": ["a"], "heldout": []}))
         assert data.frozen_count(root, pack) == 2                                 # the folder's own comes first
         (root / "answers" / "shard-p0-00000.pt").write_bytes(b"x")
         with pytest.raises(DataError, match="--magpie 2"):
@@ -156,11 +156,11 @@ def test_steered_turns_begin_with_their_opener_and_each_opener_has_its_own_cap(s
     assert sum(map(len, data.select_prompts(samples, Eagle3DataPlan(max_per_opening=1)))) == 1
     # a steered plan is another plan; a free one keeps the fingerprint folders were made with
     assert plan.fingerprint() != Eagle3DataPlan().fingerprint()
-    free = data.asdict_plan(Eagle3DataPlan())
+    free = eagle3_folder.asdict_plan(Eagle3DataPlan())
     free.pop("openers")
-    assert data.plan_from_dict(free) == Eagle3DataPlan()
+    assert eagle3_folder.plan_from_dict(free) == Eagle3DataPlan()
     with DataFolder(tmp_path / "s", tiny_plan(openers=("List",)), "smol") as folder:
-        assert data.data_command(folder.root).endswith("--steered")
+        assert eagle3_folder.data_command(folder.root).endswith("--steered")
 
 
 def test_user_header_is_the_template_up_to_the_message(smol):
@@ -181,23 +181,23 @@ def test_a_stopped_run_resumes_and_never_reads_half_a_shard(smol, tmp_path):
         assert len(list((root / "prompts").glob("batch-*.json"))) == len(logs) - 1
         first = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 1, logs.append, None)  # one shard
     assert first["shards"] == 1
-    shard = next(data.iter_shards(root))
+    shard = next(eagle3_folder.iter_shards(root))
     good = shard.read_bytes()
     shard.write_bytes(good[: len(good) // 2])                    # killed mid-write by something outside
     (root / "answers" / "shard-p0-00001.pt.tmp").write_bytes(b"half")
     with pytest.raises(DataError, match=shard.name):
-        data.load_shard(shard, plan.fingerprint())
+        eagle3_folder.load_shard(shard, plan.fingerprint())
     with DataFolder(root, plan, smol.name) as folder:
         again = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None)
     assert any("not whole" in line for line in logs)
     chunks = -(-len(prompts["train"]) // plan.answer_batch)
-    assert again["shards"] == chunks * len(plan.passes) and len(list(data.iter_shards(root))) == again["shards"]
-    for path in data.iter_shards(root):
-        for e in data.load_shard(path, plan.fingerprint()):
+    assert again["shards"] == chunks * len(plan.passes) and len(list(eagle3_folder.iter_shards(root))) == again["shards"]
+    for path in eagle3_folder.iter_shards(root):
+        for e in eagle3_folder.load_shard(path, plan.fingerprint()):
             assert e.check() is None
     side = json.loads(shard.with_suffix(".json").read_text())
     assert side["bytes"] == os.path.getsize(shard) and side["tokens"] == sum(
-        e.ids.numel() for e in data.load_shard(shard, plan.fingerprint()))
+        e.ids.numel() for e in eagle3_folder.load_shard(shard, plan.fingerprint()))
     with pytest.raises(DataError, match="another plan"):
         DataFolder(root, tiny_plan(top_k=7), smol.name)
 
@@ -230,11 +230,11 @@ def test_a_bf16_replay_rounds_but_keeps_the_labels_and_says_so(smol, tmp_path):
         rebuilt = data_pack.restore(folder, pack, smol.fused, logs.append, bf16=True)
     assert rebuilt == len(list((pack / "answers").glob("*.npz"))) >= 1
     same = total = 0
-    for shard in data.iter_shards(tmp_path / "a"):
+    for shard in eagle3_folder.iter_shards(tmp_path / "a"):
         twin = tmp_path / "b" / "answers" / shard.name
         assert json.loads(twin.with_suffix(".json").read_text())["replayed"] == "bfloat16"
         assert "replayed" not in json.loads(shard.with_suffix(".json").read_text())
-        for a, b in zip(data.load_shard(shard, plan.fingerprint()), data.load_shard(twin, plan.fingerprint())):
+        for a, b in zip(eagle3_folder.load_shard(shard, plan.fingerprint()), eagle3_folder.load_shard(twin, plan.fingerprint())):
             assert torch.equal(a.ids, b.ids) and not torch.equal(a.features, b.features)   # rounded, not fp32
             fa, fb = a.features.float(), b.features.float()
             assert ((fa - fb).norm(dim=-1) / fa.norm(dim=-1)).mean() < 0.03
@@ -254,13 +254,13 @@ def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(
     assert made["shards"] == len(list((pack / "answers").glob("*.npz"))) >= 2
     with DataFolder(tmp_path / "b", plan, smol.name) as folder:
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == made["shards"]
-        assert data.read_prompts(folder.root) == data.read_prompts(tmp_path / "a")
+        assert eagle3_folder.read_prompts(folder.root) == eagle3_folder.read_prompts(tmp_path / "a")
         (folder.root / "command.txt").write_text("a command that only rebuilt it\n")
         assert data_pack.save_pack(folder, pack, logs.append, refresh=False) == 0   # it made nothing: the pack keeps
         assert (pack / "command.txt").read_text() == "the command that made it\n"    # the command that made it
-    for shard in data.iter_shards(tmp_path / "a"):
+    for shard in eagle3_folder.iter_shards(tmp_path / "a"):
         twin = tmp_path / "b" / "answers" / shard.name
-        for a, b in zip(data.load_shard(shard, plan.fingerprint()), data.load_shard(twin, plan.fingerprint())):
+        for a, b in zip(eagle3_folder.load_shard(shard, plan.fingerprint()), eagle3_folder.load_shard(twin, plan.fingerprint())):
             assert torch.equal(a.ids, b.ids) and torch.equal(a.top_ids[:, 0], b.top_ids[:, 0])
     entry = sorted((pack / "answers").glob("*.npz"))[0]
     entry.write_bytes(entry.read_bytes()[:100])                        # cut short
@@ -286,26 +286,26 @@ def test_answering_on_from_a_pack_without_rebuilding_it(smol, tmp_path):
     packed_before = {p.stem for p in (pack / "answers").glob("*.npz")}
     with DataFolder(tmp_path / "b", plan, smol.name) as folder:
         assert data_pack.restore(folder, pack, smol.fused, logs.append, rebuild=False) == 0
-        assert data.read_prompts(folder.root) == data.read_prompts(tmp_path / "a")
+        assert eagle3_folder.read_prompts(folder.root) == eagle3_folder.read_prompts(tmp_path / "a")
         packed = data_pack.packed_tokens(folder, pack, logs.append)
         assert set(packed) == packed_before and sum(packed.values()) == first["tokens"]
         rest = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 10**9, logs.append, None, keep, packed)
-    made = {p.stem for p in data.iter_shards(tmp_path / "b")}
+    made = {p.stem for p in eagle3_folder.iter_shards(tmp_path / "b")}
     assert made and not made & packed_before                       # nothing packed was answered again
-    data.mark_packed_only(tmp_path / "b", sorted(packed))            # as the command does: not training data yet
+    eagle3_folder.mark_packed_only(tmp_path / "b", sorted(packed))            # as the command does: not training data yet
     with pytest.raises(DataError, match=f"holds {len(packed)} of its shards only as token ids"):
-        eagle3.data_folders([tmp_path / "b"])
-    prompts = [encode_chat(smol.tokenizer, ChatPrompt(p)) for p in data.read_prompts(tmp_path / "b")["train"]]
+        eagle3_batch.data_folders([tmp_path / "b"])
+    prompts = [encode_chat(smol.tokenizer, ChatPrompt(p)) for p in eagle3_folder.read_prompts(tmp_path / "b")["train"]]
     chunks = len(data.chunks_of(prompts, plan.answer_batch, plan.seed))
-    assert made | packed_before == {data.shard_path(tmp_path, pi, ci).stem            # every chunk in every pass
+    assert made | packed_before == {eagle3_folder.shard_path(tmp_path, pi, ci).stem            # every chunk in every pass
                                     for ci in range(chunks) for pi in range(len(plan.passes))}
-    new_tokens = sum(data.shard_info(tmp_path / "b" / "answers" / f"{n}.pt", plan.fingerprint())["tokens"]
+    new_tokens = sum(eagle3_folder.shard_info(tmp_path / "b" / "answers" / f"{n}.pt", plan.fingerprint())["tokens"]
                      for n in made)
     assert (rest["tokens"], rest["shards"]) == (first["tokens"] + new_tokens, len(made | packed_before))
     with DataFolder(tmp_path / "b", plan, smol.name) as folder:     # a run without the option rebuilds the rest
         assert data_pack.restore(folder, pack, smol.fused, logs.append) == len(packed_before)
-    assert data.packed_only(tmp_path / "b") == []
-    assert len(eagle3.data_folders([tmp_path / "b"])[0]) == len(made | packed_before)   # now all of it trains
+    assert eagle3_folder.packed_only(tmp_path / "b") == []
+    assert len(eagle3_batch.data_folders([tmp_path / "b"])[0]) == len(made | packed_before)   # now all of it trains
     entry = sorted((pack / "answers").glob("*.npz"))[0]
     entry.write_bytes(entry.read_bytes()[:100])
     with DataFolder(tmp_path / "c", plan, smol.name) as folder:
@@ -319,7 +319,7 @@ def test_every_shipped_pack_is_whole(pack):
     prompts indices inside the frozen list, and no prompt in two packs."""
     root = ASSETS / "draft-data" / pack
     plan = json.loads((root / "plan.json").read_text())
-    prompts = data.read_prompts(root)
+    prompts = eagle3_folder.read_prompts(root)
     entries = sorted((root / "answers").glob("shard-p*-*.npz"))
     assert entries, root
     for entry in entries:

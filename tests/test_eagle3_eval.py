@@ -9,7 +9,7 @@ import pytest
 
 from engine.prompts import ChatPrompt, encode_chat
 from engine.sources import SMOLLM2_PIP, eagle_folder, smollm2_gguf
-from engine.train import eagle3_eval
+from engine.train import eagle3_card, eagle3_eval, eagle3_folder
 
 pytestmark = pytest.mark.skipif(smollm2_gguf() is None, reason=f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
 
@@ -40,9 +40,9 @@ def test_each_pack_gives_its_held_out_and_trained_on_prompts(smol, pack, tmp_pat
 
 
 def test_two_heads_measured_on_the_same_prompts_one_line_each(smol, pack, tmp_path, capsys, monkeypatch):
-    import engine.train.eagle3_data as eagle3_data
+    import engine.train.command as command
 
-    monkeypatch.setattr(eagle3_data, "command_start", lambda source, threads: (smol, lambda m: None))  # loaded once
+    monkeypatch.setattr(command, "command_start", lambda source, threads: (smol, lambda m: None))  # loaded once
     out = tmp_path / "evals.json"
     rc = eagle3_eval.main(["--packs-only", "--pack", str(pack), "--per-set", "2", "--k", "3",
                            "--new-tokens", "12", "--against", str(eagle_folder("smollm2")), "--json", str(out)])
@@ -74,12 +74,12 @@ def test_two_heads_measured_on_the_same_prompts_one_line_each(smol, pack, tmp_pa
     (["--temperature", "0.7", "--top-p", "1.5"], "eval-eagle3:"),
 ])
 def test_bad_options_get_a_sentence_before_the_target_loads(argv, words, capsys, monkeypatch):
-    import engine.train.eagle3_data as eagle3_data
+    import engine.train.command as command
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded before the options were checked")
 
-    monkeypatch.setattr(eagle3_data, "command_start", no_loading)
+    monkeypatch.setattr(command, "command_start", no_loading)
     assert eagle3_eval.main(argv) == 2
     assert words in capsys.readouterr().err
 
@@ -89,7 +89,7 @@ def test_a_card_is_written_for_a_head_trained_elsewhere(smol, tmp_path, capsys, 
     (trained on a GPU machine from the packs): the held-out prompts come from the packs its commands name."""
     import shutil
 
-    import engine.train.eagle3_data as eagle3_data
+    import engine.train.command as command
     from engine.train.data_pack import pack_folder
 
     head = tmp_path / "head"
@@ -105,11 +105,11 @@ def test_a_card_is_written_for_a_head_trained_elsewhere(smol, tmp_path, capsys, 
         measured.update(new=new, today=today, heldout=heldout, quick=quick)
         return shipped
 
-    monkeypatch.setattr(eagle3_data, "command_start", lambda source, threads: (smol, lambda m: None))
+    monkeypatch.setattr(command, "command_start", lambda source, threads: (smol, lambda m: None))
     monkeypatch.setattr(eagle3_eval, "evaluate_heads", measure)
     assert eagle3_eval.main(["--card", "--head", str(head)]) == 0
     packs = [pack_folder("smollm2"), *(pack_folder(f"smollm2-seed{s}") for s in (1, 2))]
-    assert measured["heldout"] == [p for pack in packs for p in eagle3_data.read_prompts(pack)["heldout"]]
+    assert measured["heldout"] == [p for pack in packs for p in eagle3_folder.read_prompts(pack)["heldout"]]
     assert (measured["new"], measured["today"], measured["quick"]) == (head, eagle_folder("smollm2"), False)
     card = (head / "MODEL_CARD.md").read_text()
     first = next(iter(shipped.values()))
@@ -133,7 +133,6 @@ def test_a_card_is_written_for_a_head_trained_elsewhere(smol, tmp_path, capsys, 
 def test_the_engines_measure_says_how_the_head_drafted(smol, tmp_path):
     """A measure of acceptance depends a little on the draft's arithmetic (bf16 copies where the CPU multiplies
     bf16, engine.drafters.eagle.draft_in_bf16): each measure and the card line under it say which it was."""
-    from engine.train import eagle3
     from engine.train.draft import evaluate
 
     ids = encode_chat(smol.tokenizer, ChatPrompt(HELDOUT[0]))
@@ -143,9 +142,9 @@ def test_the_engines_measure_says_how_the_head_drafted(smol, tmp_path):
     head.mkdir()
     meta = json.loads((eagle_folder("smollm2-eagle3") / "card.json").read_text())
     older = evaluate(smol, eagle_folder("smollm2"), k=2, new_tokens=8, prompts=[ids])
-    eagle3.write_card(head, "smollm2", {k: v for k, v in meta.items() if k not in ("eval", "commands")},
-                      {"this head: one prompt": asdict(e), "today's head: one prompt": asdict(older)},
-                      "python -m engine eval-eagle3", None)
+    eagle3_card.write_card(head, "smollm2", {k: v for k, v in meta.items() if k not in ("eval", "commands")},
+                           {"this head: one prompt": asdict(e), "today's head: one prompt": asdict(older)},
+                           "python -m engine eval-eagle3", None)
     card = (head / "MODEL_CARD.md").read_text()
     assert "; the head drafted with fp32 copies" in card
     # one prompt: every resample is that prompt, so the interval is the figure itself

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 from engine.sources import BUILTIN_DIR, REPO_ROOT
 from engine.train import corpus
+from engine.train.builtin_eval import greedy_acceptance, heldout_loss
 
 WORK_DIR = REPO_ROOT / ".cache" / "train-builtin"
 
@@ -136,16 +136,6 @@ def draft_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: 
 
 # ---------------------------------------------------------------------------- evaluation
 
-@torch.inference_mode()
-def heldout_loss(model, windows: torch.Tensor, chunk: int = 8) -> float:
-    model.eval()
-    losses = []
-    for i in range(0, len(windows), chunk):
-        x = windows[i : i + chunk]
-        logits = model(input_ids=x[:, :-1]).logits
-        losses.append(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item())
-    return statistics.fmean(losses)
-
 
 @torch.inference_mode()
 def _alpha(target, draft, tokenizer, prompts: torch.Tensor) -> float:
@@ -155,7 +145,6 @@ def _alpha(target, draft, tokenizer, prompts: torch.Tensor) -> float:
 
     from engine.models import LoadedModel
     from engine.pair import ModelPair
-    from engine.train.builtin_eval import greedy_acceptance
 
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=corpus.EOS_TOKEN)
     pair = ModelPair(LoadedModel.of("training:target", target, wrapped, fuse=False),

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from engine.clock import machine_name
 from engine.models import load_model
@@ -67,6 +68,18 @@ def heldout_windows(count: int, length: int, seed: int) -> torch.Tensor:
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
+@torch.inference_mode()
+def heldout_loss(model, windows: torch.Tensor, chunk: int = 8) -> float:
+    """Mean next-token cross-entropy of a transformers causal LM over `windows` [count, length], `chunk` at a time."""
+    model.eval()
+    losses = []
+    for i in range(0, len(windows), chunk):
+        x = windows[i : i + chunk]
+        logits = model(input_ids=x[:, :-1]).logits
+        losses.append(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item())
+    return statistics.fmean(losses)
+
+
 @dataclass(frozen=True, slots=True)
 class GreedyAcceptance:
     draft_acceptance: float   # accepted / drafted
@@ -110,8 +123,6 @@ def engine_decode_ms(loaded, context: int = 256, reps: int = 20, query: int = 1)
 
 
 def measure(alpha_windows: int = 64, loss_windows: int = 64, progress=print) -> PairFigures:
-    from engine.train.builtin import heldout_loss
-
     torch.set_num_threads(2)
     draft, target = load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
     progress("held-out loss ...")

@@ -1,10 +1,10 @@
 """The head's training data as token ids in the repository: what survives a fresh machine.
 
-The shards of `python -m engine draft-data` (engine.train.eagle3_data) hold features and soft labels, about
-3.4 KB a token: a million tokens are gigabytes, which live in `.cache/` and are gone with the machine. What
-took the hours to make is the text: the prompts the target wrote itself and its answers, decoded one token at
-a time. Those are kept here, a shard's token ids in one compressed file beside the frozen prompt list (about
-two bytes a token), so that the data grows from one session to the next.
+The shards of `python -m engine draft-data` (engine.train.eagle3_data; on disk, engine.train.eagle3_folder) hold
+features and soft labels, about 3.4 KB a token: a million tokens are gigabytes, which live in `.cache/` and are
+gone with the machine. What took the hours to make is the text: the prompts the target wrote itself and its
+answers, decoded one token at a time. Those are kept here, a shard's token ids in one compressed file beside the
+frozen prompt list (about two bytes a token), so that the data grows from one session to the next.
 
 A fresh folder is rebuilt from the pack by feeding each whole sequence to the target at once (teacher
 forcing, `replay`): the same features and soft labels as the generation's, to float rounding (measured on
@@ -27,18 +27,19 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.fused_llama import BatchForward, Bf16Weights, FusedLlama
-from engine.train.eagle3_data import (
+from engine.train.eagle3_folder import (
     DataError,
     DataFolder,
     Eagle3DataPlan,
     Example,
+    Log,
     iter_shards,
     load_shard,
     save_shard,
@@ -46,7 +47,6 @@ from engine.train.eagle3_data import (
     write_atomic,
 )
 
-Log = Callable[[str], None]
 PACK_FORMAT = 1
 REPLAY_ROWS = 16     # sequences fed at once when rebuilding a shard on the CPU
 GPU_REPLAY_ROWS = 128   # on a GPU, where a forward of 16 rows leaves it mostly idle

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.models import LoadedModel
+from engine.train.eagle3_card import differences, write_card
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def pack_sets(target: LoadedModel, packs: list[Path], per_set: int, trained_too:
     """For each data folder or pack: the first `per_set` of its held-out self-written prompts, and (with
     `trained_too`) the first `per_set` of the prompts a head trained on it saw."""
     from engine.prompts import ChatPrompt, encode_chat
-    from engine.train.eagle3_data import read_prompts
+    from engine.train.eagle3_folder import read_prompts
 
     sets = []
     for pack in packs:
@@ -84,23 +85,6 @@ def sampled(sampling) -> str:
         f", T = {sampling.temperature:g}, top-p {sampling.top_p:g}"
 
 
-def differences(names: list[str], measured: list[str], evals: dict) -> list[str]:
-    """For two heads measured on the same prompts (evaluate_sets: keys "<head>: <what was measured>"): a line for
-    each of `measured` that both have counts by prompt for, saying whether their alpha differs by more than the
-    prompts' chance: the difference and its paired bootstrap interval (engine.metrics.alpha_interval)."""
-    from engine.metrics import alpha_interval
-
-    out = []
-    for what in measured if len(names) == 2 else []:
-        mine, other = (evals.get(f"{name}: {what}", {}).get("per_prompt") for name in names)
-        if mine and other:
-            d, lo, hi = alpha_interval(mine, other)
-            verdict = "more than chance" if lo > 0 or hi < 0 else "within chance"
-            out.append(f"{names[0]} - {names[1]}: {what}: alpha {d:+.3f} (95% over prompts, paired: "
-                       f"{lo:+.3f} to {hi:+.3f}; {verdict})")
-    return out
-
-
 def evaluate_heads(target: LoadedModel, head: Path, today: Path | None, heldout: list[str], log,
                    quick: bool = False) -> dict:
     """The trainer's measure of a new head (and of today's head in `today`, on the same prompts, in the same
@@ -128,7 +112,7 @@ def trained_heldout(meta: dict, target_name: str) -> list[str]:
 
     from engine.sources import REPO_ROOT
     from engine.train.data_pack import pack_folder
-    from engine.train.eagle3_data import read_prompts
+    from engine.train.eagle3_folder import read_prompts
 
     prompts = []
     for entry in meta.get("data_folders", []):
@@ -186,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.drafters.eagle import EagleLoadError, read_head
     from engine.sampling import SamplingParams
     from engine.sources import SMOLLM2, eagle_folder
+    from engine.train.command import command_start
     from engine.train.data_pack import pack_folder
-    from engine.train.eagle3_data import DataError, command_start, read_prompts
+    from engine.train.eagle3_folder import DataError, read_prompts
 
     ap = argparse.ArgumentParser(prog="python -m engine eval-eagle3", description=(
         "Measure an EAGLE-3 head with the engine on each kind of prompt: the project's held-out and fresh chat "
@@ -260,8 +245,8 @@ def card(a, slug: str, head: Path) -> int:
     """`eval-eagle3 --card`: the trainer's measure of `head` and its model card, from the meta its export holds."""
     from engine.drafters.eagle import CONFIG, EagleLoadError, read_head
     from engine.sources import eagle_folder
-    from engine.train.eagle3 import write_card
-    from engine.train.eagle3_data import DataError, command_start
+    from engine.train.command import command_start
+    from engine.train.eagle3_folder import DataError
 
     if a.packs_only or a.pack or a.trained_too or a.temperature > 0 or a.k != 4 or a.new_tokens != 64:
         print("eval-eagle3: --card measures what the trainer measures; it takes only --head, --against, --chat-only, "
