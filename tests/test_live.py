@@ -1,4 +1,4 @@
-"""The Live engine page: a visitor's watch of a real /metrics body served on loopback (shared/fixtures), its
+"""The Live engine page: a visitor's watch of a real /metrics body served on loopback (tests/data), its
 figures against the counters' own increases, restarts, the allow-list, the page's handlers headless, the
 switch that keeps it off on a Space, and specplay's run of the same K beside it."""
 from __future__ import annotations
@@ -13,9 +13,7 @@ from engine.watch import Watcher, WatchError
 from playground.pages import live as page_live
 from playground.render import live as render_live
 from playground.settings import AppSettings, live_engine_default
-from tests.test_watch import FIXTURE, Serving, body, scaled
-
-needs_fixture = pytest.mark.skipif(not FIXTURE.is_file(), reason=f"the metrics fixture is not at {FIXTURE}")
+from tests.test_watch import Serving, body, scaled
 
 
 @pytest.fixture()
@@ -25,7 +23,6 @@ def served():
     s.close()
 
 
-@needs_fixture
 def test_a_watch_keeps_each_interval_and_the_whole_watch(served):
     w = Watcher(served.url)
     assert w.poll(at=0.0) == {} and w.total("smollm2") is None    # one reading: no interval yet
@@ -33,16 +30,18 @@ def test_a_watch_keeps_each_interval_and_the_whole_watch(served):
     first = w.poll(at=2.0)["smollm2"]
     served.text = body()
     second = w.poll(at=4.0)["smollm2"]
-    assert first.drafts == second.drafts == 4.5 and first.acceptance_rate == pytest.approx(5 / 18)
+    # each interval is a quarter of the capture's counters (37 drafts, 148 draft tokens, 28 accepted)
+    assert first.drafts == second.drafts == 9.25 and first.acceptance_rate == pytest.approx(7 / 37)
     assert [p.t for p in w.points["smollm2"]] == [2.0, 4.0]
     total = w.total("smollm2")
-    assert total.drafts == 9.0 and total.seconds == 4.0 and total.position_rates == pytest.approx((2.5 / 9,) * 4)
+    # the whole watch: half the capture's counters, Δdrafts 18.5 and Δper position 8.5, 3, 1.5, 1
+    assert total.drafts == 18.5 and total.seconds == 4.0
+    assert total.position_rates == pytest.approx((8.5 / 18.5, 3 / 18.5, 1.5 / 18.5, 1 / 18.5))
     served.text = scaled(body(), 0.25)                      # the counters went down: a restart
     assert w.poll(at=6.0)["smollm2"].restarted and w.restarts == {"smollm2": 1}
-    assert w.total("smollm2").drafts == 4.5                   # the whole watch counts from the restart
+    assert w.total("smollm2").drafts == 9.25                  # the whole watch counts from the restart
 
 
-@needs_fixture
 def test_a_watch_keeps_only_its_last_points_and_refuses_other_hosts(served):
     w = Watcher(served.url, keep=2)
     for t in range(5):
@@ -78,7 +77,6 @@ def handlers(builtin_pair):
     registry.close()
 
 
-@needs_fixture
 def test_the_pages_figures_are_the_counters_own(handlers, served):
     live, timer, summary, model, *figures = handlers.start(None, served.url, 1.0, None, 0.1, 1.2)
     assert timer.active and live.watcher is not None and "waiting for a second reading" in summary
@@ -97,7 +95,6 @@ def test_the_pages_figures_are_the_counters_own(handlers, served):
     assert "last reading failed" in summary and "connection refused" in summary and live.watcher is not None
 
 
-@needs_fixture
 def test_a_refused_address_gets_its_sentence_and_no_timer(handlers):
     live, timer, summary, *_ = handlers.start(None, "http://203.0.113.9:8000/metrics", 1.0, None, None, None)
     assert not timer.active and "203.0.113.9 is not allowed" in summary and live.watcher is None
@@ -105,7 +102,6 @@ def test_a_refused_address_gets_its_sentence_and_no_timer(handlers):
     assert "interval" in summary and not timer.active
 
 
-@needs_fixture
 def test_specplay_runs_beside_with_the_servers_k(handlers, served):
     live, *_ = handlers.start(None, served.url, 1.0, None, None, None)
     served.text = body()

@@ -1,5 +1,6 @@
-"""engine.watch on a real vLLM /metrics body (shared/fixtures): its parser, the figures over an interval,
-restarts, several models, every failure's sentence, and the terminal command against a local server."""
+"""engine.watch on a real vLLM /metrics body (tests/data; its README says how it was captured): its parser, the
+figures over an interval, restarts, several models, every failure's sentence, and the terminal command against a
+local server."""
 from __future__ import annotations
 
 import http.server
@@ -12,8 +13,9 @@ import pytest
 from engine import watch
 from engine.watch import WatchError, counters, interval, parse_prometheus
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-0.32-cpu-metrics-ngram.txt"
-pytestmark = pytest.mark.skipif(not FIXTURE.is_file(), reason=f"the metrics fixture is not at {FIXTURE}")
+# vLLM 0.32.0 (CPU build) serving SmolLM2-135M-Instruct with n-gram speculation, K = 4, after five greedy
+# completions; its speculative counters: 37 drafts, 148 draft tokens, 28 accepted, per position 17, 6, 3, 2
+FIXTURE = Path(__file__).resolve().parent / "data" / "vllm-0.32.0-cpu-metrics-ngram.txt"
 
 
 def body() -> str:
@@ -31,31 +33,34 @@ def scaled(text: str, factor: float, model: str = "smollm2") -> str:
 
 def test_the_real_body_parses_into_one_models_counters():
     [(model, c)] = counters(parse_prometheus(body()), at=10.0).items()
-    assert model == "smollm2" and (c.drafts, c.draft_tokens, c.accepted) == (18.0, 72.0, 20.0)
-    assert c.per_position == (5.0, 5.0, 5.0, 5.0) and c.generated > 0
+    # the capture's counters, as its vllm:spec_decode_* and vllm:generation_tokens lines give them
+    assert model == "smollm2" and (c.drafts, c.draft_tokens, c.accepted) == (37.0, 148.0, 28.0)
+    assert c.per_position == (17.0, 6.0, 3.0, 2.0) and c.generated == 193.0
 
 
 def test_an_interval_gives_the_figures_from_the_counters_increases():
     before = counters(parse_prometheus(scaled(body(), 0.5)), at=10.0)["smollm2"]
     after = counters(parse_prometheus(body()), at=14.0)["smollm2"]
     iv = interval(before, after)
-    assert (iv.drafts, iv.seconds, iv.restarted) == (9.0, 4.0, False)
-    assert iv.acceptance_rate == pytest.approx(10 / 36)                 # Δaccepted / Δdraft tokens
-    assert iv.mean_acceptance_length == pytest.approx(1 + 10 / 9)       # 1 + Δaccepted / Δdrafts
-    assert iv.position_rates == pytest.approx((2.5 / 9,) * 4)           # Δper position / Δdrafts
-    assert (iv.drafted_per_s, iv.accepted_per_s) == (pytest.approx(36 / 4), pytest.approx(10 / 4))
-    assert iv.generated_per_s == pytest.approx((after.generated - before.generated) / 4)
-    # vLLM's rate at i counts every draft; conditioned on reaching i, the last three positions here are certain
-    assert iv.conditional_rates == pytest.approx((2.5 / 9, 1.0, 1.0, 1.0))
+    # half the capture's counters to all of them: Δdrafts 18.5, Δdraft tokens 74, Δaccepted 14,
+    # Δper position 8.5, 3, 1.5, 1, Δgenerated 96.5
+    assert (iv.drafts, iv.seconds, iv.restarted) == (18.5, 4.0, False)
+    assert iv.acceptance_rate == pytest.approx(14 / 74)                 # Δaccepted / Δdraft tokens
+    assert iv.mean_acceptance_length == pytest.approx(1 + 14 / 18.5)    # 1 + Δaccepted / Δdrafts
+    assert iv.position_rates == pytest.approx((8.5 / 18.5, 3 / 18.5, 1.5 / 18.5, 1 / 18.5))  # Δper position / Δdrafts
+    assert (iv.drafted_per_s, iv.accepted_per_s) == (pytest.approx(74 / 4), pytest.approx(14 / 4))
+    assert iv.generated_per_s == pytest.approx(96.5 / 4)
+    # vLLM's rate at i counts every draft; conditioned on reaching i it is Δper position i / Δper position i-1
+    assert iv.conditional_rates == pytest.approx((8.5 / 18.5, 3 / 8.5, 1.5 / 3, 1 / 1.5))
     assert iv.predicted_speedup(0.1, 1.2) == pytest.approx(iv.mean_acceptance_length / (0.1 * 4 + 1.2))
-    assert iv.predicted_speedup(0.1, 1.1, k=2) == pytest.approx((1 + 2.5 / 9 + 2.5 / 9) / (0.1 * 2 + 1.1))
+    assert iv.predicted_speedup(0.1, 1.1, k=2) == pytest.approx((1 + 8.5 / 18.5 + 3 / 18.5) / (0.1 * 2 + 1.1))
 
 
 def test_a_restarted_server_counts_from_zero_and_says_so():
     before = counters(parse_prometheus(body()), at=0.0)["smollm2"]
     after = counters(parse_prometheus(scaled(body(), 0.25)), at=5.0)["smollm2"]   # lower: a restart
     iv = interval(before, after)
-    assert iv.restarted and iv.drafts == 4.5 and iv.acceptance_rate == pytest.approx(5 / 18)
+    assert iv.restarted and iv.drafts == 9.25 and iv.acceptance_rate == pytest.approx(7 / 37)   # a quarter of 28 / 148
     assert "restarted" in watch.line(iv, None, None)
 
 
@@ -70,8 +75,7 @@ def test_several_models_on_one_server_are_kept_apart():
 @pytest.mark.parametrize("text, words", [
     ("<!doctype html><html><body>Hello</body></html>", "not Prometheus metrics text"),
     ('{"detail": "Not Found"}', "not Prometheus metrics text"),
-    ("\n".join(line for line in FIXTURE.read_text().splitlines() if "spec_decode" not in line) if FIXTURE.is_file()
-     else "", "speculation is off"),
+    ("\n".join(line for line in FIXTURE.read_text().splitlines() if "spec_decode" not in line), "speculation is off"),
 ])
 def test_what_is_not_speculative_metrics_gets_its_own_sentence(text, words):
     with pytest.raises(WatchError, match=words):
@@ -110,7 +114,7 @@ def test_fetching_is_bounded_and_each_failure_says_what_happened(capsys):
     served = Serving(body())
     hung = HungEndpoint()
     try:
-        assert watch.read(served.url)["smollm2"].drafts == 18.0
+        assert watch.read(served.url)["smollm2"].drafts == 37.0
         with pytest.raises(WatchError, match="more than 0 MiB"):
             watch.fetch(served.url, max_bytes=1000)
         with pytest.raises(WatchError, match="did not answer within 0.5 s"):
