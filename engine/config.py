@@ -6,7 +6,7 @@ from enum import Enum
 
 from engine.sampling import SamplingParams
 
-K_BOUND = 32  # the largest K (and tree, engine.tree.TREE_BOUND) the engine accepts
+K_BOUND = 32  # the largest K (and tree, TREE_BOUND below) the engine accepts
 K_SLACK = K_BOUND + 2  # KV room beyond max_new_tokens for a round's K+1 speculative slots
 # torch.Generator.manual_seed takes up to 2**64 - 1; the draft's generator is seeded with seed + 7919,
 # so any seed up to the signed 64-bit maximum leaves room for it.
@@ -176,7 +176,7 @@ class SpecConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.tree is not None:
             if not isinstance(self.tree, TreeSpec):
-                raise ValueError("tree must be a TreeSpec (engine.tree), e.g. TreeSpec(widths=(4, 2, 2, 1))")
+                raise ValueError("tree must be a TreeSpec (engine.config), e.g. TreeSpec(widths=(4, 2, 2, 1))")
             if self.drafter is DrafterKind.NGRAM:
                 raise ValueError("a tree is drafted by the draft model or the EAGLE head (alone or with prompt "
                                  "lookup merged in: hybrid, eagle-hybrid), not by the ngram drafter alone")

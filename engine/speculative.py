@@ -19,9 +19,11 @@ import torch
 
 from engine.clock import Now, PhaseClock
 from engine.config import DRAFT_SEED_OFFSET, K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
-from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
-from engine.drafters.base import NO_DRAFT, NoDraft, TreeProposal
+from engine.drafters.base import NO_DRAFT, Drafter, NoDraft, Proposal, TreeProposal
 from engine.drafters.eagle import EagleDrafter
+from engine.drafters.hybrid import HybridDrafter
+from engine.drafters.model import ModelDrafter
+from engine.drafters.ngram import NgramDrafter
 from engine.metrics import summarize
 from engine.pair import ModelPair
 from engine.prompts import PromptError

@@ -174,8 +174,8 @@ def test_ngram_min2_copies_only_after_a_two_token_match():
     assert plain.ngram_max == strict.ngram_max
     committed = [5, 7, 9, 3, 8, 5]             # only the last token has occurred before
     drafters = [NgramDrafter(c.ngram_max, c.ngram_min, 16, torch.device("cpu")) for c in (plain, strict)]
-    assert [d.lookup(committed, 3) for d in drafters] == [[7, 9, 3], []]
-    assert [d.lookup(committed + [7], 3) for d in drafters] == [[9, 3, 8]] * 2
+    assert [d.match(committed, 3)[1] for d in drafters] == [[7, 9, 3], []]
+    assert [d.match(committed + [7], 3)[1] for d in drafters] == [[9, 3, 8]] * 2
 
 
 @pytest.mark.parametrize("argv", [["--ks", "0"], ["--methods", "v3"], ["--repeats", "0"], ["--profile", "v2:x"],

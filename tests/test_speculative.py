@@ -10,7 +10,9 @@ from transformers import DynamicCache
 
 from engine.block_manager import KVPoolExhausted
 from engine.config import K_BOUND, SpecConfig
-from engine.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from engine.drafters.hybrid import HybridDrafter
+from engine.drafters.model import ModelDrafter
+from engine.drafters.ngram import NgramDrafter
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel, ModelLoadError, load_model
 from engine.pair import ModelPair

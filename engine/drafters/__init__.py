@@ -1,7 +1,4 @@
-"""Drafters: each proposes K tokens and the q_draft rows they were drawn from, behind one interface."""
-from engine.drafters.base import Drafter, Proposal, common_prefix
-from engine.drafters.hybrid import HybridDrafter
-from engine.drafters.model import ModelDrafter
-from engine.drafters.ngram import NgramDrafter
+"""Drafters: each proposes K tokens and the q_draft rows they were drawn from, behind one interface.
 
-__all__ = ["Drafter", "Proposal", "common_prefix", "ModelDrafter", "NgramDrafter", "HybridDrafter"]
+The interface and what a round verifies live in `base`; each drafter is one module (`model`, `ngram`,
+`hybrid`, `eagle`), imported from there."""

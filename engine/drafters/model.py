@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import DrafterKind
+from engine.config import DrafterKind, TreeSpec
 from engine.drafters.base import DraftCache, Proposal, TreeProposal, common_prefix
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
-from engine.tree import CopyAt, DraftTree, TreeSpec, Weigh, attention_mask, grow
+from engine.tree import CopyAt, DraftTree, Weigh, attention_mask, grow
 from engine.verify import align_vocab
 
 

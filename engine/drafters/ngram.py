@@ -51,9 +51,6 @@ class NgramDrafter:
         n, at = self._find(tail, min_n)
         return self._tokens[at] if n else None
 
-    def lookup(self, committed: list[int], k: int) -> list[int]:
-        return self.match(committed, k)[1]
-
     def match(self, committed: list[int], k: int) -> tuple[int, list[int]]:
         """(n, up to k tokens): the longest suffix of n tokens (ngram_max..ngram_min) that occurred
         before, and what followed its latest earlier occurrence; (0, []) when none did."""
@@ -62,7 +59,7 @@ class NgramDrafter:
         return (n, self._tokens[at:at + k]) if n else (0, [])
 
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
-        return self.proposal(self.lookup(committed, k))
+        return self.proposal(self.match(committed, k)[1])
 
     def proposal(self, tokens: list[int]) -> Proposal:
         tokens = [t for t in tokens if t < self.target_vocab]

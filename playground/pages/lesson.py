@@ -20,12 +20,12 @@ from engine.models import ModelLoadError
 from engine.pair import ModelPair, load_pair
 from engine.records import RoundRecord
 from engine.sources import BUILTIN, SMOLLM2
-from playground.pages.theory import theory_figure
 from playground.registry import ModelRegistry
 from playground.render.charts import empty_figure
 from playground.render.kv_plots import kv_figure
 from playground.render.palette import BASELINE_COLOUR, SPEC_COLOUR, styled_figure
 from playground.render.round_plots import draft_figure, final_figure
+from playground.render.theory import theory_figure
 from playground.render.tokens import legend_html, stream_html
 from playground.teach.lesson import (
     LessonDriver,
