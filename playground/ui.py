@@ -272,8 +272,8 @@ class Handlers:
     @gpu()
     def on_tick(self, request: gr.Request, state: Session | None, playing: bool, *values) -> tuple:
         """One Play tick: a Step that also stops the timer when the run ends or fails."""
-        if not playing:  # a tick that was already queued when Pause was pressed
-            return (state, *self.render(state), *play_controls(False))
+        if not playing:  # a tick already queued when Pause was pressed: what is on screen stays as it is
+            return (state, *_skip(FRAME_OUTPUTS), *play_controls(False))
         notes: list[str | None] = []
         out = self.guarded(state, request,
                            lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))),
@@ -282,7 +282,8 @@ class Handlers:
         view = session.view() if session is not None else None
         done = view is None or session.previous is not None or bool(notes and notes[0]) or (
             session.cursor.shown >= len(view.rounds) and view.complete)
-        return (*out, *play_controls(not done))
+        # a tick only ever stops Play: one still running when Pause was pressed must not start it again
+        return (*out, *(play_controls(False) if done else _skip(3)))
 
     @staticmethod
     def on_play(playing: bool, speed: object) -> tuple:

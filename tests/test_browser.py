@@ -46,7 +46,11 @@ def page(browser, url):
 
 def click_step(page, expect_round: int) -> None:
     page.click("#step-btn")
-    page.wait_for_function(f"document.querySelector('#status').innerText.includes('Round {expect_round} of')")
+    try:
+        page.wait_for_function(f"document.querySelector('#status').innerText.includes('Round {expect_round} of')")
+    except Exception as exc:   # say what the page showed instead, not only that the wait ran out
+        raise AssertionError(f"Step did not show round {expect_round}; the status reads "
+                             f"{page.locator('#status').inner_text()!r}") from exc
 
 
 def count(page, outcome: Outcome) -> int:
@@ -194,6 +198,12 @@ def test_charts_drawn_by_play_behind_the_lesson_tab_fit_when_the_playground_retu
         page.get_by_role("tab", name="Playground").click()
         page.click("#play-btn")
         page.wait_for_function("document.querySelector('#play-btn').innerText.includes('Play')")
+        # a tick still running when Pause was pressed draws once more: Run to end queues behind it, so once the
+        # run reads finished and the charts hold all its rounds, nothing is left to draw them again
+        page.click("#run-end-btn")
+        page.wait_for_function("document.querySelector('#status').innerText.includes('finished')")
+        rounds = int(page.locator("#status").inner_text().split("Round ", 1)[1].split(" of", 1)[0])
+        page.wait_for_function(f"({drawn_rounds})() === {rounds}")
         plots_fit(page, TABS["Charts"], shots / "charts-after-play.png")
     finally:
         page.close()
