@@ -15,11 +15,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from engine.clock import Now
+from engine.clock import ComputeGate, Now
 from engine.metrics import median
 from engine.models import LoadedModel
 from engine.runner import ModelRunner
@@ -94,7 +95,8 @@ def curve_from_times(model: str, device: str, dtype: str, context: int, times: d
 @torch.inference_mode()
 def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = DEFAULT_GRID, repeats: int = 5,
               fused: bool = True, now: Now = time.perf_counter, warmup: int = 2,
-              stop: threading.Event | None = None, draft: LoadedModel | None = None) -> RCurve:
+              stop: threading.Event | None = None, draft: LoadedModel | None = None,
+              gate: ComputeGate | None = None) -> RCurve:
     """Measure r(n) for `loaded` on its device with `context` tokens already cached.
 
     The context is a fixed pseudo-random id sequence (the cost of attention depends on the length,
@@ -107,6 +109,9 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
     cache displace the target's, and a verify measured alone costs less than one inside a round (on
     the built-in pair here, r(5) 1.07 alone against 1.27 in the rounds). The one-token forward that r
     is relative to runs alone, back to back after the grid, as target-only decoding runs it.
+
+    `gate`: held for each timed forward (with its drafts), so that a calibration in the background never runs
+    beside a round that is being timed, nor is timed beside one.
     """
     if context < 1 or repeats < 1 or not grid:
         raise ValueError(f"need context >= 1, repeats >= 1 and a grid, got {context}, {repeats}, {grid}")
@@ -116,18 +121,20 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
     cache = runner.new_sequence()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(loaded.vocab_size, len(loaded.tokenizer)), (context + grid[-1],), generator=g).tolist()
-    runner.forward(cache, ids[:context], last_only=True)
+    with gate.held() if gate is not None else nullcontext():
+        runner.forward(cache, ids[:context], last_only=True)
     feed = ids[context:]
     drafting = _Drafting(draft, ids[:context], context + grid[-1], now) if draft is not None else None
 
     def forward(n: int, chain: bool = True) -> float:
         if stop is not None and stop.is_set():
             raise CalibrationStopped(f"the calibration of {loaded.name} was stopped")
-        if drafting is not None and chain:
-            drafting.run(n - 1)
-        runner.forward(cache, feed[:n])
-        cache.rollback(n)
-        return runner.drain_forward_ms()[0]
+        with gate.held() if gate is not None else nullcontext():
+            if drafting is not None and chain:
+                drafting.run(n - 1)
+            runner.forward(cache, feed[:n])
+            cache.rollback(n)
+            return runner.drain_forward_ms()[0]
 
     try:
         for _ in range(warmup):

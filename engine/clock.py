@@ -8,6 +8,7 @@ device's rather than the launch's.
 from __future__ import annotations
 
 import platform
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,34 @@ class PhaseClock:
 
     def total_ms(self) -> float:
         return (self.now() - self.start) * 1000
+
+
+class ComputeGate:
+    """One timed computation at a time on a process's cores, first come first served.
+
+    A timed round and a background measurement (calibration) that ran side by side would each be timed
+    sharing the cores with the other: on two cores a target step read twice its cost. Whoever times work holds
+    the gate for it, a round for the whole round and the calibration for one forward at a time, so neither ever
+    runs beside the other and the calibration goes on between rounds. Tickets keep the order fair: a waiting
+    round goes before the calibration's next forward, and the other way round. Not reentrant."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._turn:
+            ticket = self._issued
+            self._issued += 1
+            self._turn.wait_for(lambda: self._serving == ticket)
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._serving += 1
+                self._turn.notify_all()
 
 
 class ForwardTimer:

@@ -222,7 +222,8 @@ def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = Fals
     elif c.shown < len(view.rounds):
         _advance(session, reveal)
     elif session.live and not session.run.finished:
-        session.run.step()
+        with ctx.registry.gate.held():
+            session.run.step()
         _advance(session, reveal)
         attach_calibration(ctx, session)
     else:
@@ -239,7 +240,8 @@ def run_to_end(ctx: Context, session: Session, req: DecodeRequest,
     if session.live:
         run, total = session.run, session.run.config.max_new_tokens
         while not run.finished:
-            run.step()
+            with ctx.registry.gate.held():   # a round at a time: a calibration waiting goes between two
+                run.step()
             progress(len(run.spec.generated), total)
         attach_calibration(ctx, session)
     session.cursor = Cursor(shown=len(session.view().rounds))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.calibration import RCurve, calibrate
+from engine.clock import ComputeGate
 from engine.config import DrafterKind
 from engine.drafters.eagle import CONFIG as EAGLE_CONFIG
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
@@ -296,6 +297,9 @@ class ModelRegistry:
         self._curves: dict[int, Future[RCurve]] = {}   # r(n) per loaded target, measured in the background
         self._calibrate = calibrate_fn
         self._stop = threading.Event()                 # set by close(): background calibrations end
+        # the cores' turn: every timed round (playground and lesson) and each calibration forward holds it, so a
+        # calibration in the background never runs beside a round being timed (engine.clock.ComputeGate)
+        self.gate = ComputeGate()
         self._measuring: list[threading.Thread] = []
         _OPEN.add(self)
         self.allow_custom, self.allow_local_paths = allow_custom, allow_local_paths
@@ -397,7 +401,7 @@ class ModelRegistry:
     def _measure(self, target: LoadedModel, future: Future) -> None:
         try:
             measure = self._calibrate or (lambda t: calibrate(t, context=128, repeats=3 if t.weight_bytes > 2**28 else 5,
-                                                              stop=self._stop))
+                                                              stop=self._stop, gate=self.gate))
             curve = measure(target)
             if self._calibrate is None:
                 _MEASURED[target.model] = curve

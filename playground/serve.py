@@ -60,10 +60,14 @@ def start(ctx: Context, *, quiet: bool = False, warm: bool = True) -> Served:
 
 
 def _warm(ctx: Context) -> None:
+    """Load the default pair and start measuring its target's r(n), so that both are ready, or well on their way,
+    when the first visitor steps (the measurement only runs between timed rounds: ModelRegistry.gate)."""
     try:
-        ctx.registry.pair("default")
+        pair = ctx.registry.pair("default")
     except Exception as exc:  # the first Reset will say the same to the visitor
         log.warning("could not load the default pair at start-up: %s", exc)
+        return
+    ctx.registry.calibration(pair.target)
 
 
 def serve_forever(settings: AppSettings) -> None:

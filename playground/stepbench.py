@@ -11,6 +11,12 @@ the target-only rounds measured beside it) and the rest (rendering, the trace, G
 
 --tab selects a tab of the playground first, by its select event as a click would, so that the
 Steps render what that tab shows. An app without such events renders every tab on every Step.
+
+`--speedup N`: the speed-up a visitor reads against the engine's own sampled bench, on the same N held-out
+chat prompts, settings and seeds, in one process. Per prompt, the app's path (Reset, then Run to end through
+`process_api`, recorded and traced, with whatever the app runs beside it) gives the measured speed-up and
+the predicted one the Charts show; then `engine.bench.sampled.measure` runs the same configuration on the
+same prompt. Speed-ups are pooled over the prompts (tokens over busy seconds, as the sampled bench pools).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch
 from gradio.blocks import BlockFunction, Blocks
 from gradio.state_holder import SessionState
 
-from engine.clock import machine_name
+from engine.clock import ComputeGate, machine_name
 from playground.sessions import Session, SessionPool
 
 TABS = ("detail", "kv", "charts")
@@ -65,21 +71,22 @@ def _fn(demo: Blocks, api_name: str) -> BlockFunction | None:
     return next((f for f in demo.fns.values() if f.api_name == api_name), None)
 
 
-def _inputs(fn: BlockFunction, tokens: int) -> list:
-    """The inputs' values as a fresh page sends them, with Max new tokens set to `tokens`."""
+def _inputs(fn: BlockFunction, tokens: int, typed: dict[str, object] | None = None) -> list:
+    """The inputs' values as a fresh page sends them, with Max new tokens set to `tokens` and each control
+    labelled in `typed` set to its value there."""
+    typed = {"Max new tokens": tokens, **(typed or {})}
     values = []
     for block in fn.inputs:
         if block.stateful:
             values.append(None)  # process_api reads gr.State from the session state
-        elif getattr(block, "label", None) == "Max new tokens":
-            values.append(tokens)
         else:
-            values.append(block.value)
+            values.append(typed.get(getattr(block, "label", None), block.value))
     return values
 
 
-async def _press(demo: Blocks, fn: BlockFunction, state: SessionState, tokens: int) -> None:
-    await demo.process_api(fn, _inputs(fn, tokens), state=state)
+async def _press(demo: Blocks, fn: BlockFunction, state: SessionState, tokens: int,
+                 typed: dict[str, object] | None = None) -> None:
+    await demo.process_api(fn, _inputs(fn, tokens, typed), state=state)
 
 
 def _engine_s(session: Session) -> float:
@@ -105,6 +112,90 @@ async def measure(demo: Blocks, pool: SessionPool, tokens: int, tab: str) -> Ste
     return StepTimes(tokens, tab, tuple(seconds), tuple(engine))
 
 
+@dataclass(frozen=True, slots=True)
+class Speedups:
+    """One prompt's speed-up as the app shows it (measured, and predicted from its α, c and r(n)) and as the
+    engine's sampled bench measures it; tokens and busy seconds, so that prompts pool."""
+
+    app_tokens: int
+    app_s: float
+    app_base_tokens: int
+    app_base_s: float
+    predicted: float | None
+    bench_tokens: int
+    bench_s: float
+    bench_base_tokens: int
+    bench_base_s: float
+
+
+def pooled(rows: list[Speedups]) -> tuple[float, float, float | None]:
+    """(app speed-up, bench speed-up, the predictions' mean) over `rows`, each tokens over seconds summed."""
+    def rate(tokens: str, seconds: str) -> float:
+        return sum(getattr(r, tokens) for r in rows) / sum(getattr(r, seconds) for r in rows)
+    app = rate("app_tokens", "app_s") / rate("app_base_tokens", "app_base_s")
+    bench = rate("bench_tokens", "bench_s") / rate("bench_base_tokens", "bench_base_s")
+    predictions = [r.predicted for r in rows if r.predicted is not None]
+    return app, bench, (statistics.fmean(predictions) if predictions else None)
+
+
+async def speedups(demo: Blocks, pool: SessionPool, state: SessionState, gate: ComputeGate, prompt: str, seed: int,
+                   tokens: int) -> Speedups:
+    """Reset and Run to end on `prompt` through the app (one visitor's `state`), then the sampled bench on the
+    same run's settings, holding the app's `gate` as the app's rounds do."""
+    from engine.bench.sampled import measure as bench_measure
+    from engine.metrics import NotMeasured
+    from engine.prompts import encode_chat
+
+    typed = {"Prompt": prompt, "Seed": seed}
+    await _press(demo, _fn(demo, "reset"), state, tokens, typed)
+    await _press(demo, _fn(demo, "run_to_end"), state, tokens, typed)
+    [session] = pool.sessions()
+    view, run = session.view(), session.run
+    spec, base = run.summaries()
+    prediction = view.prediction()
+    ids = encode_chat(run.pair.target.tokenizer, run.chat)
+    with gate.held():
+        bench = bench_measure(run.pair, [ids], run.config)
+    return Speedups(spec.tokens, spec.elapsed_s, base.tokens, base.elapsed_s,
+                    None if isinstance(prediction, NotMeasured) else prediction.speedup_iid,
+                    bench.tokens, bench.tokens / bench.tokens_per_s,
+                    bench.tokens, bench.tokens / bench.baseline_tokens_per_s)
+
+
+def speedup_main(count: int, tokens: int) -> None:
+    from engine.train.chat_prompts import chat_prompts
+    from playground.settings import AppSettings
+    from playground.ui import build_app, make_context
+
+    ctx = make_context(AppSettings(max_new_tokens=tokens, max_sessions=1))
+    demo = build_app(ctx)
+    state = SessionState(demo)
+    print(f"{machine_name()} · python {platform.python_version()} · torch {torch.__version__}", flush=True)
+    rows = []
+    try:
+        for i, prompt in enumerate(chat_prompts("heldout")[:count]):
+            row = asyncio.run(speedups(demo, ctx.pool, state, ctx.registry.gate, prompt, i, tokens))
+            rows.append(row)
+            app, bench, predicted = pooled([row])
+            print(f"prompt {i + 1}/{count}: app {app:.2f}× (predicted {_x(predicted)}), bench {bench:.2f}×, "
+                  f"app / bench {app / bench:.2f}; target-only {row.app_base_tokens / row.app_base_s:.1f} tok/s in "
+                  f"the app, {row.bench_base_tokens / row.bench_base_s:.1f} in the bench", flush=True)
+        app, bench, predicted = pooled(rows)
+        print(f"pooled over {len(rows)} prompts: app {app:.2f}×, predicted {_x(predicted)} (measured / predicted "
+              f"{_ratio(app, predicted)}), bench {bench:.2f}×, app / bench {app / bench:.2f}", flush=True)
+    finally:
+        ctx.pool.shutdown()
+        ctx.registry.close()
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return "—" if b is None else f"{a / b:.2f}"
+
+
 def main(argv: list[str]) -> None:
     from playground.settings import AppSettings
     from playground.ui import build_app, make_context
@@ -113,9 +204,15 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="Max new tokens of each run")
     ap.add_argument("--tab", choices=TABS, nargs="+", default=list(TABS), help="the tab shown while stepping")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--speedup", type=int, default=0, metavar="N",
+                    help="instead: the app's measured speed-up against the engine's sampled bench on N held-out "
+                         "chat prompts (default settings, --tokens' first value)")
     a = ap.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
+    if a.speedup:
+        speedup_main(a.speedup, a.tokens[0])
+        return
     ctx = make_context(AppSettings(max_new_tokens=max(a.tokens), max_sessions=1))
     demo = build_app(ctx)
     print(f"{machine_name()} · python {platform.python_version()} · "

@@ -108,6 +108,33 @@ def test_a_set_stop_event_ends_a_calibration_at_its_next_forward(builtin_pair):
     assert next(reads) == 4    # two forwards ran (two reads each), the third never started
 
 
+def test_a_calibration_never_times_a_forward_while_a_round_holds_the_gate(builtin_pair):
+    """A round holds the gate for its whole length; the calibration's forwards wait for it (and run after)."""
+    import threading
+    import time
+
+    from engine.clock import ComputeGate
+
+    _, target = builtin_pair
+    gate, round_running, seen = ComputeGate(), threading.Event(), []
+
+    def clock() -> float:      # read at both ends of every timed forward: was a round running then?
+        seen.append(round_running.is_set())
+        return time.perf_counter()
+
+    worker = threading.Thread(target=calibrate, kwargs=dict(loaded=target, context=16, grid=(1, 2, 4), repeats=2,
+                                                            now=clock, warmup=0, gate=gate))
+    for _ in range(3):                   # three rounds, the calibration going on between them
+        with gate.held():
+            round_running.set()
+            if not worker.is_alive() and not seen:
+                worker.start()
+            time.sleep(0.05)             # a round's time, in which an ungated forward would be timed
+            round_running.clear()
+    worker.join()
+    assert seen and not any(seen)
+
+
 def test_a_real_calibration_reports_the_medians_of_its_own_forwards(builtin_pair, monkeypatch):
     from engine import calibration
     from engine.calibration import non_decreasing

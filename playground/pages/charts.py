@@ -24,6 +24,8 @@ def build() -> ChartsPage:
         tokens_time = gr.Plot(elem_id="chart-tokens-time", show_label=False)
         speedup = gr.Plot(elem_id="chart-speedup", show_label=False)
     gr.Markdown("Target-only decoding is really run on the same prompt, settings and hardware, interleaved with "
-                "the speculative rounds; each clock counts only its own work. c (draft forward / target step) is "
-                "measured from this run.")
+                "the speculative rounds; each clock counts only its own work: its forwards, drafting, verification "
+                "and the round's record. Rendering, the trace file and the page are outside the clocks, and the "
+                "background measurement of r(n) waits for a round to end rather than run beside it. c (draft "
+                "forward / target step) is measured from this run.")
     return ChartsPage(acceptance, per_position, lengths, tokens_time, speedup)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -256,13 +257,21 @@ class LessonHandlers:
 
     def start(self, driver: LessonDriver | None, key: str | None = None) -> tuple:
         try:
-            new = LessonDriver.start(lesson_pair(self.registry, key), self.text)
+            pair = lesson_pair(self.registry, key)
+            with self._turn():
+                new = LessonDriver.start(pair, self.text)
+                first = new.go(0)
         except (LessonError, ModelLoadError, ValueError) as exc:
             gr.Warning(str(exc))
             return (driver, *(gr.skip(),) * 9)
         if driver is not None:
             driver.close()
-        return (new, *self._values(new, new.go(0)))
+        return (new, *self._values(new, first))
+
+    def _turn(self) -> AbstractContextManager:
+        """The cores' turn (ModelRegistry.gate) for the lesson's timed runs, so that no calibration runs beside
+        them; none without a registry."""
+        return self.registry.gate.held() if self.registry is not None else nullcontext()
 
     def go(self, index: int, driver: LessonDriver | None) -> tuple:
         if driver is None:  # the step headers work before Start; their text says to press it
@@ -287,7 +296,9 @@ class LessonHandlers:
         if driver is None:
             return (gr.skip(),) * 9
         try:
-            return self._values(driver, action())
+            with self._turn():
+                shown = action()
+            return self._values(driver, shown)
         except LessonError as exc:
             gr.Warning(str(exc))
             return (gr.skip(),) * 9
