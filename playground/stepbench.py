@@ -171,6 +171,11 @@ def speedup_main(count: int, tokens: int) -> None:
     demo = build_app(ctx)
     state = SessionState(demo)
     print(f"{machine_name()} · python {platform.python_version()} · torch {torch.__version__}", flush=True)
+    start, target = time.perf_counter(), ctx.registry.pair("default").target
+    while (curve := ctx.registry.calibration(target)) is None:   # as on a server up for a minute (serve._warm)
+        time.sleep(0.2)
+    print(f"r(n) of {target.name} measured in {time.perf_counter() - start:.1f} s: r(3) {curve.at(3):.2f}, "
+          f"r(5) {curve.at(5):.2f}", flush=True)
     rows = []
     try:
         for i, prompt in enumerate(chat_prompts("heldout")[:count]):

@@ -399,3 +399,17 @@ def test_the_tree_view_gives_every_node_its_own_place_and_the_final_token_the_pa
             seen[r.final.outcome.value if r.final.outcome.value in seen else "bonus"] += 1
             seen["copied"] += sum(n.copied for n in r.tree.nodes)
     assert seen["corrected"] and seen["copied"], seen
+
+
+def test_the_verdict_says_whether_speculation_pays_here_and_if_not_why():
+    from types import SimpleNamespace
+
+    flat = lambda n: 1.0                         # noqa: E731  a memory-bound verify: r(n) = 1
+    steep = lambda n: 1.0 + 0.2 * (n - 1)        # noqa: E731  a CPU whose verify of n rows costs more
+    assert charts.verdict(SimpleNamespace(alpha=0.8, c=0.05), flat).startswith("predicted to pay: ")
+    low = charts.verdict(SimpleNamespace(alpha=0.3, c=0.067), steep)
+    # at α 0.3 the best K is 1: E = 1.3 tokens for c + r(2) = 0.067 + 1.2 steps, 1.03×; at c = 0.2 it cannot pay
+    assert low.startswith("predicted to pay: 1.03× at K = 1")
+    worse = charts.verdict(SimpleNamespace(alpha=0.3, c=0.2), steep)
+    assert worse.startswith("not predicted to pay: even the best K (1) gives 0.93×")
+    assert "1.30 tokens for the time of 1.40 target steps (α 0.30, c 0.200, r(2) 1.20" in worse

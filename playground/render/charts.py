@@ -4,11 +4,13 @@ from __future__ import annotations
 import html
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import plotly.graph_objects as go
 
 from engine import metrics
-from engine.metrics import NotMeasured
+from engine.config import K_BOUND
+from engine.metrics import NotMeasured, Prediction
 from playground.render.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR, styled_figure
 from playground.view import RunView
 
@@ -133,6 +135,8 @@ def summary_html(view: RunView | None) -> str:
         ("r(K+1), calibrated", "—" if isinstance(pred, NotMeasured) else f"{pred.r:.2f} at mean K = {pred.k}"),
         ("speed-up: measured / predicted", f"{_fmt(metrics.measured_speedup(view.rounds, view.baseline), suffix='×')} / "
                                            + ("—" if isinstance(pred, NotMeasured) else f"{pred.speedup_iid:.2f}×")),
+        ("on this machine, for this drafter and sampling", "—" if isinstance(pred, NotMeasured) else
+                                                           verdict(pred, view.calibration.at)),
         ("tokens/s: speculative / target-only", f"{_fmt(metrics.tokens_per_s(view.rounds), '.1f')} / "
                                                 f"{_fmt(metrics.tokens_per_s(view.baseline), '.1f')}"),
         ("target forwards: speculative / target-only", f"{sum(r.target_forwards for r in view.rounds)} / "
@@ -140,6 +144,18 @@ def summary_html(view: RunView | None) -> str:
     ]
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv-table">{body}</table>'
+
+
+def verdict(pred: Prediction, r_of_n: Callable[[int], float], k_max: int = K_BOUND) -> str:
+    """Whether speculation is predicted to pay at its best K for this run's α, c and r(n), and when it is not, why:
+    what a round at that K yields against what it costs, in target steps."""
+    best = metrics.best_k(pred.alpha, pred.c, r_of_n, k_max)
+    tokens, cost = metrics.expected_tokens_per_round(pred.alpha, best), pred.c * best + r_of_n(best + 1)
+    if tokens / cost > 1.0:
+        return f"predicted to pay: {tokens / cost:.2f}× at K = {best}"
+    return (f"not predicted to pay: even the best K ({best}) gives {tokens / cost:.2f}×, since a round yields "
+            f"{tokens:.2f} tokens for the time of {cost:.2f} target steps (α {pred.alpha:.2f}, c {pred.c:.3f}, "
+            f"r({best + 1}) {r_of_n(best + 1):.2f} on this machine)")
 
 
 def _cost_text(view: RunView) -> str:

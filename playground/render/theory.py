@@ -15,7 +15,7 @@ from engine import metrics
 from engine.calibration import RCurve
 from engine.config import K_BOUND
 from engine.metrics import NotMeasured, Prediction
-from playground.render.charts import empty_figure
+from playground.render.charts import empty_figure, verdict
 from playground.render.palette import BASELINE_COLOUR, GREY, PREDICTED_COLOUR, SPEC_COLOUR, styled_figure
 from playground.view import RunView
 
@@ -168,12 +168,9 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
         return f'<p class="theory-note"><em>{html.escape(got.reason)}</em></p>'
     pred, curve = got
     curves = theory_curves(pred, curve, k_max)
-    pays = curves.best_speedup > 1.0
-    verdict = (f"predicted to pay: {curves.best_speedup:.2f}× at K = {curves.best_k}" if pays else
-               f"not predicted to pay: even the best K ({curves.best_k}) gives {curves.best_speedup:.2f}×")
     measured = metrics.measured_speedup(view.rounds, view.baseline)
     rows = [("recommended K", f"{curves.best_k} (the maximum of E(α, K) / (cK + r(K+1)) over K = 1..{k_max})"),
-            ("verdict", verdict),
+            ("verdict", verdict(pred, curve.at, k_max)),
             ("α: accepted / verified positions (the formula's input)", f"{pred.alpha:.3f}"),
             ("draft acceptance rate: accepted / drafted (for comparison)", f"{pred.draft_acceptance:.3f}"),
             ("c (measured: draft forward / target-only step)", f"{pred.c:.3f}"),
