@@ -77,6 +77,16 @@ def prompt_counts(rounds: Rounds) -> tuple[int, int]:
     return sum(r.accepted for r in drafted), sum(r.verified for r in drafted)
 
 
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval for a proportion (z = 1.96: 95%); (0, 1) without trials."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def alpha_interval(counts: Sequence[Sequence[int]], against: Sequence[Sequence[int]] | None = None,
                    level: float = 0.95, draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
     """Alpha over prompts, (accepted, verified) per prompt, as accepted / verified summed over them, and the
@@ -421,13 +431,24 @@ class Tally:
         """predicted_over_rounds over the decode rounds counted."""
         return _over_mix(tokens_at, self.rounds_by, self.draft_forwards, c, r_of_n)
 
-    def speedup_iid(self, r_of_n: Callable[[int], float] | None) -> float | None:
+    def speedup_iid(self, r_of_n: Callable[[int], float] | None, alpha: float | None = None) -> float | None:
         """Leviathan's speed-up for the rounds so far, E(alpha, k_i) per round; None until alpha, c and
-        r(n) are all measured (`predict` says which is missing)."""
-        a, c = self.alpha(), self.cost_ratio()
+        r(n) are all measured (`predict` says which is missing). `alpha`: another α in place of the run's."""
+        a, c = self.alpha() if alpha is None else alpha, self.cost_ratio()
         if a is None or c is None or r_of_n is None:
             return None
         return self.predicted_speedup(lambda k: expected_tokens_per_round(a, k), c, r_of_n)
+
+    def speedup_iid_interval(self, r_of_n: Callable[[int], float] | None,
+                             z: float = 1.96) -> tuple[float, float] | None:
+        """`speedup_iid` at the two ends of α's Wilson score interval over the verified positions (z = 1.96:
+        95%), the rest as measured: how far the prediction could move on this many positions alone. It is
+        narrower than the truth, since positions of one round are not independent draws, and c and r(n) are
+        taken as exact."""
+        if self.speedup_iid(r_of_n) is None:
+            return None
+        lo, hi = wilson_interval(self.accepted, self.verified, z)
+        return self.speedup_iid(r_of_n, lo), self.speedup_iid(r_of_n, hi)
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,6 +246,8 @@ def test_time_and_speedup_charts_use_both_measured_streams(sampled):
     assert list(fig.data[1].x[1:]) == [b.elapsed_s for b in view.baseline]
     speed = charts.speedup_figure(view)
     assert [t.name for t in speed.data][0] == "measured" and speed.data[1].name.startswith("predicted")
+    assert speed.data[3].fill == "tonexty" and all(lo <= p <= hi for lo, p, hi in zip(speed.data[3].y, speed.data[1].y,
+                                                                                      speed.data[2].y) if p is not None)
     spec_tps = view.rounds[-1].tokens_total / view.rounds[-1].elapsed_s
     base_tps = view.baseline[-1].tokens_total / view.baseline[-1].elapsed_s
     expected = spec_tps / base_tps
@@ -314,7 +316,7 @@ def test_the_speedup_series_in_one_pass_equals_reading_every_prefix(fixture, req
 
     curve = RCurve("t", "cpu", "float32", 64, [1, 5, 9], [2.0, 3.0, 4.0], [1.0, 1.5, 2.0], 2.0, 1)
     view = replace(request.getfixturevalue(fixture)[0], calibration=curve)
-    xs, measured, predicted = charts.speedup_series(view)
+    xs, measured, predicted, band = charts.speedup_series(view)
     assert xs == list(range(1, len(view.rounds) + 1))
     for n in xs:
         sub = view.upto(n)
@@ -326,6 +328,15 @@ def test_the_speedup_series_in_one_pass_equals_reading_every_prefix(fixture, req
             e = lambda k: sum(pred.alpha**i for i in range(k + 1)) if k else 1.0  # noqa: E731
             cost = sum(pred.c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0) for r in steps)
             assert predicted[n - 1] == pytest.approx(sum(e(r.k) for r in steps) / cost)
+            lo, hi = band[n - 1]          # the same formula at the ends of α's Wilson interval
+            a_lo, a_hi = metrics.wilson_interval(sum(r.accepted for r in steps if r.k),
+                                                 sum(r.verified for r in steps if r.k))
+            assert a_lo <= pred.alpha <= a_hi and lo <= predicted[n - 1] <= hi
+            e_at = lambda a, k: sum(a**i for i in range(k + 1)) if k else 1.0  # noqa: E731
+            assert (lo, hi) == pytest.approx((sum(e_at(a_lo, r.k) for r in steps) / cost,
+                                              sum(e_at(a_hi, r.k) for r in steps) / cost))
+        else:
+            assert band[n - 1] is None
     assert sum(p is not None for p in predicted) >= len(xs) - 2   # the prediction appears once c is measured
 
 
@@ -413,3 +424,10 @@ def test_the_verdict_says_whether_speculation_pays_here_and_if_not_why():
     worse = charts.verdict(SimpleNamespace(alpha=0.3, c=0.2), steep)
     assert worse.startswith("not predicted to pay: even the best K (1) gives 0.93×")
     assert "1.30 tokens for the time of 1.40 target steps (α 0.30, c 0.200, r(2) 1.20" in worse
+
+
+def test_wilson_interval_covers_the_proportion_and_narrows_with_trials():
+    lo, hi = metrics.wilson_interval(3, 10)
+    assert (lo, hi) == pytest.approx((0.1078, 0.6032), abs=1e-4)      # Wilson 1927, z = 1.96
+    assert metrics.wilson_interval(30, 100)[1] - metrics.wilson_interval(30, 100)[0] < hi - lo
+    assert metrics.wilson_interval(0, 0) == (0.0, 1.0) and metrics.wilson_interval(5, 5)[1] == 1.0

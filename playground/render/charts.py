@@ -92,12 +92,19 @@ def speedup_figure(view: RunView) -> go.Figure:
     """Measured speed-up after each round, beside Leviathan's prediction from the measured α and c."""
     if not view.rounds or not view.baseline:
         return empty_figure("Needs a target-only baseline (not recorded in target-only mode).")
-    xs, measured, predicted = speedup_series(view)
+    xs, measured, predicted, band = speedup_series(view)
     parity = dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=1.0, y1=1.0, line=dict(color=GREY, width=1))
+    lows, highs = [b[0] if b else None for b in band], [b[1] if b else None for b in band]
+    # the prediction's band: α's 95% interval over the positions verified so far (wide after a few rounds)
+    interval = [go.Scatter(x=xs, y=highs, mode="lines", line=dict(width=0, color=PREDICTED_COLOUR), hoverinfo="skip",
+                           showlegend=False),
+                go.Scatter(x=xs, y=lows, mode="lines", line=dict(width=0, color=PREDICTED_COLOUR), fill="tonexty",
+                           fillcolor="rgba(230, 159, 0, 0.18)", name="predicted with α's 95% interval")]
     return chart_figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
-                    go.Scatter(x=xs, y=predicted, name="predicted: E(α, K) / (cK + r(K+1)), all measured",
-                               mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot"))],
-                   "Speed-up over target-only", "round", "× target-only", shapes=[parity])
+                         go.Scatter(x=xs, y=predicted, name="predicted: E(α, K) / (cK + r(K+1)), all measured",
+                                    mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot")),
+                         *interval],
+                        "Speed-up over target-only", "round", "× target-only", shapes=[parity])
 
 
 def identity_badge(view: RunView | None) -> str:
@@ -168,13 +175,14 @@ def _cost_text(view: RunView) -> str:
     return f"{c:.3f} = {draft:.2f} ms per draft forward / {step:.2f} ms per target step"
 
 
-def speedup_series(view: RunView) -> tuple[list[int], list[float | None], list[float | None]]:
-    """(round numbers, measured, predicted) after each round, from the records up to that round: the
-    same as reading `view.upto(n)` for every n, in one pass (the prediction's sums are carried from
-    round to round in a metrics.Tally, so a run of n rounds costs O(n), not O(n²))."""
+def speedup_series(view: RunView) -> tuple[list[int], list[float | None], list[float | None],
+                                           list[tuple[float, float] | None]]:
+    """(round numbers, measured, predicted, the prediction's band from α's interval) after each round, from the
+    records up to that round: the same as reading `view.upto(n)` for every n, in one pass (the prediction's
+    sums are carried from round to round in a metrics.Tally, so a run of n rounds costs O(n), not O(n²))."""
     curve = view.calibration.at if view.calibration else None
     tally, counted = metrics.Tally(), 0
-    xs, measured, predicted = [], [], []
+    xs, measured, predicted, band = [], [], [], []
     for n, r in enumerate(view.rounds, 1):
         tally.add(r)
         by = view.baseline_by(r.tokens_total)
@@ -184,4 +192,5 @@ def speedup_series(view: RunView) -> tuple[list[int], list[float | None], list[f
         xs.append(n)
         measured.append(metrics.measured_speedup(view.rounds[:n], view.baseline[:by]))
         predicted.append(tally.speedup_iid(curve))
-    return xs, measured, predicted
+        band.append(tally.speedup_iid_interval(curve))
+    return xs, measured, predicted, band
