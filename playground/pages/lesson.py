@@ -260,7 +260,11 @@ class LessonHandlers:
             pair = lesson_pair(self.registry, key)
             with self._turn():
                 new = LessonDriver.start(pair, self.text)
-                first = new.go(0)
+                try:
+                    first = new.go(0)
+                except BaseException:
+                    new.close()
+                    raise
         except (LessonError, ModelLoadError, ValueError) as exc:
             gr.Warning(str(exc))
             return (driver, *(gr.skip(),) * 9)
