@@ -1,5 +1,5 @@
 """`python -m engine <command>`: generate, bench, peer-bench, cache-bench, train-builtin, eval-builtin, train-draft,
-draft-data, train-eagle3, eval-eagle3, sampled-bench, watch."""
+draft-data, train-eagle3, eval-eagle3, sampled-bench, watch, audit, serve."""
 import sys
 
 
@@ -17,13 +17,17 @@ def main() -> int:
         "cache-bench": "engine.bench.cache_bench",
         "sampled-bench": "engine.bench.sampled",
         "watch": "engine.watch",
+        "audit": ("engine.audit.cli", "audit_main"),
+        "serve": ("engine.audit.cli", "serve_main"),
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(f"usage: python -m engine {{{','.join(commands)}}} [options]  (--help on each)", file=sys.stderr)
         return 2
     import importlib
 
-    return importlib.import_module(commands[sys.argv[1]]).main(sys.argv[2:])
+    module, function = commands[sys.argv[1]] if isinstance(commands[sys.argv[1]], tuple) \
+        else (commands[sys.argv[1]], "main")
+    return getattr(importlib.import_module(module), function)(sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from engine.drafters.eagle import EagleDrafter
 from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
+from engine.faults import Fault, faulty_verify
 from engine.metrics import summarize
 from engine.pair import ModelPair
 from engine.prompts import PromptError
@@ -68,7 +69,8 @@ class SpeculativeEngine:
     """
 
     def __init__(self, pair: ModelPair, prompt_ids: list[int], config: SpecConfig, kv_blocks: int | None = None,
-                 eos_id: int | None = None, now: Now = time.perf_counter, confidence: Confidence | None = None) -> None:
+                 eos_id: int | None = None, now: Now = time.perf_counter, confidence: Confidence | None = None,
+                 fault: Fault | None = None) -> None:
         if not prompt_ids:
             raise PromptError("The prompt is empty.")
         target = pair.target
@@ -78,7 +80,10 @@ class SpeculativeEngine:
                 f"The prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
                 f"{need} tokens exceed the target's context of {target.max_context}. Shorten the prompt "
                 f"or ask for fewer new tokens.")
+        if fault is not None and (config.sampling.greedy or config.tree is not None or config.mode is Mode.TARGET):
+            raise ValueError("a verification fault applies to a sampled (T > 0) chain of drafts only")
         self.config, self.pair, self.target = config, pair, target
+        self.fault = fault   # engine.faults: verify every drafted chain with a known-wrong rule (audits' checks)
         self.sequence = Sequence(prompt_ids, config.max_new_tokens,
                                  eos_id if eos_id is not None else target.tokenizer.eos_token_id, config.stop_at_eos)
         self._now = now
@@ -168,7 +173,11 @@ class SpeculativeEngine:
                 logits, features = self._verify_forward(proposal or NO_DRAFT)
         drafted = proposal or NO_DRAFT
         with clock.phase("verify"):
-            p_rows, verdict = drafted.verify(logits, self.config, self.gen_verify)
+            if self.fault is not None and isinstance(drafted, Proposal):
+                p_rows, verdict = faulty_verify(self.fault, drafted.q_draft, drafted.tokens, logits, self.config,
+                                                self.gen_verify)
+            else:
+                p_rows, verdict = drafted.verify(logits, self.config, self.gen_verify)
         with clock.phase("commit"):
             emitted = self.sequence.accept(verdict.tokens)
             self._commit(drafted, verdict, features)

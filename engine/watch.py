@@ -165,16 +165,16 @@ def interval(before: Counters, after: Counters) -> Interval:
 
 
 # -- fetching --------------------------------------------------------------------------------------------
-def check_allowed(url: str, allowed: tuple[str, ...] = (), flag: str = "--allow-host") -> None:
+def check_allowed(url: str, allowed: tuple[str, ...] = (), flag: str = "--allow-host", verb: str = "watched") -> None:
     """WatchError unless `url` is http(s) to a loopback address or to a host named in `allowed` (`flag`: the
-    option that names more, as the refusal tells the operator)."""
+    option that names more, as the refusal tells the operator; `verb`: what is done to a server)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WatchError(f"{url!r} is not an http(s) URL such as http://127.0.0.1:8000/metrics")
     host = parts.hostname
     if host in allowed or is_loopback(host):
         return
-    raise WatchError(f"{host} is not allowed: only loopback addresses are watched unless the operator names "
+    raise WatchError(f"{host} is not allowed: only loopback addresses are {verb} unless the operator names "
                      f"the host ({flag} {host})")
 
 

@@ -118,3 +118,18 @@ def browser():
         launched = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
         yield launched
         launched.close()
+
+
+@pytest.fixture()
+def handlers(builtin_pair):
+    """The Live engine page's handlers over the built-in pair (its registry loads nothing)."""
+    from types import SimpleNamespace
+
+    from playground.pages import live as page_live
+    from playground.registry import ModelRegistry
+    from playground.settings import AppSettings
+
+    draft, target = builtin_pair
+    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
+    yield page_live.LiveHandlers(SimpleNamespace(settings=AppSettings(), registry=registry))
+    registry.close()

@@ -12,6 +12,7 @@ from engine.pair import ModelPair
 from engine.prompts import encode_prompt
 from engine.sampling import SamplingParams
 from engine.speculative import SpeculativeEngine
+from engine.stats import goodness_of_fit
 from playground import controller
 from playground.pages import lab as page_lab
 from playground.render import lab as render_lab
@@ -19,7 +20,7 @@ from playground.render.tokens import chip_text
 from playground.sessions import Session
 from playground.teach import lab
 from playground.teach.lesson import WRONG_RULES, RoundRows, best_window, round_rows, rule_output, separation, window
-from playground.teach.losslessness import Rule, goodness_of_fit, simulate
+from playground.teach.losslessness import Rule, simulate
 from playground.view import Cursor, info_for_run
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"

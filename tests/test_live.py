@@ -67,16 +67,6 @@ def test_the_page_is_off_on_a_space_unless_its_operator_turns_it_on():
         assert page_live.build(ctx) is None
 
 
-@pytest.fixture()
-def handlers(builtin_pair):
-    from playground.registry import ModelRegistry
-
-    draft, target = builtin_pair
-    registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
-    yield page_live.LiveHandlers(SimpleNamespace(settings=AppSettings(), registry=registry))
-    registry.close()
-
-
 def test_the_pages_figures_are_the_counters_own(handlers, served):
     live, timer, summary, model, *figures = handlers.start(None, served.url, 1.0, None, 0.1, 1.2)
     assert timer.active and live.watcher is not None and "waiting for a second reading" in summary

@@ -21,8 +21,9 @@ from engine.pair import ModelPair
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.speculative import SpeculativeEngine
+from engine.stats import goodness_of_fit
 from engine.tree import verify_tree
-from playground.teach.losslessness import goodness_of_fit, no_residual_update
+from playground.teach.losslessness import no_residual_update
 from tests.conftest import tiny_model
 from tests.test_eagle import random_head
 

@@ -9,8 +9,9 @@ import torch
 
 from engine.records import Outcome
 from engine.sampling import SamplingParams, draw_uniform, logits_to_probs, sample_from
+from engine.stats import goodness_of_fit
 from engine.verify import ROW_SUM_TOL, Verdict, align_vocab, verify, verify_greedy, verify_reference
-from playground.teach.losslessness import Rule, check_rule, goodness_of_fit, passes, simulate
+from playground.teach.losslessness import Rule, check_rule, passes, simulate
 
 SIGNIFICANCE = 1e-3
 TRIALS = 120_000

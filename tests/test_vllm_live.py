@@ -104,3 +104,26 @@ def test_the_live_page_shows_what_vllms_counters_say(server):
     assert list(per_position.data[0].y) == pytest.approx([delta[f"accepted_tokens_per_pos[{i}]"] / delta["drafts"]
                                                           for i in range(k)])
     assert prediction.data and prediction.data[1].x[0] == k
+
+
+def test_the_audit_finds_this_vllm_builds_speculative_sampling_lossy(server, smol):
+    """vLLM 0.32.0's CPU build with n-gram speculation samples the repeating list's first speculative token
+    far from SmolLM2's own distribution (docs/audit.md has the runs): the drafted continuation comes back more
+    often than the model gives it. A future vLLM that fixes it fails this test: re-run the audit
+    and update docs/audit.md with the version."""
+    from engine.audit.client import Endpoint
+    from engine.audit.exact import exact_joint, floor_for
+    from engine.audit.run import DEFAULT_PROMPT, AuditPlan, audit_exact
+    from engine.prompts import encode_prompt
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(1.0, 0, 1.0)     # top-k on this build's speculative path kills its engine (HTTP 500)
+    plan = AuditPlan(2, 300, params, per_request=100, seed=0)
+    ids = encode_prompt(smol.tokenizer, DEFAULT_PROMPT)
+    joint = exact_joint(smol, ids, 2, params, min_prob=floor_for(plan.samples))
+    report = audit_exact(Endpoint.of(server), ids, joint, "smollm2", smol.tokenizer.decode, plan)
+    a = report.analysis
+    assert a.tests[0].fit.p_value > 1e-3, report.lines()      # the first token, before any draft, is right
+    assert not a.passed and a.p_value < 1e-6, report.lines()
+    likeliest = max(a.cells, key=lambda c: c.observed)
+    assert likeliest.observed > likeliest.expected + 5 * likeliest.expected ** 0.5, report.lines()

@@ -70,7 +70,9 @@ def build() -> LabPage:
     """Lay the tab out in the current Blocks context; the lab uses the round selected in the playground."""
     gr.Markdown("Take the selected round's **real** p and q rows, run its verification N times with fresh random "
                 "draws, and test whether the emitted tokens follow p_target (Pearson χ², one test per output "
-                "index). Use temperature > 0 in the playground: greedy rows are one-hot and every rule looks fine.")
+                "index). Use temperature > 0 in the playground: greedy rows are one-hot and every rule looks fine. "
+                "The same test audits a real server's sampling end to end: **Live engine** tab, *Audit its "
+                "sampling* (or `python -m engine audit URL`).")
     with gr.Row():
         rule = gr.Radio(RULE_CHOICES, value=Rule.CORRECT.value, label="Verification rule", elem_id="lab-rule")
         with gr.Column():

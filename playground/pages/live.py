@@ -1,5 +1,6 @@
 """The Live engine tab: a real vLLM or SGLang server's speculative-decoding metrics, polled and drawn over
-time next to Leviathan's prediction, and a specplay run of the same K beside them.
+time next to Leviathan's prediction, a specplay run of the same K beside them, and an audit of the server's
+sampling (engine.audit): is it lossless?
 
 The server fetches the URL, so only the addresses the operator allows are fetched (engine.watch: loopback
 unless `--watch-host` names more), each fetch bounded in time and size, in its own queue so that a slow
@@ -13,16 +14,24 @@ from dataclasses import dataclass, replace
 import gradio as gr
 
 from engine import metrics
+from engine.audit.client import AuditError, Endpoint, Stop
+from engine.audit.exact import ExactError, exact_joint, floor_for
+from engine.audit.run import DEFAULT_PROMPT as AUDIT_PROMPT
+from engine.audit.run import AuditPlan, audit_exact, audit_reference
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, SpecConfig
 from engine.models import ModelLoadError
-from engine.prompts import ChatPrompt, PromptError
+from engine.prompts import ChatPrompt, PromptError, encode_prompt
 from engine.sampling import SamplingParams
 from engine.watch import Watcher, WatchError
 from playground.controller import Context
+from playground.render import audit as render_audit
 from playground.render import live as render
 
 DEFAULT_URL = "http://127.0.0.1:8000/metrics"
+AUDIT_MAX_SAMPLES = 5000
+AUDIT_TIME_LIMIT_S = 300.0
+REFERENCE = "reference"
 SIDE_TOKENS = 64
 DRAFTERS = (("prompt lookup (as vLLM's ngram)", DrafterKind.NGRAM.value), ("EAGLE head", DrafterKind.EAGLE.value),
             ("EAGLE + prompt lookup", DrafterKind.EAGLE_HYBRID.value), ("draft model", DrafterKind.MODEL.value))
@@ -56,9 +65,31 @@ class LivePage:
     run: gr.Button
     timer: gr.Timer
     state: gr.State
+    audit: "AuditControls"
 
     def figures(self) -> list:
         return [self.summary, self.model, self.acceptance, self.per_position, self.throughput, self.prediction]
+
+
+@dataclass(frozen=True)
+class AuditControls:
+    url: gr.Textbox
+    against: gr.Dropdown
+    reference: gr.Textbox
+    prompt: gr.Textbox
+    temperature: gr.Number
+    top_k: gr.Number
+    top_p: gr.Number
+    tokens: gr.Number
+    samples: gr.Number
+    start: gr.Button
+    stop: gr.Button
+    verdict: gr.Markdown
+    counts: gr.Plot
+
+    def inputs(self) -> list:
+        return [self.url, self.against, self.reference, self.prompt, self.temperature, self.top_k, self.top_p,
+                self.tokens, self.samples]
 
 
 def render_all(live: LiveState, model: str | None, c: float | None, r: float | None) -> tuple:
@@ -78,6 +109,7 @@ def render_all(live: LiveState, model: str | None, c: float | None, r: float | N
 class LiveHandlers:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        self._audits: dict[str, Stop] = {}    # a running audit's stop flag, by the visitor's session
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -153,6 +185,58 @@ class LiveHandlers:
         return (live, c, r, *render_all(live, model, c, r))
 
 
+    # -- the audit ------------------------------------------------------------------------------------------
+    def audit(self, url: str, against: str, reference: str, prompt: str, temperature, top_k, top_p, tokens,
+              samples, request: gr.Request, progress=gr.Progress()) -> tuple:
+        """Audit the server at `url` against the exact distribution of a target loaded here, or against a
+        reference server; one audit per visitor at a time, stopped by `stop_audit`."""
+        key = request.session_hash if request is not None else ""
+        if key in self._audits:
+            gr.Warning("An audit is already running on this page: stop it first.")
+            return gr.skip(), gr.skip()
+        stop = self._audits[key] = Stop()
+        try:
+            report = self._audit(url, against, reference, prompt, temperature, top_k, top_p, tokens, samples, stop,
+                                 progress)
+        except (AuditError, ExactError, ModelLoadError, PromptError, ValueError) as exc:
+            gr.Warning(str(exc))
+            return f"**The audit could not run:** {exc}", gr.skip()
+        finally:
+            self._audits.pop(key, None)
+        return render_audit.verdict_markdown(report), render_audit.counts_figure(report)
+
+    def _audit(self, url, against, reference, prompt, temperature, top_k, top_p, tokens, samples, stop, progress):
+        samples = int(samples or 0)
+        if not 50 <= samples <= AUDIT_MAX_SAMPLES:
+            raise ValueError(f"samples must be from 50 to {AUDIT_MAX_SAMPLES} here (the command line takes more)")
+        params = SamplingParams(float(temperature or 0), int(top_k or 0), float(top_p or 1.0))
+        plan = AuditPlan(int(tokens or 0), samples, params, time_limit_s=AUDIT_TIME_LIMIT_S)
+        endpoint = Endpoint.of((url or "").strip(), allowed=self.allowed, flag="python app.py --watch-host")
+
+        def report(name: str, done: int, total: int) -> None:
+            progress((done, total), desc=f"{name}: {done} of {total} completions", unit="completions")
+
+        if against == REFERENCE:
+            ref = Endpoint.of((reference or "").strip(), allowed=self.allowed, flag="python app.py --watch-host")
+            return audit_reference(endpoint, ref, prompt, str, plan, report, stop)
+        preset = next((p for p in self.ctx.registry.presets if p.target == against), None)
+        if preset is None:
+            raise ValueError(f"no model {against!r} on this server")
+        target = self.ctx.registry.pair(preset.key).target
+        tok = target.tokenizer
+        ids = encode_prompt(tok, prompt)   # as a completions API takes it: the text itself, no chat template
+        progress(0.0, desc="computing the exact distribution")
+        with self.ctx.registry.gate.held():
+            joint = exact_joint(target, ids, plan.m, params, min_prob=floor_for(samples))
+        return audit_exact(endpoint, ids, joint, preset.target, tok.decode, plan, report, stop)
+
+    def stop_audit(self, request: gr.Request) -> None:
+        stop = self._audits.get(request.session_hash if request is not None else "")
+        if stop is not None:
+            stop.set()
+            gr.Info("Stopping the audit after the requests in flight.")
+
+
 def build(ctx: Context) -> LivePage | None:
     """Lay the tab out in the current Blocks context and wire it; None (and a sentence) when it is off."""
     if not ctx.settings.live_engine:
@@ -189,12 +273,48 @@ def build(ctx: Context) -> LivePage | None:
         prompt = gr.Textbox("Why is the sky blue?", label="prompt", scale=3, elem_id="live-prompt")
         drafter = gr.Dropdown(DRAFTERS, value=DrafterKind.NGRAM.value, label="drafter", scale=1, elem_id="live-drafter")
         run = gr.Button("Run specplay with the same K", scale=1, elem_id="live-run")
+    audit = _build_audit(ctx)
     timer = gr.Timer(5, active=False)
     state = gr.State(None)
     page = LivePage(url, interval, watch, stop, model, c, r, summary, acceptance, per_position, throughput,
-                    prediction, prompt, drafter, run, timer, state)
+                    prediction, prompt, drafter, run, timer, state, audit)
     _wire(page, LiveHandlers(ctx))
     return page
+
+
+def _build_audit(ctx: Context) -> AuditControls:
+    targets = list(dict.fromkeys(p.target for p in ctx.registry.presets))
+    gr.Markdown("### Audit its sampling\nIs the server's speculative sampling lossless? The audit asks for many "
+                "completions of the first few tokens at a temperature above 0 and tests them (chi-square) against "
+                "the exact distribution computed here from the same weights, or against the same model served "
+                "without speculation. The exact test needs the server to serve exactly the weights named (a "
+                "quantized or differently converted copy samples another distribution); otherwise give a reference "
+                "server. The losslessness lab (Lesson tab) shows the same test on one round. "
+                "`python -m engine audit URL` runs it from a terminal.")
+    with gr.Row():
+        url = gr.Textbox("http://127.0.0.1:8000", label="server (OpenAI-compatible completions)", scale=3,
+                         elem_id="audit-url")
+        against = gr.Dropdown([(f"exact: {t} (its weights here)", t) for t in targets]
+                              + [("another server, without speculation", REFERENCE)], value=targets[0],
+                              label="test against", scale=2, elem_id="audit-against")
+        reference = gr.Textbox("", label="reference server (when testing against one)", scale=2,
+                               elem_id="audit-reference")
+    with gr.Row():
+        prompt = gr.Textbox(AUDIT_PROMPT, label="prompt (a repeating one lets prompt lookup draft)", scale=3,
+                            elem_id="audit-prompt")
+        temperature = gr.Number(1.0, label="temperature", minimum=0.05, maximum=5, scale=1, elem_id="audit-t")
+        top_k = gr.Number(8, label="top-k (0 off)", minimum=0, precision=0, scale=1, elem_id="audit-top-k")
+        top_p = gr.Number(1.0, label="top-p", minimum=0.01, maximum=1, scale=1, elem_id="audit-top-p")
+        tokens = gr.Number(3, label="tokens tested", minimum=1, maximum=4, precision=0, scale=1, elem_id="audit-m")
+        samples = gr.Number(1000, label="completions", minimum=50, maximum=AUDIT_MAX_SAMPLES, precision=0, scale=1,
+                            elem_id="audit-samples")
+    with gr.Row():
+        start = gr.Button("Audit", variant="primary", elem_id="audit-start")
+        stop = gr.Button("Stop the audit", elem_id="audit-stop")
+    verdict = gr.Markdown(render_audit.verdict_markdown(None), elem_id="audit-verdict")
+    counts = gr.Plot(render_audit.counts_figure(None), show_label=False, elem_id="audit-counts")
+    return AuditControls(url, against, reference, prompt, temperature, top_k, top_p, tokens, samples, start, stop,
+                         verdict, counts)
 
 
 def _wire(page: LivePage, h: LiveHandlers) -> None:
@@ -208,6 +328,10 @@ def _wire(page: LivePage, h: LiveHandlers) -> None:
     page.stop.click(h.stop, [page.state, *inputs], [page.state, page.timer, *figures], api_name=False)
     for box in inputs:
         box.input(h.redraw, [page.state, *inputs], figures, api_name=False)
+    a = page.audit
+    a.start.click(h.audit, a.inputs(), [a.verdict, a.counts], api_name=False, concurrency_id="live-audit",
+                  concurrency_limit=4)
+    a.stop.click(h.stop_audit, None, None, api_name=False, queue=False)
     page.run.click(h.run_beside, [page.state, page.prompt, page.drafter, *inputs],
                    [page.state, page.c, page.r, *figures], api_name=False, concurrency_id="live-run",
                    concurrency_limit=1)

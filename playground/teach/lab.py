@@ -2,7 +2,7 @@
 rule or a deliberately wrong one, and test the emitted tokens against p_target.
 
 The round's full-vocabulary rows come from playground.teach.lesson.round_rows (its forwards re-run on
-fresh caches); the Monte-Carlo and the chi-square test are playground.teach.losslessness's.
+fresh caches); the Monte-Carlo is playground.teach.losslessness's, the chi-square test engine.stats'.
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.stats import FitResult, goodness_of_fit
 from playground.teach.lesson import RoundRows, RuleOutput, best_window, rule_output, window
-from playground.teach.losslessness import MIN_SAMPLES, FitResult, Rule, goodness_of_fit, simulate
+from playground.teach.losslessness import MIN_SAMPLES, Rule, simulate
 
 ALPHA_LEVEL = 1e-3     # each index's test rejects "counts ~ p_target" below this p-value
 DEFAULT_TRIALS = 10_000

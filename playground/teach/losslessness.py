@@ -11,20 +11,17 @@ p_target[K]. Each wrong rule breaks this at some index, which a chi-square test 
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from enum import Enum
 
 import torch
 from torch import Tensor
 
 from engine.sampling import draw_uniform, sample_many
+from engine.stats import FitResult, goodness_of_fit
 from engine.verify import acceptance_probability
 
 # Fewer samples than this at an output index and check_rule does not test that index.
 MIN_SAMPLES = 50
-# Cells whose expected count is below this are pooled (the chi-square approximation needs it).
-MIN_EXPECTED = 5.0
 
 
 class Rule(str, Enum):
@@ -41,34 +38,6 @@ def no_residual_update(p: Tensor, q_i: Tensor) -> Tensor:
     against the same p, with no residual update after a rejection. It over-produces the tokens the draft
     proposes; the losslessness test shows it."""
     return p
-
-
-@dataclass(frozen=True, slots=True)
-class FitResult:
-    """Pearson chi-square of observed counts against a distribution.
-
-    statistic: sum over used cells of (observed - expected)^2 / expected (inf if a token with
-        zero probability was observed). dof: used cells - 1. p_value: P(chi2_dof >= statistic).
-    n: observations. index: the output index tested (None outside check_rule).
-    passed: p_value >= alpha_level, i.e. the test did not reject "counts ~ distribution".
-    """
-
-    statistic: float
-    dof: int
-    p_value: float
-    n: int
-    alpha_level: float = 1e-3
-    index: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.alpha_level < 1.0:
-            raise ValueError(f"alpha_level must be in (0, 1), got {self.alpha_level}")
-        if self.dof < 0 or self.n < 0:
-            raise ValueError(f"dof and n must be >= 0, got dof={self.dof}, n={self.n}")
-
-    @property
-    def passed(self) -> bool:
-        return self.p_value >= self.alpha_level
 
 
 def simulate(q_draft: Tensor, p_target: Tensor, rule: Rule, trials: int, generator: torch.Generator | None) -> Tensor:
@@ -140,63 +109,6 @@ def _count_emitted(drafts: Tensor, n_accepted: Tensor, final: Tensor, keep_final
     valid = emitted >= 0
     flat = (index * v + emitted)[valid]
     return torch.bincount(flat, minlength=(k + 1) * v).view(k + 1, v)
-
-
-def goodness_of_fit(
-    counts_row: Tensor, p_row: Tensor, *, alpha_level: float = 1e-3, index: int | None = None
-) -> FitResult:
-    """Pearson chi-square test of counts_row (Tensor[V]) against the distribution p_row (Tensor[V]).
-
-    Cells: a token with p = 0 that was observed makes the statistic inf and p_value 0 (an
-    impossible event happened); tokens with p = 0 and no observations are dropped. Cells whose
-    expected count n*p is below MIN_EXPECTED are pooled into one bin; if that bin is still
-    below MIN_EXPECTED it is merged into the smallest remaining cell. dof = used cells - 1; with
-    a single cell (e.g. a one-hot greedy row) dof = 0, the statistic is 0 and p_value 1: the
-    support check above is then the whole test. p_value = Q(dof/2, statistic/2), the upper
-    regularised gamma function (chi-square survival function).
-    """
-    observed = counts_row.double().cpu()
-    p = p_row.double().cpu()
-    n = int(observed.sum().item())
-    if observed.shape != p.shape or observed.dim() != 1:
-        raise ValueError(
-            f"counts_row and p_row must be 1-D of the same size, got {tuple(observed.shape)} and {tuple(p.shape)}"
-        )
-    if n == 0 or not float(p.sum()) > 0:
-        raise ValueError(f"need observations and a distribution with mass, got n={n}, sum(p)={float(p.sum())}")
-    if bool(((p == 0) & (observed > 0)).any()):
-        return FitResult(math.inf, 0, 0.0, n, alpha_level, index)
-    expected = n * p / p.sum()
-    obs_cells, exp_cells = _pool_cells(observed[p > 0], expected[p > 0])
-    dof = len(exp_cells) - 1
-    if dof == 0:
-        return FitResult(0.0, 0, 1.0, n, alpha_level, index)
-    statistic = float((((obs_cells - exp_cells) ** 2) / exp_cells).sum())
-    p_value = chi_square_survival(statistic, dof)
-    return FitResult(statistic, dof, p_value, n, alpha_level, index)
-
-
-def chi_square_survival(statistic: float, dof: int) -> float:
-    """P(chi2_dof >= statistic) = Q(dof/2, statistic/2), the upper regularised gamma function."""
-    half = torch.tensor([dof / 2, statistic / 2], dtype=torch.float64)
-    return float(torch.special.gammaincc(half[0], half[1]))
-
-
-def _pool_cells(observed: Tensor, expected: Tensor) -> tuple[Tensor, Tensor]:
-    """Pool cells with expected < MIN_EXPECTED into one bin (merged into the smallest cell if
-    that bin is itself too small). Returns (observed, expected) per used cell."""
-    small = expected < MIN_EXPECTED
-    obs, exp = observed[~small], expected[~small]
-    if not bool(small.any()):
-        return obs, exp
-    pooled_obs, pooled_exp = observed[small].sum().view(1), expected[small].sum().view(1)
-    if float(pooled_exp) >= MIN_EXPECTED or exp.numel() == 0:
-        return torch.cat([obs, pooled_obs]), torch.cat([exp, pooled_exp])
-    smallest = int(torch.argmin(exp))
-    obs, exp = obs.clone(), exp.clone()
-    obs[smallest] += pooled_obs[0]
-    exp[smallest] += pooled_exp[0]
-    return obs, exp
 
 
 def check_rule(
