@@ -25,7 +25,7 @@ from engine.records import RunSummary
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN
 
-DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8")
 
 
 class UsageError(ValueError):
@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-device", default=None, help="device for the draft model (default: cuda:0 if present, else cpu)")
     p.add_argument("--target-device", default=None,
                    help="device for the target (default: cuda:1 with 2+ GPUs, cuda:0 with one, else cpu)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype; auto = fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights dtype; auto = fp32 on CPU, bf16 on CUDA; int8: int8 copies of the matrices, "
+                        "products in integers (CPU)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow Hub models that ship their own modelling code (runs that code)")
     p.add_argument("--no-compare", action="store_true", help="skip the interleaved target-only baseline")

@@ -146,6 +146,51 @@ class Bf16Weights:
         return out if bias is None else out + bias
 
 
+class Int8Weights:
+    """The model's matrices as int8 (one scale per output row, symmetric), which `linear` multiplies with in
+    their place: each input row is rounded to int8 with its own scale, the product is an exact int32 sum
+    (`torch._int_mm`), and the two scales bring it back to fp32. Embeddings, norms, attention and the residual
+    stream stay fp32. An integer sum does not depend on its order or on the other rows in the product, so a
+    row's result is the same alone or inside a verify of K + 1 rows. Attention is the one product whose kernel
+    and summation order change with the rows fed (one row, or K + 1 under a mask); with int8 products a
+    difference of one fp32 rounding there can move a value across an int8 step, so this forward computes
+    attention in float64 and rounds it back to fp32: the two orders then round to the same fp32 values but
+    for differences below 1e-16 that fall on a rounding edge. Speculative decoding on this target emits what
+    target-only decoding on it emits (tested token for token). It is not the fp32 model: each product is off by about 1%
+    (relative), and greedy text drifts from the fp32 model's after a while (docs/performance.md measures both).
+    CPU only; 4x less weight memory to read per token than fp32."""
+
+    def __init__(self, matrices: list[torch.Tensor]) -> None:
+        self._int8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for m in matrices:
+            scale = (m.detach().float().abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+            q = torch.round(m.detach().float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            self._int8[id(m)] = (q.t().contiguous(), scale)
+        self._keep = matrices  # the ids stay valid while the fp32 matrices live
+        self.bytes = sum(m.numel() + m.shape[0] * 4 for m in matrices)
+
+    @staticmethod
+    def unsupported(matrices: list[torch.Tensor]) -> str | None:
+        if any(m.device.type != "cpu" or m.dtype != torch.float32 for m in matrices):
+            return "int8 weights are made from fp32 matrices on the CPU"
+        return None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self._int8.get(id(weight))
+        if packed is None:
+            return F.linear(x, weight, bias)
+        q, scale = packed
+        rows = x.reshape(-1, x.shape[-1])
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+        rows_q = torch.round(rows / row_scale).to(torch.int8)
+        out = torch._int_mm(rows_q, q).float().mul_(row_scale).mul_(scale)
+        out = out.view(*x.shape[:-1], q.shape[1])
+        return out if bias is None else out + bias
+
+
+WEIGHTS = ("fp32", "int8")   # what the fused forward multiplies with: the model's fp32 matrices, or int8 copies
+
+
 def blocked_min_rows(vendor: str | None = None) -> int:
     """The fewest rows a forward multiplies with the blocked matrices: 1 on AMD CPUs (where torch's
     default fp32 linear is the slower one at every row count), else BLOCKED_MIN_ROWS; the environment
@@ -190,7 +235,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class FusedLlama:
     """The engine's forward for one Llama-family model; shared by every runner of that model."""
 
-    def __init__(self, model: torch.nn.Module, blocked: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, blocked: bool = True, weights: str = "fp32") -> None:
+        """`weights`: "fp32" multiplies with the model's own matrices (and their blocked copies, where the CPU
+        gains from them), "int8" with `Int8Weights` in every forward."""
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
         reason = self.unsupported(model)
         if reason:
             raise ValueError(f"the fused forward does not support this model: {reason}")
@@ -208,6 +257,14 @@ class FusedLlama:
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
         matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         matrices.append(self.lm_head)
+        self.weights = weights
+        if weights == "int8":
+            problem = Int8Weights.unsupported(matrices)
+            if problem:
+                raise ValueError(problem)
+            self.blocked_rows, self.blocked_reason = 1, "int8 weights"
+            self.blocked = Int8Weights(matrices)     # every forward, every row count, multiplies with them
+            return
         self.blocked_rows = blocked_min_rows()   # forwards of at least this many rows use the blocked copy
         self.blocked_reason = "turned off" if not blocked else BlockedWeights.unsupported(matrices) or \
             one_copy_reason(sum(m.numel() * m.element_size() for m in matrices), self.blocked_rows)
@@ -306,7 +363,7 @@ class FusedLlama:
             if i in taps:
                 tapped[i] = x[0]
             x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,
-                              self.heads, self.kv_heads, self.head_dim, linear)
+                              self.heads, self.kv_heads, self.head_dim, linear, self.weights == "int8")
         features = _rms_norm(x, self.norm)[0]
         head_in = features[-1:] if last_only else features
         tapped[len(self.layers)] = features   # tap L (past the last layer): the post-norm output, as in HF
@@ -340,13 +397,14 @@ class FusedLlama:
 
 def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tensor, sin: torch.Tensor,
                   mask: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int,
-                  linear=F.linear) -> torch.Tensor:
+                  linear=F.linear, exact_attention: bool = False) -> torch.Tensor:
     """One Llama decoder layer on x [b, q, d]: attention (queries and keys rotated together, GQA) and
     the gated MLP, each with its pre-norm and residual. `keys_values(ks, vs)` stores this step's K/V
     ([b, kv_heads, q, head_dim]) and returns every K/V the queries attend to; `mask` ([q, keys], or
     [b, 1, q, keys] for a batch) says which (None: all); `cos`/`sin` broadcast against [b, heads, q,
-    head_dim]; `linear(x, weight, bias)` multiplies by a matrix. Shared by the fused forward (one
-    sequence, or a batch: `BatchForward`) and the EAGLE-style drafter's layer."""
+    head_dim]; `linear(x, weight, bias)` multiplies by a matrix. `exact_attention`: attention in float64, rounded
+    back (see Int8Weights). Shared by the fused forward (one sequence, or a batch:
+    `BatchForward`) and the EAGLE-style drafter's layer."""
     b, q = x.shape[0], x.shape[1]
     qkv = linear(_rms_norm(x, layer.norm_in), layer.qkv, layer.qkv_bias)
     qk, vs = qkv.split([layer.q_size + layer.kv_size, layer.kv_size], dim=-1)
@@ -355,8 +413,12 @@ def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tens
     qs, ks = qk.split([heads, kv_heads], dim=1)
     vs = vs.view(b, q, kv_heads, head_dim).transpose(1, 2)
     keys, values = keys_values(ks, vs)
-    attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=layer.scaling,
-                                          enable_gqa=kv_heads != heads)
+    if exact_attention:
+        attn = F.scaled_dot_product_attention(qs.double(), keys.double(), values.double(), attn_mask=mask,
+                                              scale=layer.scaling, enable_gqa=kv_heads != heads).to(qs.dtype)
+    else:
+        attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=layer.scaling,
+                                              enable_gqa=kv_heads != heads)
     x = x + linear(attn.transpose(1, 2).reshape(b, q, heads * head_dim), layer.o, layer.o_bias)
     gate, up = linear(_rms_norm(x, layer.norm_post), layer.gate_up).split(layer.inter, dim=-1)
     return x + linear(F.silu(gate) * up, layer.down)

@@ -34,19 +34,29 @@ class LoadedModel:
     max_context: int
     fused: FusedLlama | None = field(default=None, compare=False, repr=False)
     weight_bytes: int = field(default=0, compare=False)   # the module's parameters, counted once at load
+    weights: str = "fp32"  # what its forward multiplies with: the module's own matrices, or "int8" copies
 
     @staticmethod
     def of(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-           max_context: int | None = None, fuse: bool = True) -> "LoadedModel":
+           max_context: int | None = None, fuse: bool = True, weights: str = "fp32") -> "LoadedModel":
         """Wrap a module already on its device and in eval mode; build its fused forward if it can have
-        one (and `fuse`: a model still being trained keeps its weights as they are)."""
+        one (and `fuse`: a model still being trained keeps its weights as they are). `weights` "int8": the
+        fused forward multiplies with int8 copies of the matrices (engine.fused_llama.Int8Weights); a model
+        the fused forward cannot run gets a ModelLoadError then."""
         weight = model.get_output_embeddings().weight
         config = model.config
         context = max_context or int(getattr(config, "max_position_embeddings", 2048) or 2048)
-        fused = None if not fuse or FusedLlama.unsupported(model) else FusedLlama(model)
+        unsupported = FusedLlama.unsupported(model)
+        if weights != "fp32" and (unsupported or not fuse):
+            raise ModelLoadError(f"{name}: {weights} weights need the engine's fused forward, which cannot run it "
+                                 f"({unsupported or 'not fused'})")
+        try:
+            fused = None if not fuse or unsupported else FusedLlama(model, weights=weights)
+        except ValueError as exc:
+            raise ModelLoadError(f"{name}: {exc}") from None
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         return LoadedModel(name, model, tokenizer, weight.device, weight.dtype, int(weight.shape[0]), context, fused,
-                           size)
+                           size, weights)
 
     @property
     def kv_shape(self) -> KVShape:
@@ -54,9 +64,14 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' means fp32 on CPU (bf16 is slower there for multi-token forwards) and bf16 on CUDA."""
+    """'auto' means fp32 on CPU (bf16 is slower there for multi-token forwards) and bf16 on CUDA; 'int8' loads
+    fp32 (the int8 copies are made from it)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "int8":
+        if device.type != "cpu":
+            raise ValueError("int8 weights run on the CPU only")
+        return torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype == "auto":
@@ -102,7 +117,7 @@ def load_model(source: str, role: str = "target", *, device: torch.device | str 
         raise ModelLoadError(f"Could not load {role} model {where.name!r} from {where.path}: "
                              f"{type(exc).__name__}: {_first_line(exc)}.{missing_hint(source)}") from exc
     model.to(device).eval()
-    return LoadedModel.of(where.name, model, tokenizer)
+    return LoadedModel.of(where.name, model, tokenizer, weights="int8" if dtype == "int8" else "fp32")
 
 
 def _first_line(exc: BaseException) -> str:

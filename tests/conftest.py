@@ -44,7 +44,7 @@ def smol() -> LoadedModel:
 
 
 def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: int = 64,
-               dtype: torch.dtype = torch.float32, max_positions: int = 512) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, max_positions: int = 512, weights: str = "fp32") -> LoadedModel:
     """A random Llama with the built-in tokenizer; different seeds give different distributions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,7 +53,7 @@ def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: 
                          num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=max_positions,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config).to(dtype).eval()
-    return LoadedModel.of(f"tiny-{layers}x{hidden}-seed{seed}", model, tokenizer)
+    return LoadedModel.of(f"tiny-{layers}x{hidden}-seed{seed}", model, tokenizer, weights=weights)
 
 
 def hf_greedy(target: LoadedModel, prompt_ids: list[int], new_tokens: int, eos_id: int | None = None) -> list[int]:

@@ -16,6 +16,7 @@ from engine.bench.methods import (
     DEFAULT_METHODS,
     METHOD_NAMES,
     PROMPT_SETS,
+    REFERENCE,
     BenchSettings,
     Method,
     build_methods,
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the target's source)")
     p.add_argument("--draft-device", default=None, help="default: cuda:0 if present, else cpu")
     p.add_argument("--target-device", default=None, help="default: cuda:1 with 2+ GPUs, cuda:0 with one, else cpu")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype; auto = fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights dtype; auto = fp32 on CPU, bf16 on CUDA; int8: int8 copies of the matrices, "
+                        "products in integers (CPU)")
     p.add_argument("--prompts", choices=PROMPT_SETS, default="heldout",
                    help="heldout: windows of held-out stdlib test files; code: their first halves, to continue; "
                         "chat: the project's 32 chat questions; chat-heldout: the 16 kept from every training; "
@@ -163,7 +166,8 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
         if draft is not None and any(m.uses_draft_model for m in drafters):   # a verify right after a chain
             drafted = calibrate(target, context=context, repeats=settings.calibration_repeats, draft=draft)
         samples = run_bench(settings, models, prompts, progress=not a.no_progress)
-    results = summarize_all(list(samples), samples, curve.at, drafted.at if drafted else None)
+    reference = REFERENCE if target.weights == "fp32" else "target"
+    results = summarize_all(list(samples), samples, curve.at, drafted.at if drafted else None, reference)
     heads = sorted({pair.eagle.matrices for pair in (models.pair, models.eagle3) if pair and pair.eagle})
     meta = make_meta(argv, settings, target, draft, prompts, results, time.perf_counter() - t0, curve, drafted,
                      ", ".join(heads))

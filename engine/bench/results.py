@@ -210,14 +210,16 @@ def summarize(method: Method, samples: Sequence[RunSample], t1: float, fastest: 
 
 
 def summarize_all(methods: Sequence[Method], samples: dict[Method, list[RunSample]],
-                  r_of_n: Callable[[int], float], r_after_draft: Callable[[int], float] | None = None
-                  ) -> list[MethodResult]:
+                  r_of_n: Callable[[int], float], r_after_draft: Callable[[int], float] | None = None,
+                  reference_method: str = REFERENCE) -> list[MethodResult]:
     """Results for every method: the reference forward per implementation, the fastest baseline. Methods that
-    run a draft model predict with `r_after_draft` (calibrated after the draft's chain) when it is given."""
+    run a draft model predict with `r_after_draft` (calibrated after the draft's chain) when it is given.
+    Tokens are compared with `reference_method`'s (the engine's own target-only run where the engine does not
+    multiply with the model's own weights: int8)."""
     t1 = {"hf": reference_forward_s(samples[Method("hf-generate")]),
           "engine": reference_forward_s(samples[Method("target")])}
     reference: dict[int, list[int]] = {}
-    for s in samples[Method(REFERENCE)]:
+    for s in samples[Method(reference_method)]:
         reference.setdefault(s.prompt, s.tokens)
     fastest = samples[max((m for m in methods if m.name in UNDRAFTED), key=lambda m: tokens_per_s(samples[m]))]
     return [summarize(m, samples[m], t1[m.family], fastest, reference,
