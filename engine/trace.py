@@ -62,7 +62,7 @@ class TraceHeader:
     target: str
     draft: str | None            # None when no draft model was used (target-only or n-gram runs)
     devices: dict[str, str]      # role ("target", "draft") -> device
-    dtypes: dict[str, str]       # role -> dtype
+    dtypes: dict[str, str]       # role -> dtype ("int8": the forward multiplies with int8 copies)
     versions: dict[str, str]     # python, torch, transformers, specplay
     seed: int
     chat: ChatPrompt | None = None   # the chat turn the prompt ids were templated from (None: raw text)
@@ -138,7 +138,8 @@ def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: 
         prompt=prompt, prompt_ids=[int(t) for t in prompt_ids], config=config_to_dict(config),
         target=target.name, draft=used.name if used is not None else None,
         devices={role: str(m.device) for role, m in roles.items()},
-        dtypes={role: str(m.dtype).replace("torch.", "") for role, m in roles.items()},
+        dtypes={role: "int8" if m.weights == "int8" else str(m.dtype).replace("torch.", "")
+                for role, m in roles.items()},
         versions={"python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "specplay": _specplay_version()},
         seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None)

