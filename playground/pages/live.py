@@ -290,7 +290,8 @@ def _build_audit(ctx: Context) -> AuditControls:
                 "without speculation. The exact test needs the server to serve exactly the weights named (a "
                 "quantized or differently converted copy samples another distribution); otherwise give a reference "
                 "server. The losslessness lab (Lesson tab) shows the same test on one round. "
-                "`python -m engine audit URL` runs it from a terminal.")
+                "`python -m engine audit URL` runs it from a terminal. vLLM 0.32's CPU build stops its engine on a "
+                "top-k request with speculation on: set top-k 0 there (docs/audit.md).")
     with gr.Row():
         url = gr.Textbox("http://127.0.0.1:8000", label="server (OpenAI-compatible completions)", scale=3,
                          elem_id="audit-url")
