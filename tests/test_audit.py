@@ -15,7 +15,7 @@ import torch
 
 from engine.audit import cli
 from engine.audit.client import AuditError, Endpoint, Stop, parse_choices, sample
-from engine.audit.exact import ExactError, exact_joint, marginal
+from engine.audit.exact import ExactError, exact_joint
 from engine.audit.run import DEFAULT_PROMPT, AuditPlan, collect, keys_of
 from engine.audit.server import EngineService, make_server
 from engine.audit.verdict import against_exact, against_reference
@@ -74,7 +74,7 @@ def test_exact_joint_is_the_chain_of_the_models_own_processed_rows(pair, prompt_
     model = pair.target.model
     with torch.inference_mode():
         first = logits_to_probs(model(torch.tensor([prompt_ids])).logits[:, -1].float(), PARAMS)[0].double()
-    by_first = marginal(joint, 1)
+    by_first = joint.levels[0]
     assert len(by_first) == 8
     for (t1,), p in by_first.items():
         assert p == pytest.approx(float(first[t1]), rel=1e-5)

@@ -154,8 +154,3 @@ def _edge_margin(logits: torch.Tensor, params: SamplingParams) -> float:
         if finite.numel():
             margin = min(margin, float(finite.min()))
     return margin
-
-
-def marginal(joint: ExactJoint, depth: int) -> dict[tuple[int, ...], float]:
-    """The enumerated P(first `depth` tokens = s) (a sequence that ended earlier is kept whole)."""
-    return joint.levels[depth - 1]

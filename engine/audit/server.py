@@ -10,6 +10,7 @@ an audit must catch it. Loopback only unless the operator binds another address.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import replace
@@ -51,7 +52,7 @@ class EngineService:
             except PromptError as exc:
                 raise RequestError(str(exc)) from None
         params, n = request["sampling"], request["n"]
-        seed = request["seed"] if request["seed"] is not None else int.from_bytes(_random_bytes(), "little")
+        seed = request["seed"] if request["seed"] is not None else int.from_bytes(os.urandom(7), "little")
         choices = []
         with self._lock:
             for i in range(n):
@@ -104,11 +105,6 @@ class EngineService:
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{i}"}} {v}'
                   for i, v in enumerate(self.per_position)]
         return "\n".join(lines) + "\n"
-
-
-def _random_bytes() -> bytes:
-    import os
-    return os.urandom(7)
 
 
 def _checked(body: object, name: str, vocab: int) -> dict:
