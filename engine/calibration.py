@@ -23,7 +23,7 @@ import torch
 from engine.clock import ComputeGate, Now
 from engine.metrics import median
 from engine.models import LoadedModel
-from engine.runner import ModelRunner
+from engine.runner import ForwardRequest, ModelRunner, forward_many
 
 
 class CalibrationStopped(Exception):
@@ -46,6 +46,7 @@ class RCurve:
     r: list[float]         # the smoothed ratio to n = 1
     step_ms: float         # the smoothed one-token forward, ms: what r is relative to
     repeats: int
+    batch: int = 1         # sequences per forward: n tokens each, r relative to one token each
 
     def __post_init__(self) -> None:
         if not self.ns or self.ns[0] != 1 or sorted(set(self.ns)) != list(self.ns):
@@ -82,21 +83,21 @@ def non_decreasing(values: list[float], weights: list[float] | None = None) -> l
 
 
 def curve_from_times(model: str, device: str, dtype: str, context: int, times: dict[int, list[float]],
-                     repeats: int) -> RCurve:
+                     repeats: int, batch: int = 1) -> RCurve:
     """The curve from raw forward times (ms) per token count."""
     ns = sorted(times)
     ms = [median(times[n]) for n in ns]
     smooth = non_decreasing(ms)
     r = [max(1.0, s / smooth[0]) for s in smooth]
     r[0] = 1.0
-    return RCurve(model, device, dtype, context, ns, ms, r, smooth[0], repeats)
+    return RCurve(model, device, dtype, context, ns, ms, r, smooth[0], repeats, batch)
 
 
 @torch.inference_mode()
 def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = DEFAULT_GRID, repeats: int = 5,
               fused: bool = True, now: Now = time.perf_counter, warmup: int = 2,
               stop: threading.Event | None = None, draft: LoadedModel | None = None,
-              gate: ComputeGate | None = None) -> RCurve:
+              gate: ComputeGate | None = None, batch: int = 1) -> RCurve:
     """Measure r(n) for `loaded` on its device with `context` tokens already cached.
 
     The context is a fixed pseudo-random id sequence (the cost of attention depends on the length,
@@ -112,17 +113,27 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
 
     `gate`: held for each timed forward (with its drafts), so that a calibration in the background never runs
     beside a round that is being timed, nor is timed beside one.
+
+    `batch`: B sequences, each holding the context, fed n tokens each in one batched forward
+    (`engine.runner.forward_many`); r(n) is then that forward's cost relative to one token each: what a batch's
+    verify of K + 1 rows per sequence costs against its target-only step.
     """
-    if context < 1 or repeats < 1 or not grid:
-        raise ValueError(f"need context >= 1, repeats >= 1 and a grid, got {context}, {repeats}, {grid}")
+    if context < 1 or repeats < 1 or not grid or batch < 1:
+        raise ValueError(f"need context >= 1, repeats >= 1, a grid and batch >= 1, got {context}, {repeats}, "
+                         f"{grid}, {batch}")
+    if batch > 1 and draft is not None:
+        raise ValueError("a batched calibration times the target alone")
     grid = tuple(sorted(set(grid) | {1}))
     context = min(context, loaded.max_context - grid[-1])
-    runner = ModelRunner(loaded, context + grid[-1], fused=fused, now=now)
-    cache = runner.new_sequence()
+    # a pool per sequence, as a batch of engines has (engine.batch)
+    runners = [ModelRunner(loaded, context + grid[-1], fused=fused, now=now) for _ in range(batch)]
+    caches = [r.new_sequence() for r in runners]
+    runner, cache = runners[0], caches[0]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(loaded.vocab_size, len(loaded.tokenizer)), (context + grid[-1],), generator=g).tolist()
     with gate.held() if gate is not None else nullcontext():
-        runner.forward(cache, ids[:context], last_only=True)
+        for r, c in zip(runners, caches):
+            r.forward(c, ids[:context], last_only=True)
     feed = ids[context:]
     drafting = _Drafting(draft, ids[:context], context + grid[-1], now) if draft is not None else None
 
@@ -132,9 +143,14 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
         with gate.held() if gate is not None else nullcontext():
             if drafting is not None and chain:
                 drafting.run(n - 1)
-            runner.forward(cache, feed[:n])
-            cache.rollback(n)
-            return runner.drain_forward_ms()[0]
+            if batch == 1:
+                runner.forward(cache, feed[:n])
+            else:
+                forward_many([ForwardRequest(r, c, feed[:n]) for r, c in zip(runners, caches)], features=False)
+            for r, c in zip(runners, caches):
+                c.rollback(n)
+                ms = r.drain_forward_ms()[0]
+            return ms
 
     try:
         for _ in range(warmup):
@@ -151,11 +167,12 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
         forward(1, chain=False)
         times[1] = [forward(1, chain=False) for _ in range(repeats)]
     finally:
-        cache.free()
+        for c in caches:
+            c.free()
         if drafting is not None:
             drafting.close()
     return curve_from_times(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""), context,
-                            times, repeats)
+                            times, repeats, batch)
 
 
 class _Drafting:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,18 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 BLOCKED_MIN_ROWS = 4              # on CPUs other than AMD's, fewer rows use torch's default linear
 BLOCKED_LIMIT_BYTES = 2 << 30     # the blocked copy doubles the matrices' memory: only models up to 2 GiB
 ONE_COPY_BELOW_BYTES = 128 << 20  # smaller models keep one copy where the row rule would switch between two
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One sequence's part of a batched forward (`FusedLlama.forward_many`): the ids fed after its cache, and
+    as in `forward_features`, whether only the last row's logits are wanted, and a tree's positions and mask."""
+
+    cache: PagedCache
+    ids: list[int]
+    last_only: bool = False
+    positions: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
 
 
 class _Layer:
@@ -372,6 +385,61 @@ class FusedLlama:
         head = linear if head_in.shape[0] >= self.blocked_rows else F.linear
         return head(head_in, self.lm_head).float(), features
 
+    def forward_many(self, segments: list["Segment"], taps: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward_features` for several sequences in one forward: every matrix product runs once over all
+        their fed rows stacked ([1, sum of q, d]), and only attention goes sequence by sequence, each over its
+        own paged cache (written unless that cache is read-only). What a batched decoder does each round: B
+        sequences' K + 1 rows cost one read of the weights. One (logits, features) per segment, as
+        `forward_features` returns them."""
+        sizes = [len(s.ids) for s in segments]
+        ids = torch.tensor([[t for s in segments for t in s.ids]], dtype=torch.long, device=self.device)
+        x = F.embedding(ids, self.embed)
+        cos_parts, sin_parts, masks = [], [], []
+        for s, q in zip(segments, sizes):
+            past = s.cache.get_seq_length()
+            if s.positions is None:
+                cos, sin = self._rope(past, q, x.dtype)
+                masks.append(self._mask(q, past + q))
+            else:
+                cos, sin = self._rope(0, int(s.positions.max()) + 1, x.dtype)
+                cos, sin = cos[s.positions], sin[s.positions]
+                masks.append(s.attn_mask.to(self.device))
+            cos_parts.append(cos)
+            sin_parts.append(sin)
+        cos, sin = torch.cat(cos_parts)[None, None], torch.cat(sin_parts)[None, None]
+        rows = sum(sizes)
+        linear = self.blocked.linear if self.blocked is not None and rows >= self.blocked_rows else F.linear
+        exact, scaling = self.weights == "int8", self.layers[0].scaling
+
+        def attend_for(i: int):
+            def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+                out = []
+                for s, mask, q_s, k_s, v_s in zip(segments, masks, qs.split(sizes, dim=2), ks.split(sizes, dim=2),
+                                                  vs.split(sizes, dim=2)):
+                    keys, values = s.cache.layer_update(i, k_s, v_s)
+                    out.append(attention(q_s, keys, values, mask, scaling, exact))
+                return torch.cat(out, dim=2)
+            return attend
+
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped[i] = x[0]
+            x = decoder_layer(x, layer, attend_for(i), cos, sin, self.heads, self.kv_heads, self.head_dim, linear)
+        features = _rms_norm(x, self.norm)[0]
+        tapped[len(self.layers)] = features
+        if taps:
+            features = torch.cat([tapped[i] for i in taps], dim=-1)
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        starts = [e - q for e, q in zip(ends, sizes)]
+        head_rows = [list(range(e - 1, e)) if s.last_only else list(range(b, e))
+                     for s, b, e in zip(segments, starts, ends)]
+        flat = [r for rs in head_rows for r in rs]
+        head_in = tapped[len(self.layers)][flat]
+        head = linear if head_in.shape[0] >= self.blocked_rows else F.linear
+        logits = head(head_in, self.lm_head).float().split([len(r) for r in head_rows])
+        return [(lg, features[b:e]) for lg, b, e in zip(logits, starts, ends)]
+
     @torch.no_grad()   # not inference mode: what it returns feeds a head being trained
     def continue_from(self, x: torch.Tensor, start: int, taps: tuple[int, ...]) -> list[torch.Tensor]:
         """The taps (layer indices past `start`; L is the post-norm output) of whole sequences whose residual
@@ -405,6 +473,29 @@ def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tens
     head_dim]; `linear(x, weight, bias)` multiplies by a matrix. `exact_attention`: attention in float64, rounded
     back (see Int8Weights). Shared by the fused forward (one sequence, or a batch:
     `BatchForward`) and the EAGLE-style drafter's layer."""
+    def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        keys, values = keys_values(ks, vs)
+        return attention(qs, keys, values, mask, layer.scaling, exact_attention)
+
+    return decoder_layer(x, layer, attend, cos, sin, heads, kv_heads, head_dim, linear)
+
+
+def attention(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              scaling: float, exact: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention with GQA ([b, heads, q, head_dim] out); `exact`: in float64, rounded back."""
+    gqa = keys.shape[1] != qs.shape[1]
+    if exact:
+        return F.scaled_dot_product_attention(qs.double(), keys.double(), values.double(), attn_mask=mask,
+                                              scale=scaling, enable_gqa=gqa).to(qs.dtype)
+    return F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def decoder_layer(x: torch.Tensor, layer: "_Layer", attend, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                  kv_heads: int, head_dim: int, linear=F.linear) -> torch.Tensor:
+    """`decoder_block` with the attention step given: `attend(qs, ks, vs)` takes the rotated queries and keys and
+    the values ([b, heads or kv_heads, q, head_dim]) and returns the attention output [b, heads, q, head_dim].
+    Every product of the layer runs over all b * q rows at once; only `attend` sees where one sequence ends
+    (`FusedLlama.forward_many` attends segment by segment)."""
     b, q = x.shape[0], x.shape[1]
     qkv = linear(_rms_norm(x, layer.norm_in), layer.qkv, layer.qkv_bias)
     qk, vs = qkv.split([layer.q_size + layer.kv_size, layer.kv_size], dim=-1)
@@ -412,13 +503,7 @@ def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tens
     qk = qk * cos + _rotate_half(qk) * sin
     qs, ks = qk.split([heads, kv_heads], dim=1)
     vs = vs.view(b, q, kv_heads, head_dim).transpose(1, 2)
-    keys, values = keys_values(ks, vs)
-    if exact_attention:
-        attn = F.scaled_dot_product_attention(qs.double(), keys.double(), values.double(), attn_mask=mask,
-                                              scale=layer.scaling, enable_gqa=kv_heads != heads).to(qs.dtype)
-    else:
-        attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=layer.scaling,
-                                              enable_gqa=kv_heads != heads)
+    attn = attend(qs, ks, vs)
     x = x + linear(attn.transpose(1, 2).reshape(b, q, heads * head_dim), layer.o, layer.o_bias)
     gate, up = linear(_rms_norm(x, layer.norm_post), layer.gate_up).split(layer.inter, dim=-1)
     return x + linear(F.silu(gate) * up, layer.down)

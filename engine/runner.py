@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 
 from engine.clock import ForwardTimer, Now
+from engine.fused_llama import Segment
 from engine.kv_cache import KVPool, PagedCache
 from engine.models import LoadedModel
 
@@ -100,3 +103,57 @@ class ModelRunner:
     @property
     def forward_path(self) -> str:
         return "fused" if self.fused is not None else "transformers"
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRequest:
+    """One sequence's share of a batched forward: what `ModelRunner.forward_features` takes, per sequence.
+    `read_only`: attend to the cache without writing it (v1's verify)."""
+
+    runner: ModelRunner
+    cache: PagedCache
+    token_ids: list[int]
+    last_only: bool = False
+    positions: list[int] | None = None
+    attn_mask: torch.Tensor | None = None
+    read_only: bool = False
+
+
+@torch.inference_mode()
+def forward_many(requests: list[ForwardRequest], features: bool = True,
+                 taps: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`forward_features` for several sequences of one model: one fused forward over all their rows
+    (`FusedLlama.forward_many`), timed once; every runner taking part counts it as its forward and records its
+    time. A model without the fused forward runs the requests one after another (no batching there)."""
+    if not requests:
+        return []
+    first = requests[0].runner
+    if any(r.runner.loaded is not first.loaded for r in requests):
+        raise ValueError("a batched forward runs one model; these requests name several")
+    if first.fused is None:
+        out = []
+        for r in requests:
+            with ExitStack() as stack:
+                if r.read_only:
+                    stack.enter_context(r.cache.read_only())
+                out.append(r.runner.forward_features(r.cache, r.token_ids, r.last_only, features, r.positions,
+                                                     r.attn_mask, taps))
+        return out
+    device = first.loaded.device
+    segments = [Segment(r.cache, list(r.token_ids), r.last_only,
+                        torch.tensor(r.positions, dtype=torch.long, device=device) if r.positions is not None else None,
+                        r.attn_mask) for r in requests]
+    times: list[float] = []
+    with ExitStack() as stack:
+        for r in requests:
+            if r.read_only:
+                stack.enter_context(r.cache.read_only())
+        with first._timer.time(times):
+            results = first.fused.forward_many(segments, taps)
+        for r in requests:
+            if not r.cache._read_only:
+                r.cache.tokens.extend(r.token_ids)
+    for r in requests:
+        r.runner.forward_ms.extend(times)
+        r.runner.forwards += 1
+    return [(logits, hidden if features else None) for logits, hidden in results]

@@ -14,6 +14,8 @@ same loop with K = 0: one forward, one token, from the bonus row.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +32,7 @@ from engine.pair import ModelPair
 from engine.prompts import PromptError
 from engine.recorder import RoundRecorder, RoundResult, RunState, drafter_of, kv_state
 from engine.records import RoundRecord, RoundTimings, RunSummary
-from engine.runner import ModelRunner, pool_blocks, pool_bytes
+from engine.runner import ForwardRequest, ModelRunner, pool_blocks, pool_bytes
 from engine.sequence import Sequence
 from engine.tree import Confidence
 from engine.verify import Verdict
@@ -58,6 +60,18 @@ def kv_bytes(pair: ModelPair, prompt_tokens: int, config: SpecConfig) -> int:
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class PendingRound:
+    """A round between its two parts (`SpeculativeEngine.begin_round` / `finish_round`): what was drafted, the
+    target forward it needs, its clock, and the phase that forward is timed in ("prefill" or "verify")."""
+
+    proposal: Proposal | TreeProposal | None
+    request: ForwardRequest
+    clock: PhaseClock
+    forwards_before: int
+    phase: str
+
+
 class SpeculativeEngine:
     """One sequence decoded speculatively (or target-only), one round per `step()`.
 
@@ -74,6 +88,10 @@ class SpeculativeEngine:
         if not prompt_ids:
             raise PromptError("The prompt is empty.")
         target = pair.target
+        outside = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
+        if outside:
+            raise PromptError(f"The prompt holds token id {outside[0]}, outside the target's vocabulary "
+                              f"(ids 0..{target.vocab_size - 1}).")
         need = len(prompt_ids) + config.max_new_tokens
         if need > target.max_context:
             raise PromptError(
@@ -158,19 +176,43 @@ class SpeculativeEngine:
         later round drafts, verifies and commits. A round holds a chain, a tree or nothing drafted
         (engine.drafters.base), and asks each the same four things: what to feed the verify
         forward, how to verify, which fed rows to keep, and the next K.
+
+        A round is three parts: `begin_round` (draft, and say what the target must be fed), the target's
+        forward, `finish_round` (verify, commit, record). A batch (engine.batch) runs the same parts, with one
+        forward for all its sequences in the middle.
         """
+        pending = self.begin_round()
+        request = pending.request
+        with pending.clock.phase(pending.phase):
+            with self.target_cache.read_only() if request.read_only else nullcontext():
+                logits, features = self.target_runner.forward_features(
+                    self.target_cache, request.token_ids, request.last_only, features=self._needs_features,
+                    positions=request.positions, attn_mask=request.attn_mask, taps=self._taps)
+        return self.finish_round(pending, logits, features)
+
+    def begin_round(self) -> PendingRound:
+        """The round's first part: the draft (none in the prefill), and the target forward it needs."""
         if self.finished:
             raise RuntimeError("the run is finished; reset to decode again")
         clock, forwards_before = PhaseClock(self._now), self.target_runner.forwards
-        proposal = None
         if not self._started:
+            self._started = True
+            request = ForwardRequest(self.target_runner, self.target_cache, list(self.prompt), last_only=True)
+            return PendingRound(None, request, clock, forwards_before, "prefill")
+        with clock.phase("draft"):
+            proposal = self._draft()
+        feed, extra = (proposal or NO_DRAFT).feed(self.sequence.last, len(self.tokens) - 1)
+        request = ForwardRequest(self.target_runner, self.target_cache, feed, positions=extra.get("positions"),
+                                 attn_mask=extra.get("attn_mask"), read_only=self.config.mode is Mode.V1)
+        return PendingRound(proposal, request, clock, forwards_before, "verify")
+
+    def finish_round(self, pending: PendingRound, logits: torch.Tensor, features: torch.Tensor | None) -> RoundRecord:
+        """The round's last part, given the target's (logits, features) for what `begin_round` asked: in the
+        prefill the drafter prefills from the prompt's features; then verify, commit, record."""
+        clock, proposal = pending.clock, pending.proposal
+        if pending.phase == "prefill" and self.drafter is not None:
             with clock.phase("prefill"):
-                logits, features = self._prefill()
-        else:
-            with clock.phase("draft"):
-                proposal = self._draft()
-            with clock.phase("verify"):
-                logits, features = self._verify_forward(proposal or NO_DRAFT)
+                self.drafter.prefill(self.prompt, features)
         drafted = proposal or NO_DRAFT
         with clock.phase("verify"):
             if self.fault is not None and isinstance(drafted, Proposal):
@@ -182,20 +224,19 @@ class SpeculativeEngine:
             emitted = self.sequence.accept(verdict.tokens)
             self._commit(drafted, verdict, features)
         self.k = drafted.next_k(self.config, self.k, verdict, self.confidence)
-        record = self._record(RoundResult(proposal, p_rows, verdict, emitted), clock, forwards_before)
+        record = self._record(RoundResult(proposal, p_rows, verdict, emitted), clock, pending.forwards_before)
         self.rounds.append(record)
         self._busy_s = record.elapsed_s
         return record
 
-    def _prefill(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write the whole prompt's K/V (the invariant: every committed token but the last, which
-        will be the first generated one); (the target's logits row after it, the prompt's features)."""
-        self._started = True
-        logits, features = self.target_runner.forward_features(self.target_cache, self.prompt, last_only=True,
-                                                               features=self._needs_features, taps=self._taps)
-        if self.drafter is not None:
-            self.drafter.prefill(self.prompt, features)
-        return logits, features
+    @property
+    def needs_features(self) -> bool:
+        """Whether the drafter reads the target's features (`taps` says which layers' inputs, if any)."""
+        return self._needs_features
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self._taps
 
     def _draft(self) -> Proposal | TreeProposal | None:
         """Up to K drafts (or a tree), never more than the tokens still to generate leave room to verify."""
@@ -208,16 +249,6 @@ class SpeculativeEngine:
                                              self.confidence.weigh if self.confidence else None)
         proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1))
         return proposal if proposal.tokens else None
-
-    def _verify_forward(self, drafted: Proposal | TreeProposal | NoDraft) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(target logits, features) for what the round feeds: [last, d1..dK] for a chain (row K the bonus
-        row), one row per node for a tree. v1 verifies without writing the cache."""
-        feed, extra = drafted.feed(self.sequence.last, len(self.tokens) - 1)
-        forward = self.target_runner.forward_features
-        if self.config.mode is Mode.V1:
-            with self.target_cache.read_only():
-                return forward(self.target_cache, feed, features=self._needs_features, taps=self._taps, **extra)
-        return forward(self.target_cache, feed, features=self._needs_features, taps=self._taps, **extra)
 
     def _commit(self, drafted: Proposal | TreeProposal | NoDraft, verdict: Verdict,
                 features: torch.Tensor | None) -> None:

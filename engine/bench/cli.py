@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="METHOD[:K]",
                    help="instead of the bench, show where one method's time goes (phases and cProfile)")
     p.add_argument("--profile-top", type=int, default=25, help="cProfile functions listed (default: 25)")
+    p.add_argument("--batch", default=None, metavar="SIZES",
+                   help="goodput against batch size instead: comma-separated batch sizes, e.g. 1,2,4,8,16; each "
+                        "method decodes that many prompts at once (default methods: n-gram and the model or EAGLE "
+                        "drafter at K = 2 and 4)")
     p.add_argument("--quick", action="store_true", help="a tiny run (1 prompt of 32 tokens, 8 new, K=2, 1 repeat)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -137,6 +141,8 @@ def draft_source(a: argparse.Namespace) -> str | None:
 
 def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
     """Run the bench (or --profile) and return the report text; writes --json and --plot."""
+    if a.batch is not None:
+        return batch_bench(argv, a)
     settings = settings_from_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -199,3 +205,57 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+BATCH_METHODS = {True: ("v2:2", "v2:4", "ngram:2", "ngram:4"), False: ("eagle-hybrid:2", "eagle-hybrid:4", "ngram:2",
+                                                                      "ngram:4")}
+
+
+def batch_bench(argv: Sequence[str], a: argparse.Namespace) -> str:
+    """`--batch`: the goodput study (engine.bench.batch); returns its report, writes --json and --plot."""
+    from tqdm.auto import tqdm
+
+    from engine.bench.batch import format_study, measure, write_study
+    from engine.bench.plot import write_batch_plot
+    from engine.clock import machine_name
+
+    batches = _int_list(a.batch, "--batch")
+    if not batches or any(b < 1 or b > 64 for b in batches):
+        raise UsageError(f"--batch takes batch sizes from 1 to 64, got {a.batch!r}")
+    if a.profile:
+        raise UsageError("--profile and --batch do not go together")
+    a.draft = draft_source(a)
+    if a.methods is None:
+        a.methods = ",".join(BATCH_METHODS[a.draft is not None])
+    if a.num_prompts is None:
+        a.num_prompts = max(batches)
+    settings = settings_from_args(a)
+    methods = [m for m in build_methods(settings.methods, settings.ks) if m.name != "hf-generate"]
+    refused = [m.label for m in methods if m.family == "hf" or m.schedule == "heuristic" or m.tree is not None
+               or m.name in ("v1", "target-transformers")]
+    if refused:
+        raise UsageError(f"the batch study runs the engine's chains at a constant K; not {', '.join(refused)}")
+    if a.draft is None and any(m.uses_draft_model for m in methods):
+        raise UsageError("the model drafter needs a draft model: pass --draft")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    with quiet_transformers():
+        models = load_models(a, any(m.uses_draft_model for m in methods), any(m.uses_eagle for m in methods))
+        prompts = make_prompts(settings, models.target)
+        with tqdm(total=1, desc="batch study", unit="step", file=sys.stderr, disable=a.no_progress,
+                  leave=False) as bar:
+            def progress(done: int, total: int, what: str) -> None:
+                bar.total = total
+                bar.set_postfix_str(what)
+                bar.update(done - bar.n)
+
+            study = measure(models.pair, methods, prompts, batches, settings.new_tokens, settings.repeats,
+                            settings.warmup, settings.calibration_repeats, progress, machine_name(),
+                            settings.prompt_set, "python -m engine bench " + " ".join(argv))
+    report = format_study(study)
+    if a.json:
+        write_study(a.json, study)
+        report += f"\nwrote {a.json}"
+    if a.plot:
+        report += f"\nwrote {write_batch_plot(study, a.plot)}"
+    return report

@@ -1,6 +1,7 @@
 """The bench's figure: measured speed-up against K beside the predicted one (plotly, a tool's output)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,4 +46,53 @@ def write_plot(results: Sequence[MethodResult], meta: BenchMeta, path: Path) -> 
         return path
     out = path.with_suffix(".html")
     fig.write_html(str(out), include_plotlyjs=True)  # self-contained: works offline
+    return out
+
+
+def batch_figure(study):
+    """Goodput against batch size (engine.bench.batch.BatchStudy): tokens/s over all sequences on the left,
+    speed-up over target-only at the same B on the right, measured (solid) beside Leviathan's prediction
+    from the measured r_B(n) (dotted), the break-even line, and where each method stops paying."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s, all sequences", "speed-up over target-only"),
+                        horizontal_spacing=0.1)
+    palette = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+    for colour, method in zip(("#555555", *palette), study.methods()):
+        points = sorted((p for p in study.points if p.method == method), key=lambda p: p.batch)
+        xs = [p.batch for p in points]
+        fig.add_scatter(x=xs, y=[p.tokens_per_s for p in points], name=method, mode="lines+markers",
+                        line={"color": colour}, legendgroup=method, row=1, col=1)
+        if method == "target":
+            continue
+        fig.add_scatter(x=xs, y=[p.speedup for p in points], name=f"{method}", mode="lines+markers",
+                        line={"color": colour}, legendgroup=method, showlegend=False, row=1, col=2)
+        fig.add_scatter(x=xs, y=[p.predicted for p in points], name=f"{method} predicted", mode="lines+markers",
+                        line={"color": colour, "dash": "dot"}, marker={"symbol": "circle-open"},
+                        legendgroup=method, row=1, col=2)
+        stop = study.crossover(method)
+        if stop is not None:
+            point = study.point(stop, method)
+            fig.add_annotation(x=math.log10(stop), y=point.speedup, text=f"stops paying: B={stop}",
+                               showarrow=True, arrowcolor=colour, font={"color": colour, "size": 11}, row=1, col=2)
+    fig.add_hline(y=1.0, line={"color": "grey", "dash": "dash"}, row=1, col=2)
+    for col in (1, 2):
+        fig.update_xaxes(type="log", tickvals=study.batches, ticktext=[str(b) for b in study.batches],
+                         title_text="batch size B", row=1, col=col)
+    fig.update_layout(title=f"Goodput against batch size: {study.target}, {study.new_tokens} new tokens, "
+                            f"{study.machine}", template="plotly_white", height=480,
+                      legend={"orientation": "h", "y": -0.2})
+    return fig
+
+
+def write_batch_plot(study, path: Path) -> Path:
+    """`batch_figure` as a .png (with kaleido) or a self-contained .html next to the asked path."""
+    import importlib.util
+
+    fig = batch_figure(study)
+    if path.suffix == ".png" and importlib.util.find_spec("kaleido") is not None:
+        fig.write_image(str(path), width=1100, height=500)
+        return path
+    out = path.with_suffix(".html")
+    fig.write_html(str(out), include_plotlyjs=True)
     return out
