@@ -124,13 +124,14 @@ def forward_many(requests: list[ForwardRequest], features: bool = True,
                  taps: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """`forward_features` for several sequences of one model: one fused forward over all their rows
     (`FusedLlama.forward_many`), timed once; every runner taking part counts it as its forward and records its
-    time. A model without the fused forward runs the requests one after another (no batching there)."""
+    time. A model without the fused forward runs the requests one after another (no batching there), and a
+    batch of one runs the single-sequence forward itself."""
     if not requests:
         return []
     first = requests[0].runner
     if any(r.runner.loaded is not first.loaded for r in requests):
         raise ValueError("a batched forward runs one model; these requests name several")
-    if first.fused is None:
+    if first.fused is None or len(requests) == 1:   # no batching to do: the single-sequence forward
         out = []
         for r in requests:
             with ExitStack() as stack:

@@ -23,6 +23,7 @@ from playground.connections import client_address, heartbeat_middleware
 from playground.controller import USER_ERRORS, Context, DecodeRequest
 from playground.controls import Controls, build_controls, preset_defaults
 from playground.inputs import as_int, as_number, as_seed
+from playground.pages import batch as page_batch
 from playground.pages import charts as page_charts
 from playground.pages import compare as page_compare
 from playground.pages import detail as page_detail
@@ -485,8 +486,12 @@ def build_app(ctx: Context) -> gr.Blocks:
             with gr.Tab("Lesson", id="lesson"):
                 # The lesson drives its own run, beside the playground's.
                 page_lesson.build_lesson(ctx.registry)
+            with gr.Tab("Batch", id="batch") as batch_tab:
+                batch = page_batch.build(ctx)
             with gr.Tab("Live engine", id="live"):
                 page_live.build(ctx)
+        # the shown study is drawn when its tab opens (plotly measures its box then)
+        batch_tab.select(batch.handlers.show, [batch.study, batch.state], batch.outputs(), api_name=False)
         theory_tab.select(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
         theory.refresh.click(handlers.on_theory, [state], [state, *theory.outputs()], api_name=False)
         theory.remeasure.click(handlers.on_remeasure, [state], [state, *theory.outputs()], api_name=False)

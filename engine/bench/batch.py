@@ -11,18 +11,23 @@ the best K measured. At B = 1 the single-sequence engine runs too, so the batche
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine import metrics
 from engine.batch import BatchEngine, BatchRequest
 from engine.bench.methods import Method
 from engine.bench.prompts import Prompt
 from engine.calibration import RCurve, calibrate
+from engine.clock import ComputeGate
 from engine.pair import ModelPair
 from engine.speculative import SpeculativeEngine
 
+T = TypeVar("T")
 COST_GRID = tuple(range(1, 10))    # rows per sequence: K + 1 for K <= 8
 SINGLE = "single"                  # the single-sequence engine at B = 1
 
@@ -214,13 +219,19 @@ def best_k(runs_by_k: dict[int, list[BatchRun]], batch: int, cost: RCurve, step_
                  measured[best_measured] if best_measured is not None else None)
 
 
+class StudyStopped(Exception):
+    """`measure` was asked to stop (its `stop` event was set) between two of its runs."""
+
+
 def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt], batches: Sequence[int],
             new_tokens: int, repeats: int = 3, warmup: int = 1, calibration_repeats: int = 3,
             progress: Callable[[int, int, str], None] | None = None, machine: str = "", prompt_set: str = "",
-            command: str = "") -> BatchStudy:
+            command: str = "", gate: ComputeGate | None = None, stop: threading.Event | None = None) -> BatchStudy:
     """Run the study. `methods` must hold target-only ("target"); batch sizes over the number of prompts reuse
     prompts from the start (a prompt then appears twice in one batch, each copy its own sequence).
-    `progress(done, total, what)` after every run and calibration."""
+    `progress(done, total, what)` after every run and calibration. `gate` is held for each run and each
+    calibration (so that none is timed beside other work of the same process that holds it); once `stop` is
+    set, the next run raises StudyStopped instead."""
     if not any(m.name == "target" for m in methods):
         raise ValueError("the batch study needs target-only decoding among its methods")
     if not batches or any(b < 1 for b in batches):
@@ -237,17 +248,24 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
         if progress is not None:
             progress(done, total, what)
 
+    def timed(work: Callable[[], T]) -> T:
+        if stop is not None and stop.is_set():
+            raise StudyStopped("the batch study was stopped")
+        with gate.held() if gate is not None else nullcontext():
+            return work()
+
     def prompts_for(b: int) -> list[Prompt]:
         return [prompts[i % len(prompts)] for i in range(b)]
 
     context = sorted(len(p.ids) for p in prompts)[len(prompts) // 2]
     costs = {}
     for b in batches:
-        costs[b] = calibrate(pair.target, context=context, grid=COST_GRID, repeats=calibration_repeats, batch=b)
+        costs[b] = timed(lambda: calibrate(pair.target, context=context, grid=COST_GRID, repeats=calibration_repeats,
+                                           batch=b))
         tick(f"r(n) at B={b}")
     for m in engine_methods:
         for _ in range(warmup):
-            run_batch(m, pair, prompts_for(min(2, batches[-1])), min(new_tokens, 16))
+            timed(lambda: run_batch(m, pair, prompts_for(min(2, batches[-1])), min(new_tokens, 16)))
             tick(f"warm-up {m.label}")
     runs: dict[tuple[int, str], list[BatchRun]] = {}
     singles: dict[str, list[BatchRun]] = {}
@@ -255,10 +273,10 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
         for b in batches:
             shift = (rep + b) % len(engine_methods)
             for m in engine_methods[shift:] + engine_methods[:shift]:
-                runs.setdefault((b, m.label), []).append(run_batch(m, pair, prompts_for(b), new_tokens))
+                runs.setdefault((b, m.label), []).append(timed(lambda: run_batch(m, pair, prompts_for(b), new_tokens)))
                 tick(f"{m.label} at B={b}")
         for m in engine_methods:
-            singles.setdefault(m.label, []).append(run_single(m, pair, prompts[0], new_tokens))
+            singles.setdefault(m.label, []).append(timed(lambda: run_single(m, pair, prompts[0], new_tokens)))
             tick(f"{m.label} single")
     alone = singles["target"][0].tokens[0]
     reference = {0: alone}

@@ -198,9 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="vLLM block, specplay block: this many times")
     ap.add_argument("--venv", type=Path, default=None, help=f"vLLM's virtualenv (default: {default_venv()})")
     ap.add_argument("--compile", action="store_true", help="let vLLM compile (slower start; default: enforce_eager)")
+    ap.add_argument("--batch", default=None, metavar="SIZES",
+                    help="batch sizes, e.g. 1,2,4,8: both engines decode the first B prompts at once (vLLM in one "
+                         "generate call, specplay's batch engine), exactly --new-tokens each")
     ap.add_argument("--install-only", action="store_true",
                     help="make vLLM's virtualenv (for `vllm serve` and the integration test), then stop")
     a = ap.parse_args(argv)
+    batches = None
+    if a.batch is not None:
+        try:
+            batches = sorted({int(x) for x in a.batch.split(",") if x.strip()})
+        except ValueError:
+            batches = []
+        if not batches or batches[0] < 1 or batches[-1] > 64:
+            print(f"error: --batch takes comma-separated batch sizes from 1 to 64, got {a.batch!r}", file=sys.stderr)
+            return 2
     log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         python = ensure_vllm(a.venv or default_venv(), log)
@@ -219,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prompt_set = "chat" if a.target == SMOLLM2 else "code"
     table = methods_for(a.target, resolve(BUILTIN, "draft").path if draft else None)
-    settings = BenchSettings(prompt_set=prompt_set, num_prompts=a.num_prompts or (12 if a.target == SMOLLM2 else 8),
+    default_prompts = max(batches) if batches else (12 if a.target == SMOLLM2 else 8)
+    settings = BenchSettings(prompt_set=prompt_set, num_prompts=a.num_prompts or default_prompts,
                              prompt_tokens=192 if prompt_set == "code" else 128, new_tokens=a.new_tokens,
                              repeats=a.repeats, warmup=1, ks=(K,),
                              methods=tuple(m.specplay for m in table if m.specplay))
@@ -229,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             "new_tokens": a.new_tokens, "repeats": a.repeats, "enforce_eager": not a.compile,
             "max_model_len": min(pair.target.max_context, 4096),
             "methods": [{"label": m.label, "speculative": m.vllm} for m in table if m.vllm != "skip"]}
+    if batches:
+        spec["batches"] = batches
+        return batch_main(a, argv, python, spec, pair, table, prompts, batches, log)
     peer: dict[str, list[dict]] = {}
     mine: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -261,6 +277,60 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(title, rows, reference))
     print(f"command: python -m engine peer-bench {' '.join(argv if argv is not None else sys.argv[1:])}")
     return 0
+
+
+def batch_main(a, argv, python: Path, spec: dict, pair, table: list[PeerMethod], prompts, batches: list[int],
+               log) -> int:
+    """`--batch`: per batch size, vLLM's tokens/s on the first B prompts in one generate call beside the engine's
+    batch (engine.batch) on the same ids; alternating blocks, `--rounds` times, medians."""
+    import torch
+
+    from engine.bench.batch import run_batch
+    from engine.bench.methods import parse_method
+    from engine.clock import machine_name
+
+    peer: dict[tuple[int, str], list[Side]] = {}
+    mine: dict[tuple[int, str], list] = {}
+    methods = [(m, parse_method(m.specplay, K)) for m in table if m.specplay]
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        for rnd in range(a.rounds):
+            log(f"round {rnd + 1}/{a.rounds}: vLLM {VLLM_VERSION}, batches {batches}")
+            out, errors = Path(tmp) / "out.json", Path(tmp) / "worker.log"
+            with open(errors, "w") as err:
+                done = subprocess.run([str(python), str(WORKER), str(Path(tmp) / "spec.json"), str(out)], stderr=err,
+                                      stdout=subprocess.DEVNULL, env=worker_env(python, torch.get_num_threads()))
+            if done.returncode != 0:
+                tail = errors.read_text().strip().splitlines()[-3:]
+                print(f"vLLM's run failed (exit {done.returncode}): " + " | ".join(tail), file=sys.stderr)
+                return 1
+            for r in json.loads(out.read_text())["results"]:
+                for b, result in r["batches"].items():
+                    peer.setdefault((int(b), r["label"]), []).append(vllm_side(result))
+            log(f"round {rnd + 1}/{a.rounds}: specplay")
+            for row, method in methods:
+                run_batch(method, pair, prompts[:2], min(16, a.new_tokens))   # warm-up
+                for b in batches:
+                    runs = [run_batch(method, pair, prompts[:b], a.new_tokens) for _ in range(a.repeats)]
+                    accepted, drafted = sum(r.accepted for r in runs), sum(sum(r.rounds_k) for r in runs)
+                    rounds = sum(len(r.rounds_k) for r in runs)
+                    mine.setdefault((b, row.label), []).append(Side(
+                        [r.tokens_per_s for r in runs], accepted / drafted if drafted else None,
+                        sum(r.generated for r in runs) / rounds if drafted and rounds else None, runs[0].tokens))
+    lines = []
+    for b in batches:
+        rows = [(m.label, _merge(peer.get((b, m.label), [])), _merge(mine.get((b, m.label), []))) for m in table]
+        title = (f"B = {b}: {b} {settings_name(a)} prompts at once, {a.new_tokens} new tokens each (EOS ignored), "
+                 f"greedy, fp32; {machine_name()}; vLLM {VLLM_VERSION} {'compiled' if a.compile else 'eager'}, "
+                 f"{a.rounds} rounds")
+        lines += [format_table(title, rows, rows[0][2].tokens), ""]
+    print("\n".join(lines))
+    print(f"command: python -m engine peer-bench {' '.join(argv if argv is not None else sys.argv[1:])}")
+    return 0
+
+
+def settings_name(a) -> str:
+    return "chat" if a.target == SMOLLM2 else "code"
 
 
 def _bench_label(method: str | None) -> str | None:

@@ -3,9 +3,13 @@ with vLLM's offline engine and writes what it measured as JSON. It imports vLLM 
 only, never the engine (the two environments pin different transformers).
 
 Input (argv[1], JSON): {"model": folder, "prompts": [[ids]], "new_tokens": n, "repeats": r,
-"methods": [{"label", "speculative": null | {...vLLM speculative_config...}}], "enforce_eager": bool}.
+"methods": [{"label", "speculative": null | {...vLLM speculative_config...}}], "enforce_eager": bool,
+"batches": [B, ...] (optional)}.
 Output (argv[2], JSON): per method, the wall seconds of each timed repeat, the tokens, and vLLM's own
-speculative-decoding counters (drafts, draft tokens, accepted tokens, accepted per position).
+speculative-decoding counters (drafts, draft tokens, accepted tokens, accepted per position). With "batches",
+each repeat instead hands vLLM the first B prompts in one `generate` call per batch size (vLLM batches them),
+exactly new_tokens each (EOS ignored, as the engine's batch study runs), and the output holds per batch size
+the walls, the tokens and the counters.
 """
 from __future__ import annotations
 
@@ -39,11 +43,23 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
+def batch_runs(llm, prompts: list, params, repeats: int) -> dict:
+    """The prompts as one batch, `repeats` times: walls, the tokens, and the counters over the repeats."""
+    walls, tokens, before = [], None, counters(llm)
+    for _ in range(repeats):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t)
+        tokens = tokens or [list(o.outputs[0].token_ids) for o in outs]
+    return {"walls": walls, "tokens": tokens, "counters": delta(counters(llm), before)}
+
+
 def main() -> int:
     spec = json.loads(open(sys.argv[1]).read())
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=False)
+    batches = spec.get("batches")
+    params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=bool(batches))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     results = []
     for method in spec["methods"]:
@@ -54,6 +70,13 @@ def main() -> int:
         start_s = time.perf_counter() - t0
         for p in prompts[:2]:   # warm-up, untimed
             llm.generate([p], params, use_tqdm=False)
+        if batches:
+            results.append({"label": method["label"], "start_s": start_s,
+                            "batches": {str(b): batch_runs(llm, prompts[:b], params, spec["repeats"])
+                                        for b in batches}})
+            del llm
+            print(f"peer: {method['label']} done", file=sys.stderr, flush=True)
+            continue
         walls, tokens, before = [], None, counters(llm)
         for _ in range(spec["repeats"]):
             run_tokens = []

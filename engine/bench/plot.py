@@ -1,7 +1,6 @@
 """The bench's figure: measured speed-up against K beside the predicted one (plotly, a tool's output)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def write_plot(results: Sequence[MethodResult], meta: BenchMeta, path: Path) -> 
 def batch_figure(study):
     """Goodput against batch size (engine.bench.batch.BatchStudy): tokens/s over all sequences on the left,
     speed-up over target-only at the same B on the right, measured (solid) beside Leviathan's prediction
-    from the measured r_B(n) (dotted), the break-even line, and where each method stops paying."""
+    from the measured r_B(n) (dotted), the break-even line, and a cross where each method stops paying."""
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s, all sequences", "speed-up over target-only"),
@@ -71,10 +70,11 @@ def batch_figure(study):
                         line={"color": colour, "dash": "dot"}, marker={"symbol": "circle-open"},
                         legendgroup=method, row=1, col=2)
         stop = study.crossover(method)
-        if stop is not None:
-            point = study.point(stop, method)
-            fig.add_annotation(x=math.log10(stop), y=point.speedup, text=f"stops paying: B={stop}",
-                               showarrow=True, arrowcolor=colour, font={"color": colour, "size": 11}, row=1, col=2)
+        if stop is not None:   # where it stops paying: a cross on its measured point
+            fig.add_scatter(x=[stop], y=[study.point(stop, method).speedup], mode="markers", showlegend=False,
+                            marker={"symbol": "x", "size": 14, "color": colour, "line": {"width": 1}},
+                            hovertemplate=f"{method} stops paying from B={stop}<extra></extra>",
+                            legendgroup=method, row=1, col=2)
     fig.add_hline(y=1.0, line={"color": "grey", "dash": "dash"}, row=1, col=2)
     for col in (1, 2):
         fig.update_xaxes(type="log", tickvals=study.batches, ticktext=[str(b) for b in study.batches],
