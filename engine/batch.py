@@ -5,8 +5,9 @@ the batch runs each round's three parts (`begin_round`, the forward, `finish_rou
 `engine.runner.forward_many` stacks the B sequences' rows (1 each target-only, K + 1 each speculative) into
 one product per matrix, so the weights are read once a round for all of them, and attends sequence by
 sequence. Sequences of different prompt lengths sit side by side; a finished one leaves the batch and frees
-its KV. Drafting stays per sequence (a draft model's or EAGLE head's forwards are not batched): its cost
-grows with B, and the batch bench counts it.
+its KV. Drafting is batched the same way: every sequence's drafter advances step by step together
+(`draft_together`), and each draft step of a draft model or an EAGLE head runs as one forward for all the
+sequences waiting at it.
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import torch
 
 from engine.clock import Now
 from engine.config import SpecConfig
+from engine.drafters.base import Proposal, TreeProposal
+from engine.drafters.eagle import EagleStep
 from engine.pair import ModelPair
 from engine.records import RoundRecord
-from engine.runner import forward_many
+from engine.runner import ForwardRequest, forward_many
 from engine.speculative import SpeculativeEngine, kv_bytes
 
 
@@ -85,6 +88,53 @@ def available_bytes(device: torch.device | str) -> int | None:
     return None
 
 
+def draft_together(engines: dict[str, SpeculativeEngine]) -> dict[str, Proposal | TreeProposal | None]:
+    """Every engine's drafting for this round, in lockstep: each engine's steps (`draft_steps`) advance
+    together, and the steps waiting at the same time run as one forward per model (`run_steps`). A sequence
+    that copies (prompt lookup) or drafts a tree needs no step; one that drafts fewer tokens leaves early."""
+    done: dict[str, Proposal | TreeProposal | None] = {}
+    waiting = {}
+    for name, engine in engines.items():
+        steps = engine.draft_steps()
+        try:
+            waiting[name] = (steps, next(steps))
+        except StopIteration as finished:
+            done[name] = finished.value
+    while waiting:
+        batch = list(waiting.items())
+        results = run_steps([step for _, (_, step) in batch])
+        for (name, (steps, _)), result in zip(batch, results):
+            try:
+                waiting[name] = (steps, steps.send(result))
+            except StopIteration as finished:
+                done[name] = finished.value
+                del waiting[name]
+    return done
+
+
+def run_steps(steps: list) -> list:
+    """Draft steps of several sequences, each group of one kind and one model as one forward: a draft model's
+    (ForwardRequest) through `forward_many`, an EAGLE head's (EagleStep) through its runtime's `draft_many`;
+    results in the steps' order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, step in enumerate(steps):
+        model = step.runner.loaded if isinstance(step, ForwardRequest) else \
+            step.drafter.runtime if isinstance(step, EagleStep) else step
+        groups.setdefault((type(step), id(model)), []).append(i)
+    results: list = [None] * len(steps)
+    for (kind, _), indices in groups.items():
+        group = [steps[i] for i in indices]
+        if kind is ForwardRequest:
+            out = forward_many(group, features=False)
+        elif kind is EagleStep:
+            out = group[0].drafter.runtime.draft_many(group)
+        else:
+            out = [s.run() for s in group]
+        for i, result in zip(indices, out):
+            results[i] = result
+    return results
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -143,20 +193,24 @@ class BatchEngine:
             self._closed.add(name)
             self.engines[name].close()
 
+    @torch.inference_mode()
     def step(self) -> BatchRound:
-        """One round for every unfinished sequence: each drafts, one target forward, each verifies and commits."""
+        """One round for every unfinished sequence: all draft together (`draft_together`), one target forward,
+        each verifies and commits."""
         names = self.active
         if not names:
             raise RuntimeError("every sequence of the batch is finished")
         now = self._now
         t0 = now()
+        drafted = draft_together({n: self.engines[n] for n in names if self.engines[n].started})
+        t1 = now()
         pending = {}
         for name in names:
+            engine = self.engines[name]
             try:
-                pending[name] = self.engines[name].begin_round()
+                pending[name] = engine.begin_round((drafted[name], (t1 - t0) * 1000) if engine.started else None)
             except (ValueError, RuntimeError) as exc:
                 self._fail(name, exc)
-        t1 = now()
         stepping = list(pending)
         first = self.engines[stepping[0]] if stepping else None
         results = forward_many([pending[n].request for n in stepping],

@@ -410,22 +410,14 @@ class FusedLlama:
         rows = sum(sizes)
         linear = self.blocked.linear if self.blocked is not None and rows >= self.blocked_rows else F.linear
         exact, scaling = self.weights == "int8", self.layers[0].scaling
-
-        def attend_for(i: int):
-            def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-                out = []
-                for s, mask, q_s, k_s, v_s in zip(segments, masks, qs.split(sizes, dim=2), ks.split(sizes, dim=2),
-                                                  vs.split(sizes, dim=2)):
-                    keys, values = s.cache.layer_update(i, k_s, v_s)
-                    out.append(attention(q_s, keys, values, mask, scaling, exact))
-                return torch.cat(out, dim=2)
-            return attend
+        caches = [s.cache for s in segments]
 
         tapped = {}
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped[i] = x[0]
-            x = decoder_layer(x, layer, attend_for(i), cos, sin, self.heads, self.kv_heads, self.head_dim, linear)
+            x = decoder_layer(x, layer, segmented_attend(caches, masks, sizes, i, scaling, exact), cos, sin, self.heads,
+                              self.kv_heads, self.head_dim, linear)
         features = _rms_norm(x, self.norm)[0]
         tapped[len(self.layers)] = features
         if taps:
@@ -473,11 +465,31 @@ def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tens
     head_dim]; `linear(x, weight, bias)` multiplies by a matrix. `exact_attention`: attention in float64, rounded
     back (see Int8Weights). Shared by the fused forward (one sequence, or a batch:
     `BatchForward`) and the EAGLE-style drafter's layer."""
+    return decoder_layer(x, layer, attend_with(keys_values, mask, layer.scaling, exact_attention), cos, sin, heads,
+                         kv_heads, head_dim, linear)
+
+
+def attend_with(keys_values, mask: torch.Tensor | None, scaling: float, exact: bool = False):
+    """The attention step `decoder_layer` takes, for one sequence: store this step's K/V through
+    `keys_values(ks, vs)`, attend to what it returns under `mask`."""
     def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
         keys, values = keys_values(ks, vs)
-        return attention(qs, keys, values, mask, layer.scaling, exact_attention)
+        return attention(qs, keys, values, mask, scaling, exact)
+    return attend
 
-    return decoder_layer(x, layer, attend, cos, sin, heads, kv_heads, head_dim, linear)
+
+def segmented_attend(caches: list[PagedCache], masks: list[torch.Tensor | None], sizes: list[int], layer: int,
+                     scaling: float, exact: bool = False):
+    """The attention step for several sequences stacked along the rows ([1, sum of sizes]): each segment writes
+    its K/V into its own paged cache (layer `layer`) and attends to that cache alone, under its own mask."""
+    def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        out = []
+        for cache, mask, q_s, k_s, v_s in zip(caches, masks, qs.split(sizes, dim=2), ks.split(sizes, dim=2),
+                                              vs.split(sizes, dim=2)):
+            keys, values = cache.layer_update(layer, k_s, v_s)
+            out.append(attention(q_s, keys, values, mask, scaling, exact))
+        return torch.cat(out, dim=2)
+    return attend
 
 
 def attention(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

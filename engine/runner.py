@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,12 @@ class ForwardRequest:
     attn_mask: torch.Tensor | None = None
     read_only: bool = False
 
+    def run(self, features: bool = False, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This request alone: the runner's `forward_features` (inside `read_only()` when asked)."""
+        with self.cache.read_only() if self.read_only else nullcontext():
+            return self.runner.forward_features(self.cache, self.token_ids, self.last_only, features, self.positions,
+                                                self.attn_mask, taps)
+
 
 @torch.inference_mode()
 def forward_many(requests: list[ForwardRequest], features: bool = True,
@@ -132,14 +138,7 @@ def forward_many(requests: list[ForwardRequest], features: bool = True,
     if any(r.runner.loaded is not first.loaded for r in requests):
         raise ValueError("a batched forward runs one model; these requests name several")
     if first.fused is None or len(requests) == 1:   # no batching to do: the single-sequence forward
-        out = []
-        for r in requests:
-            with ExitStack() as stack:
-                if r.read_only:
-                    stack.enter_context(r.cache.read_only())
-                out.append(r.runner.forward_features(r.cache, r.token_ids, r.last_only, features, r.positions,
-                                                     r.attn_mask, taps))
-        return out
+        return [r.run(features, taps) for r in requests]
     device = first.loaded.device
     segments = [Segment(r.cache, list(r.token_ids), r.last_only,
                         torch.tensor(r.positions, dtype=torch.long, device=device) if r.positions is not None else None,

@@ -14,14 +14,15 @@ same loop with K = 0: one forward, one token, from the bonus row.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.clock import Now, PhaseClock
 from engine.config import DRAFT_SEED_OFFSET, K_BOUND, K_SLACK, DrafterKind, Mode, SpecConfig
-from engine.drafters.base import NO_DRAFT, Drafter, NoDraft, Proposal, TreeProposal
+from engine.drafters.base import NO_DRAFT, Drafter, DraftStep, NoDraft, Proposal, TreeProposal, drive
 from engine.drafters.eagle import EagleDrafter
 from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.model import ModelDrafter
@@ -182,16 +183,18 @@ class SpeculativeEngine:
         forward for all its sequences in the middle.
         """
         pending = self.begin_round()
-        request = pending.request
         with pending.clock.phase(pending.phase):
-            with self.target_cache.read_only() if request.read_only else nullcontext():
-                logits, features = self.target_runner.forward_features(
-                    self.target_cache, request.token_ids, request.last_only, features=self._needs_features,
-                    positions=request.positions, attn_mask=request.attn_mask, taps=self._taps)
+            logits, features = pending.request.run(self._needs_features, self._taps)
         return self.finish_round(pending, logits, features)
 
-    def begin_round(self) -> PendingRound:
-        """The round's first part: the draft (none in the prefill), and the target forward it needs."""
+    @property
+    def started(self) -> bool:
+        """Whether the prefill round has begun (every later round drafts first)."""
+        return self._started
+
+    def begin_round(self, drafted: tuple[Proposal | TreeProposal | None, float] | None = None) -> PendingRound:
+        """The round's first part: the draft (none in the prefill), and the target forward it needs. A batch
+        drafts for all its sequences together (`draft_steps`) and passes each its (proposal, drafting ms)."""
         if self.finished:
             raise RuntimeError("the run is finished; reset to decode again")
         clock, forwards_before = PhaseClock(self._now), self.target_runner.forwards
@@ -199,8 +202,12 @@ class SpeculativeEngine:
             self._started = True
             request = ForwardRequest(self.target_runner, self.target_cache, list(self.prompt), last_only=True)
             return PendingRound(None, request, clock, forwards_before, "prefill")
-        with clock.phase("draft"):
-            proposal = self._draft()
+        if drafted is None:
+            with clock.phase("draft"):
+                proposal = drive(self.draft_steps())
+        else:   # drafted before this clock started: the round began when its drafting did
+            proposal, clock.ms["draft"] = drafted
+            clock.start -= clock.ms["draft"] / 1000
         feed, extra = (proposal or NO_DRAFT).feed(self.sequence.last, len(self.tokens) - 1)
         request = ForwardRequest(self.target_runner, self.target_cache, feed, positions=extra.get("positions"),
                                  attn_mask=extra.get("attn_mask"), read_only=self.config.mode is Mode.V1)
@@ -238,8 +245,9 @@ class SpeculativeEngine:
     def taps(self) -> tuple[int, ...]:
         return self._taps
 
-    def _draft(self) -> Proposal | TreeProposal | None:
-        """Up to K drafts (or a tree), never more than the tokens still to generate leave room to verify."""
+    def draft_steps(self) -> Generator[DraftStep, Any, Proposal | TreeProposal | None]:
+        """The round's drafting as steps (engine.drafters.base.DraftSteps): up to K drafts (or a tree), never more
+        than the tokens still to generate leave room to verify. A tree is drafted whole, without steps."""
         remaining = self.sequence.remaining
         k = 0 if self.drafter is None else max(0, min(self.k, remaining - 1))
         if not k:
@@ -247,7 +255,7 @@ class SpeculativeEngine:
         if self.config.tree is not None:
             return self.drafter.propose_tree(self.tokens, self.config.tree,
                                              self.confidence.weigh if self.confidence else None)
-        proposal = self.drafter.propose(self.tokens, k, min(K_BOUND, remaining - 1))
+        proposal = yield from self.drafter.propose_steps(self.tokens, k, min(K_BOUND, remaining - 1))
         return proposal if proposal.tokens else None
 
     def _commit(self, drafted: Proposal | TreeProposal | NoDraft, verdict: Verdict,

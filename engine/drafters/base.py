@@ -11,8 +11,9 @@ The three share one interface, so the round (engine.speculative) never asks whic
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -118,10 +119,38 @@ class Drafter(Protocol):
 
     def prefill(self, prompt: list[int], features: torch.Tensor | None) -> None: ...
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal: ...
+    def propose_steps(self, committed: list[int], k: int, limit: int | None = None) -> "DraftSteps": ...
     def commit(self, committed: list[int], features: torch.Tensor | None) -> None: ...
     def caches(self) -> list[DraftCache]: ...
     def drain_forward_ms(self) -> list[float]: ...
     def close(self) -> None: ...
+
+
+class DraftStep(Protocol):
+    """One draft forward a drafter's `propose_steps` asks for; `run()` runs it alone. A batch groups the steps
+    of one kind and model and runs them as one forward (engine.batch.run_steps)."""
+
+    def run(self): ...
+
+
+# A chain's drafting as steps: yields DraftSteps, is sent each one's result, returns the Proposal.
+DraftSteps = Generator[DraftStep, Any, Proposal]
+
+
+def drive(steps: DraftSteps) -> Proposal:
+    """Run a drafter's steps one at a time, each alone: what a single sequence does."""
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(step.run())
+    except StopIteration as done:
+        return done.value
+
+
+def no_steps(proposal: Proposal) -> DraftSteps:
+    """Steps that need no forward: the proposal at once (prompt lookup's copy)."""
+    return proposal
+    yield  # unreachable: makes this a generator
 
 
 @dataclass(frozen=True, slots=True)

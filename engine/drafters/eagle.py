@@ -34,8 +34,8 @@ from torch import nn
 
 from engine.clock import ForwardTimer, Now, native_bf16
 from engine.config import DrafterKind, TreeSpec
-from engine.drafters.base import DraftCache, Proposal, TreeProposal
-from engine.fused_llama import BlockedWeights, _rms_norm, decoder_block
+from engine.drafters.base import DraftCache, DraftSteps, Proposal, TreeProposal, drive
+from engine.fused_llama import BlockedWeights, _rms_norm, attend_with, decoder_layer, segmented_attend
 from engine.kv_cache import KVPool, KVShape, PagedCache
 from engine.models import LoadedModel
 from engine.runner import pool_blocks
@@ -173,9 +173,15 @@ class EagleHead(nn.Module):
              sin: torch.Tensor, mask: torch.Tensor | None, linear=F.linear) -> torch.Tensor:
         """Predicted features [1, q, d] from token embeddings and the previous features ([1, q, d] each).
         `linear` is F.linear in training (differentiable), the blocked copies' product in the engine."""
+        return self.step_attending(emb, feats, layer, attend_with(keys_values, mask, layer.scaling), cos, sin, linear)
+
+    def step_attending(self, emb: torch.Tensor, feats: torch.Tensor, layer: LayerView, attend, cos: torch.Tensor,
+                       sin: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        """`step` with the attention step given (engine.fused_llama.decoder_layer): several sequences' rows
+        stacked, each attending to its own cache, is how a batch drafts (`EagleRuntime.draft_many`)."""
         x = linear(torch.cat([emb, feats], dim=-1), self.fc.weight, self.fc.bias)
         c = self.config
-        x = decoder_block(x, layer, keys_values, cos, sin, mask, c.heads, c.kv_heads, c.head_dim, linear)
+        x = decoder_layer(x, layer, attend, cos, sin, c.heads, c.kv_heads, c.head_dim, linear)
         return _rms_norm(x, (self.norm_out, c.rms_eps))
 
 
@@ -270,6 +276,39 @@ class EagleRuntime:
         return out[0]
 
     @torch.inference_mode()
+    def draft_many(self, steps: list["EagleStep"]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several sequences' draft steps (each its own drafter and cache) as one head forward: their rows stacked
+        through every product, attention per sequence, then one LM-head product over the kept tokens for all of
+        them; each sequence's own context tokens are scored apart. Timed once; every drafter counts it as one
+        draft forward. (predicted features, logits over its vocabulary) per step, as `EagleDrafter.run_step`."""
+        device, dtype = self.target.device, self.target.dtype
+        sizes = [len(s.tokens) for s in steps]
+        caches = [s.drafter.cache for s in steps]
+        times: list[float] = []
+        with steps[0].drafter._timer.time(times):
+            ids = torch.tensor([[t for s in steps for t in s.tokens]], dtype=torch.long, device=device)
+            cos_parts, sin_parts, masks = [], [], []
+            for cache, n in zip(caches, sizes):
+                past = cache.get_seq_length()
+                cos, sin = self._rope(past + 1, n, dtype)   # draft position t sits at rotary position t
+                cos_parts.append(cos)
+                sin_parts.append(sin)
+                masks.append(None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past))
+            cos, sin = torch.cat(cos_parts)[None, None], torch.cat(sin_parts)[None, None]
+            feats = torch.cat([s.feats for s in steps]).to(dtype)[None]
+            rows = sum(sizes)
+            attend = segmented_attend(caches, masks, sizes, 0, self.layer.scaling)
+            out = self.head.step_attending(F.embedding(ids, self.embed), feats, self.layer, attend, cos, sin,
+                                           self.linear(rows))[0]
+            parts = [o[-1:] if s.last_only else o for o, s in zip(out.split(sizes), steps)]
+            kept = self.logits(torch.cat(parts)).split([p.shape[0] for p in parts])
+            logits = [s.drafter.vocabulary.logits(p, kept=k) for s, p, k in zip(steps, parts, kept)]
+        for s in steps:
+            s.drafter.cache.tokens.extend(s.tokens)
+            s.drafter.forward_ms.extend(times)
+        return list(zip(parts, logits))
+
+    @torch.inference_mode()
     def real_features(self, target_features: torch.Tensor) -> torch.Tensor:
         return self.head.real_features(target_features.to(self.target.dtype), self.linear(target_features.shape[0]))
 
@@ -353,9 +392,10 @@ class DraftVocabulary:
             self._rows = torch.cat([self._rows, self.runtime.target.fused.lm_head.detach().index_select(0, index)])
 
     @torch.inference_mode()
-    def logits(self, feats: torch.Tensor) -> torch.Tensor:
-        """Logits [n, len(ids)] float32: the kept ones (the runtime's product), then the context's."""
-        kept = self.runtime.logits(feats)
+    def logits(self, feats: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, len(ids)] float32: the kept ones (the runtime's product, unless given: a batch computes
+        them for all its sequences at once), then the context's."""
+        kept = self.runtime.logits(feats) if kept is None else kept
         if not self.extra:
             return kept
         return torch.cat([kept, F.linear(feats, self._rows).float()], dim=-1)
@@ -364,6 +404,21 @@ class DraftVocabulary:
         """[n, len(ids)] probabilities as [n, V_target] rows, exactly 0 outside the covered tokens."""
         rows = torch.zeros(probs.shape[0], self.runtime.target.vocab_size, device=probs.device)
         return rows.index_copy_(1, self.ids, probs.float())
+
+
+@dataclass(frozen=True, slots=True)
+class EagleStep:
+    """One draft forward an EagleDrafter asks for (its `propose_steps` yields them): `tokens` fed with the
+    features `feats` after its cache; `last_only`: only the last row's prediction is wanted."""
+
+    drafter: "EagleDrafter"
+    tokens: list[int]
+    feats: torch.Tensor
+    last_only: bool = False
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step alone: (predicted features, logits over the sequence's vocabulary)."""
+        return self.drafter._draft(self.tokens, self.feats, last_only=self.last_only)
 
 
 class EagleDrafter:
@@ -423,11 +478,16 @@ class EagleDrafter:
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
         """K drafts: one forward over the positions not yet cached (real features), then one per draft
         on the head's own predicted features."""
+        return drive(self.propose_steps(committed, k, limit))
+
+    def propose_steps(self, committed: list[int], k: int, limit: int | None = None) -> DraftSteps:
+        """`propose` as steps: yields each draft forward (an EagleStep) and is sent its result; returns the
+        Proposal. A batch runs the steps of all its sequences together (engine.batch)."""
         n, cached = len(committed), self.cache.table.length
         if self.features.shape[0] != n - 1:
             raise RuntimeError(f"the drafter holds {self.features.shape[0]} real features for {n} committed "
                                "tokens; it must be committed with every round's accepted features")
-        predicted, logits = self._draft(committed[cached + 1:], self.features[cached:], last_only=True)
+        predicted, logits = yield EagleStep(self, committed[cached + 1:], self.features[cached:], last_only=True)
         tokens, rows = [], []
         for i in range(k):
             u = draw_uniform(1, self.generator, logits.device)
@@ -439,7 +499,7 @@ class EagleDrafter:
                 rows.append(q[0])
             tokens.append(int(self.vocabulary.ids[choice]))
             if i + 1 < k:
-                predicted, logits = self._draft([tokens[-1]], predicted)
+                predicted, logits = yield EagleStep(self, [tokens[-1]], predicted)
         if self.sampling.greedy:
             q_draft = one_hot_rows(torch.tensor(tokens, device=logits.device), self.runtime.target.vocab_size)
         else:

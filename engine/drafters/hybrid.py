@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import DrafterKind, TreeSpec
-from engine.drafters.base import DraftCache, Drafter, Proposal, TreeProposal
+from engine.drafters.base import DraftCache, Drafter, DraftSteps, Proposal, TreeProposal, drive, no_steps
 from engine.drafters.ngram import NgramDrafter
 from engine.tree import DraftTree, Weigh
 
@@ -30,10 +30,14 @@ class HybridDrafter:
 
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
         """`limit`: the most tokens this round may draft (the engine's remaining budget and K bound)."""
+        return drive(self.propose_steps(committed, k, limit))
+
+    def propose_steps(self, committed: list[int], k: int, limit: int | None = None) -> DraftSteps:
+        """A copy when the context repeats (no forward), else the model's steps."""
         n, copied = self.ngram.match(committed, min(2 * k, limit if limit is not None else 2 * k))
         if n >= self.min_n and copied:
-            return self.ngram.proposal(copied)
-        return self.model.propose(committed, k)
+            return (yield from no_steps(self.ngram.proposal(copied)))
+        return (yield from self.model.propose_steps(committed, k))
 
     def propose_tree(self, committed: list[int], spec: TreeSpec, weigh: Weigh | None = None) -> TreeProposal:
         """The model's tree with prompt lookup merged in (engine.tree.grow): a node whose context (the

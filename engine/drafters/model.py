@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from engine.config import DrafterKind, TreeSpec
-from engine.drafters.base import DraftCache, Proposal, TreeProposal, common_prefix
+from engine.drafters.base import DraftCache, DraftSteps, Proposal, TreeProposal, common_prefix, drive
 from engine.kv_cache import PagedCache
 from engine.models import LoadedModel
-from engine.runner import ModelRunner
+from engine.runner import ForwardRequest, ModelRunner
 from engine.sampling import SamplingParams, draw_uniform, greedy_ids, logits_to_probs, one_hot_rows, sample_from
 from engine.tree import CopyAt, DraftTree, Weigh, attention_mask, grow
 from engine.verify import align_vocab
@@ -60,10 +60,16 @@ class ModelDrafter:
 
         Greedy q rows are one-hot on the drafted tokens, so they are built once at the end
         instead of per step (the draft forward is cheap enough that per-step [1, V] work shows)."""
+        return drive(self.propose_steps(committed, k, limit))
+
+    def propose_steps(self, committed: list[int], k: int, limit: int | None = None) -> DraftSteps:
+        """`propose` as steps: yields each draft forward (a ForwardRequest on the draft's runner) and is sent its
+        (logits, features); returns the Proposal. A batch runs its sequences' steps as one forward."""
         feed = self._draftable(committed[self.cache.table.length:])
         rows, tokens = [], []
         for _ in range(k):
-            logits = self._aligned(self.runner.forward(self.cache, feed, last_only=True))
+            logits, _ = yield ForwardRequest(self.runner, self.cache, feed, last_only=True)
+            logits = self._aligned(logits)
             u = draw_uniform(1, self.generator, logits.device)
             if self.sampling.greedy:
                 token = int(greedy_ids(logits)[0])

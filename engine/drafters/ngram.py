@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import DrafterKind
-from engine.drafters.base import DraftCache, Proposal
+from engine.drafters.base import DraftCache, DraftSteps, Proposal, no_steps
 
 
 class NgramDrafter:
@@ -60,6 +60,9 @@ class NgramDrafter:
 
     def propose(self, committed: list[int], k: int, limit: int | None = None) -> Proposal:
         return self.proposal(self.match(committed, k)[1])
+
+    def propose_steps(self, committed: list[int], k: int, limit: int | None = None) -> DraftSteps:
+        return no_steps(self.propose(committed, k, limit))
 
     def proposal(self, tokens: list[int]) -> Proposal:
         tokens = [t for t in tokens if t < self.target_vocab]
