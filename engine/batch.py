@@ -21,10 +21,11 @@ from engine.clock import Now
 from engine.config import SpecConfig
 from engine.drafters.base import Proposal, TreeProposal
 from engine.drafters.eagle import EagleStep
+from engine.kv_cache import KVPool
 from engine.pair import ModelPair
 from engine.records import RoundRecord
-from engine.runner import ForwardRequest, forward_many
-from engine.speculative import SpeculativeEngine, kv_bytes
+from engine.runner import ForwardRequest, forward_many, pool_blocks
+from engine.speculative import SpeculativeEngine, kv_bytes, kv_capacity
 
 
 class BatchTooLarge(ValueError):
@@ -154,7 +155,8 @@ class BatchEngine:
         names = [r.name for r in requests]
         if len(set(names)) != len(names):
             raise ValueError("every sequence of a batch needs its own name")
-        need = sum(kv_bytes(pair, len(r.prompt_ids), config) for r in requests)
+        fits = [r for r in requests if 0 < len(r.prompt_ids) <= pair.target.max_context]   # the rest are refused
+        need = sum(kv_bytes(pair, len(r.prompt_ids), config) for r in fits)
         free = memory if memory is not None else available_bytes(pair.target.device)
         if free is not None and need > free:
             raise BatchTooLarge(
@@ -163,11 +165,15 @@ class BatchEngine:
         self.pair, self.config, self._now = pair, config, now
         self.engines: dict[str, SpeculativeEngine] = {}
         self.failures: list[BatchFailure] = []
+        # one pool for the target's KV, each sequence its own blocks in it: attention runs as one product
+        target = pair.target
+        blocks = max(1, sum(pool_blocks(kv_capacity(len(r.prompt_ids), config), config.block_size) for r in fits))
+        self.pool = KVPool(target.kv_shape, blocks, config.block_size, target.device, target.dtype)
         for i, r in enumerate(requests):
             seed = r.seed if r.seed is not None else config.seed + i
             try:
                 self.engines[r.name] = SpeculativeEngine(pair, r.prompt_ids, replace(config, seed=seed),
-                                                         eos_id=eos_id, now=now)
+                                                         eos_id=eos_id, now=now, target_pool=self.pool)
             except ValueError as exc:   # PromptError included: this sequence only
                 self.failures.append(BatchFailure(r.name, str(exc)))
         self.rounds: list[BatchRound] = []

@@ -125,8 +125,9 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
         raise ValueError("a batched calibration times the target alone")
     grid = tuple(sorted(set(grid) | {1}))
     context = min(context, loaded.max_context - grid[-1])
-    # a pool per sequence, as a batch of engines has (engine.batch)
-    runners = [ModelRunner(loaded, context + grid[-1], fused=fused, now=now) for _ in range(batch)]
+    # one pool for all the sequences, as a batch of engines shares one (engine.batch)
+    pool = ModelRunner(loaded, context + grid[-1], fused=fused, now=now, sequences=batch).pool
+    runners = [ModelRunner(loaded, context + grid[-1], fused=fused, now=now, pool=pool) for _ in range(batch)]
     caches = [r.new_sequence() for r in runners]
     runner, cache = runners[0], caches[0]
     g = torch.Generator().manual_seed(0)

@@ -390,7 +390,8 @@ class FusedLlama:
         their fed rows stacked ([1, sum of q, d]), and only attention goes sequence by sequence, each over its
         own paged cache (written unless that cache is read-only). What a batched decoder does each round: B
         sequences' K + 1 rows cost one read of the weights. One (logits, features) per segment, as
-        `forward_features` returns them."""
+        `forward_features` returns them. When the sequences' caches share one pool (a batch's), attention too
+        runs as one product per layer over them all (`PooledAttention`)."""
         sizes = [len(s.ids) for s in segments]
         ids = torch.tensor([[t for s in segments for t in s.ids]], dtype=torch.long, device=self.device)
         x = F.embedding(ids, self.embed)
@@ -411,13 +412,15 @@ class FusedLlama:
         linear = self.blocked.linear if self.blocked is not None and rows >= self.blocked_rows else F.linear
         exact, scaling = self.weights == "int8", self.layers[0].scaling
         caches = [s.cache for s in segments]
+        pooled = PooledAttention.of(caches, masks, sizes)
 
         tapped = {}
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped[i] = x[0]
-            x = decoder_layer(x, layer, segmented_attend(caches, masks, sizes, i, scaling, exact), cos, sin, self.heads,
-                              self.kv_heads, self.head_dim, linear)
+            attend = pooled.attend(i, scaling, exact) if pooled is not None else \
+                segmented_attend(caches, masks, sizes, i, scaling, exact)
+            x = decoder_layer(x, layer, attend, cos, sin, self.heads, self.kv_heads, self.head_dim, linear)
         features = _rms_norm(x, self.norm)[0]
         tapped[len(self.layers)] = features
         if taps:
@@ -476,6 +479,63 @@ def attend_with(keys_values, mask: torch.Tensor | None, scaling: float, exact: b
         keys, values = keys_values(ks, vs)
         return attention(qs, keys, values, mask, scaling, exact)
     return attend
+
+
+class PooledAttention:
+    """Attention for several sequences whose paged caches share one pool, as one masked product per layer: each
+    layer writes every sequence's new K/V with one index_copy, gathers every sequence's blocks (whole blocks, in
+    its table's order) into a padded [B, kv_heads, blocks * block_size, head_dim] tensor with one index_select,
+    and attends under a [B, 1, q_max, blocks * block_size] mask (a sequence's own causal or tree mask; slots past
+    its length masked out). Padded query rows see one key and are dropped. Built once per forward (`of`), after
+    which the caches hold the forward's new positions."""
+
+    def __init__(self, caches: list[PagedCache], masks: list[torch.Tensor | None], sizes: list[int]) -> None:
+        pool = caches[0].pool
+        device, bs = pool.device, pool.block_size
+        self.pool, self.batch, self.q_max = pool, len(caches), max(sizes)
+        self.write = torch.cat([c.begin_write(q) for c, q in zip(caches, sizes)])
+        tables = [c.table for c in caches]
+        self.blocks = max(len(t.blocks) for t in tables)
+        self.length = self.blocks * bs
+        gather = torch.zeros(self.batch, self.blocks, dtype=torch.long, device=device)
+        mask = torch.zeros(self.batch, 1, self.q_max, self.length, dtype=torch.bool, device=device)
+        for b, (table, q, m) in enumerate(zip(tables, sizes, masks)):
+            gather[b, :len(table.blocks)] = torch.tensor(table.blocks, device=device)
+            mask[b, 0, :q, :table.length] = True if m is None else m
+            mask[b, 0, q:, 0] = True
+        self.gather, self.mask = gather.view(-1), mask
+        self.rows = self.valid = None
+        if any(q != self.q_max for q in sizes):   # pad the stacked rows to q_max per sequence, and back
+            starts = [sum(sizes[:b]) for b in range(self.batch)]
+            self.rows = torch.tensor([starts[b] + min(j, q - 1) for b, q in enumerate(sizes) for j in range(self.q_max)],
+                                     device=device)
+            self.valid = torch.tensor([b * self.q_max + j for b, q in enumerate(sizes) for j in range(q)], device=device)
+
+    @staticmethod
+    def of(caches: list[PagedCache], masks: list[torch.Tensor | None], sizes: list[int]) -> "PooledAttention | None":
+        """The pooled attention when the caches share one pool and none is read-only (v1's verify); else None."""
+        pool = caches[0].pool
+        if len(caches) < 2 or any(c.pool is not pool or c._read_only for c in caches):
+            return None
+        return PooledAttention(caches, masks, sizes)
+
+    def attend(self, layer: int, scaling: float, exact: bool = False):
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        batch, q_max, length = self.batch, self.q_max, self.length
+
+        def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+            heads, head_dim = qs.shape[1], qs.shape[3]
+            keys.index_copy_(1, self.write, ks[0].to(keys.dtype))
+            values.index_copy_(1, self.write, vs[0].to(values.dtype))
+            kv, bs = keys.shape[0], self.pool.block_size
+            k = keys.view(kv, -1, bs, head_dim).index_select(1, self.gather).view(kv, batch, length, head_dim)
+            v = values.view(kv, -1, bs, head_dim).index_select(1, self.gather).view(kv, batch, length, head_dim)
+            k, v = k.transpose(0, 1).to(qs.dtype), v.transpose(0, 1).to(qs.dtype)
+            q = qs[0] if self.rows is None else qs[0].index_select(1, self.rows)
+            q = q.view(heads, batch, q_max, head_dim).transpose(0, 1)
+            out = attention(q, k, v, self.mask, scaling, exact).transpose(0, 1).reshape(heads, batch * q_max, head_dim)
+            return (out if self.valid is None else out.index_select(1, self.valid))[None]
+        return attend
 
 
 def segmented_attend(caches: list[PagedCache], masks: list[torch.Tensor | None], sizes: list[int], layer: int,

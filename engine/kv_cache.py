@@ -187,6 +187,17 @@ class PagedCache(Cache):
         self._slot_index = torch.cat([self._slot_index, self._write_index])
         self._span = self._contiguous_span()
 
+    def begin_write(self, q: int) -> torch.Tensor:
+        """Reserve slots for q new tokens (what layer 0's update does in a forward) and return their physical
+        slots; a batched forward then writes every layer's K/V there itself (engine.fused_llama.forward_many)."""
+        self._begin_forward(q)
+        return self._write_index
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The physical slot of every cached position, in order."""
+        return self._slot_index
+
     def rollback(self, n: int) -> SlotChange:
         """Forget the last n cached tokens; blocks left empty return to the pool."""
         change = self.pool.manager.rollback(self.table, n)

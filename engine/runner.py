@@ -37,11 +37,15 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, capacity: int, block_size: int = 16, sequences: int = 1,
-                 num_blocks: int | None = None, fused: bool = True, now: Now = time.perf_counter) -> None:
+                 num_blocks: int | None = None, fused: bool = True, now: Now = time.perf_counter,
+                 pool: KVPool | None = None) -> None:
+        """`pool`: a pool shared with other runners of the same model (a batch's sequences), instead of one of
+        its own sized from `capacity`, `sequences` and `num_blocks`."""
         self.loaded = loaded
         self.fused = loaded.fused if fused else None
         blocks = num_blocks if num_blocks is not None else pool_blocks(capacity, block_size, sequences)
-        self.pool = KVPool(loaded.kv_shape, blocks, block_size, loaded.device, loaded.dtype)
+        self.pool = pool if pool is not None else KVPool(loaded.kv_shape, blocks, block_size, loaded.device,
+                                                         loaded.dtype)
         self.forwards = 0
         self.forward_ms: list[float] = []
         self._timer = ForwardTimer(loaded.device, now)

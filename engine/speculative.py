@@ -28,6 +28,7 @@ from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.faults import Fault, faulty_verify
+from engine.kv_cache import KVPool
 from engine.metrics import summarize
 from engine.pair import ModelPair
 from engine.prompts import PromptError
@@ -80,12 +81,13 @@ class SpeculativeEngine:
     and read-only. Randomness comes from two generators seeded from `config.seed` (verification
     and drafting), so a seed reproduces a run exactly, and v1 and v2 consume draws identically.
     A greedy tree's confidence table is the run's own unless the caller passes one (`confidence`).
-    Times come from `now` (see engine.clock).
+    Times come from `now` (see engine.clock). `target_pool`: the target's KV pool shared with a batch's other
+    sequences (engine.batch), each holding its own blocks in it.
     """
 
     def __init__(self, pair: ModelPair, prompt_ids: list[int], config: SpecConfig, kv_blocks: int | None = None,
                  eos_id: int | None = None, now: Now = time.perf_counter, confidence: Confidence | None = None,
-                 fault: Fault | None = None) -> None:
+                 fault: Fault | None = None, target_pool: KVPool | None = None) -> None:
         if not prompt_ids:
             raise PromptError("The prompt is empty.")
         target = pair.target
@@ -108,7 +110,7 @@ class SpeculativeEngine:
         self._now = now
         capacity = kv_capacity(len(prompt_ids), config)
         self.target_runner = ModelRunner(target, capacity, config.block_size, num_blocks=kv_blocks,
-                                         fused=config.fused_forward, now=now)
+                                         fused=config.fused_forward, now=now, pool=target_pool)
         self.target_cache = self.target_runner.new_sequence()
         self.gen_verify = torch.Generator().manual_seed(config.seed)
         self.gen_draft = torch.Generator().manual_seed(config.seed + DRAFT_SEED_OFFSET)

@@ -82,9 +82,9 @@ def test_the_one_token_unit_is_timed_back_to_back_after_the_grid(builtin_pair, m
         feeds.append(len(ids))
         return real_forward(self, cache, ids, *args, **kwargs)
 
-    def curve(model, device, dtype, context, times, repeats):
+    def curve(model, device, dtype, context, times, repeats, *batch):
         seen.update(times)
-        return real_curve(model, device, dtype, context, times, repeats)
+        return real_curve(model, device, dtype, context, times, repeats, *batch)
     monkeypatch.setattr(calibration.ModelRunner, "forward", forward)
     monkeypatch.setattr(calibration, "curve_from_times", curve)
     calibrate(target, context=16, grid=(1, 2, 4), repeats=3, warmup=0)
@@ -143,9 +143,9 @@ def test_a_real_calibration_reports_the_medians_of_its_own_forwards(builtin_pair
     seen: dict[int, list[float]] = {}
     real = calibration.curve_from_times
 
-    def spy(model, device, dtype, context, times, repeats):
+    def spy(model, device, dtype, context, times, repeats, *batch):
         seen.update({n: list(t) for n, t in times.items()})
-        return real(model, device, dtype, context, times, repeats)
+        return real(model, device, dtype, context, times, repeats, *batch)
     monkeypatch.setattr(calibration, "curve_from_times", spy)
     curve = calibrate(target, context=32, grid=(3, 9, 17), repeats=3)
     assert sorted(seen) == curve.ns == [1, 3, 9, 17]               # one row is always measured: r's unit
@@ -176,3 +176,24 @@ def test_traces_round_trip_the_calibration(builtin_pair, tmp_path):
     bad = path.read_text().replace('"r": [1.0, 1.1, 1.3]', '"r": [1.0, -1.0, 1.3]')
     with pytest.raises(TraceError, match="calibration"):
         load_trace(bad.encode())
+
+
+def test_a_batched_calibration_times_b_sequences_in_one_forward(builtin_pair, monkeypatch):
+    """batch=B: every timed forward feeds n tokens to each of B sequences at once (one batched forward), and r
+    is relative to one token each."""
+    from engine import calibration
+
+    _, target = builtin_pair
+    fed: list[list[int]] = []
+    real = calibration.forward_many
+
+    def spy(requests, *args, **kwargs):
+        fed.append([len(r.token_ids) for r in requests])
+        return real(requests, *args, **kwargs)
+    monkeypatch.setattr(calibration, "forward_many", spy)
+    curve = calibrate(target, context=24, grid=(1, 3), repeats=2, warmup=0, batch=3)
+    assert curve.batch == 3 and curve.ns == [1, 3] and curve.r[0] == 1.0
+    assert fed and all(len(f) == 3 and len(set(f)) == 1 for f in fed)   # three sequences, n tokens each
+    assert {f[0] for f in fed} == {1, 3}
+    with pytest.raises(ValueError, match="times the target alone"):
+        calibrate(target, context=24, grid=(1, 3), batch=2, draft=builtin_pair[0])
