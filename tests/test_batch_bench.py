@@ -14,9 +14,9 @@ from engine.bench.plot import batch_figure
 @pytest.fixture(scope="module")
 def study(tmp_path_factory) -> tuple[BatchStudy, str]:
     out = tmp_path_factory.mktemp("batch") / "study.json"
-    status = main(["--batch", "1,2,4", "--methods", "v2:2,ngram:2,ngram:3", "--num-prompts", "3", "--new-tokens", "12",
-                   "--repeats", "1", "--warmup", "0", "--no-progress", "--json", str(out), "--plot",
-                   str(out.with_suffix(".html"))])
+    status = main(["--quick", "--batch", "1,2,4", "--methods", "v2:2,ngram:2,ngram:3", "--num-prompts", "3",
+                   "--new-tokens", "10", "--repeats", "1", "--warmup", "0", "--no-progress", "--json", str(out),
+                   "--plot", str(out.with_suffix(".html"))])
     assert status == 0
     return read_study(out), out.with_suffix(".html").read_text()
 
