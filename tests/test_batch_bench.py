@@ -36,7 +36,8 @@ def test_the_study_covers_every_method_at_every_batch_size(study):
             assert 0.0 <= p.alpha <= 1.0
     # greedy: every sequence of every run emitted what its prompt emits alone, target-only
     assert all(p.same_tokens for p in s.points)
-    assert set(s.single_tokens_per_s) == set(s.methods())
+    assert set(s.single_tokens_per_s) == set(s.methods()) == set(s.b1_cost)
+    assert all(0 < s.batched_over_single(m) == s.b1_cost[m] for m in s.methods())
     assert [c.batch for c in s.costs] == [1, 2, 4] and all(c.ns == list(range(1, 10)) for c in s.costs)
     # the best K per drafter and batch size, K among those measured for the measured one
     assert {(b.drafter, b.batch) for b in s.best_k} == {(d, b) for d in ("model", "ngram") for b in (1, 2, 4)}

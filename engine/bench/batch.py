@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine import metrics
@@ -107,6 +107,7 @@ class BatchStudy:
     single_tokens_per_s: dict[str, float]  # B = 1 through the single-sequence engine, per method
     wall_s: float
     command: str = ""
+    b1_cost: dict[str, float] = field(default_factory=dict)   # batched B = 1 wall / single wall, paired runs
 
     def point(self, batch: int, method: str) -> BatchPoint | None:
         return next((p for p in self.points if p.batch == batch and p.method == method), None)
@@ -131,7 +132,11 @@ class BatchStudy:
         return max(spec, key=lambda p: p.speedup) if spec else None
 
     def batched_over_single(self, method: str) -> float | None:
-        """The batched path's cost at B = 1 relative to the single-sequence engine: single tok/s over batched."""
+        """The batched path's cost at B = 1 relative to the single-sequence engine: the median over runs of the
+        two side by side of batched wall time over single (a study without the pairs: single tok/s over
+        batched's median)."""
+        if method in self.b1_cost:
+            return self.b1_cost[method]
         point, single = self.point(1, method), self.single_tokens_per_s.get(method)
         return single / point.tokens_per_s if point and single else None
 
@@ -239,7 +244,7 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
     engine_methods = [m for m in methods if m.family == "engine"]
     batches = sorted(set(batches))
     t0 = time.perf_counter()
-    total = len(batches) + len(engine_methods) * (warmup + repeats * (len(batches) + 1))
+    total = len(batches) + len(engine_methods) * (warmup + repeats * len(batches))
     done = 0
 
     def tick(what: str) -> None:
@@ -273,11 +278,20 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
         for b in batches:
             shift = (rep + b) % len(engine_methods)
             for m in engine_methods[shift:] + engine_methods[:shift]:
-                runs.setdefault((b, m.label), []).append(timed(lambda: run_batch(m, pair, prompts_for(b), new_tokens)))
+                # at B = 1 the single-sequence engine runs right beside the batched one (alternating which goes
+                # first), so that their ratio is a pair measured under the same load
+                order = ("batch", "single") if rep % 2 == 0 else ("single", "batch")
+                for which in order if b == 1 else ("batch",):
+                    if which == "batch":
+                        runs.setdefault((b, m.label), []).append(
+                            timed(lambda: run_batch(m, pair, prompts_for(b), new_tokens)))
+                    else:
+                        singles.setdefault(m.label, []).append(
+                            timed(lambda: run_single(m, pair, prompts[0], new_tokens)))
                 tick(f"{m.label} at B={b}")
-        for m in engine_methods:
-            singles.setdefault(m.label, []).append(timed(lambda: run_single(m, pair, prompts[0], new_tokens)))
-            tick(f"{m.label} single")
+        if 1 not in batches:
+            for m in engine_methods:
+                singles.setdefault(m.label, []).append(timed(lambda: run_single(m, pair, prompts[0], new_tokens)))
     alone = singles["target"][0].tokens[0]
     reference = {0: alone}
     points: list[BatchPoint] = []
@@ -308,7 +322,9 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
     return BatchStudy(pair.target.name, machine, prompt_set, [len(p.ids) for p in prompts], new_tokens, repeats,
                       list(batches), points, [costs[b] for b in batches], bests,
                       {label: _median([r.tokens_per_s for r in rs]) for label, rs in singles.items()},
-                      time.perf_counter() - t0, command)
+                      time.perf_counter() - t0, command,
+                      {label: _median([b.wall_s / a.wall_s for a, b in zip(rs, runs[(1, label)])])
+                       for label, rs in singles.items()} if 1 in batches else {})
 
 
 def _same_as_alone(run: BatchRun, prompts: Sequence[Prompt], batch: int, reference: dict[int, list[int]],
@@ -362,9 +378,9 @@ def format_study(study: BatchStudy) -> str:
         measured, predicted = study.crossover(method), study.crossover(method, predicted=True)
         lines.append(f"  {method:<20} measured: {f'B={measured}' if measured else 'pays at every B measured'}; "
                      f"predicted: {f'B={predicted}' if predicted else 'pays at every B measured'}")
-    costs = ", ".join(f"{m} {_fmt(study.batched_over_single(m))}" for m in study.methods()
+    costs = ", ".join(f"{m} {_fmt(study.batched_over_single(m), '.3f')}" for m in study.methods()
                       if study.batched_over_single(m) is not None)
-    lines += ["", f"B=1, the batched path's cost over the single-sequence engine's (single tok/s / batched): {costs}",
+    lines += ["", f"B=1, the batched path's wall time over the single-sequence engine's, run side by side: {costs}",
               "r_B(n) measured (rows per sequence n = 1..9): " + "; ".join(
                   f"B={c.batch}: " + " ".join(f"{r:.2f}" for r in c.r) for c in study.costs),
               f"wall {study.wall_s:.0f} s"]
