@@ -55,3 +55,12 @@ def test_a_missing_install_is_one_sentence(tmp_path, monkeypatch):
         stdout=""))
     with pytest.raises(peer.PeerUnavailable, match="could not be installed here.*No matching distribution"):
         peer.ensure_vllm(tmp_path / "venv", lambda m: None)
+
+
+@pytest.mark.parametrize("sizes", ["0,2", "x", "65"])
+def test_bad_batch_sizes_get_one_line_before_anything_installs(sizes, capsys, tmp_path):
+    from engine.bench.peer import main
+
+    assert main(["--batch", sizes, "--venv", str(tmp_path / "never-made")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --batch takes") and not (tmp_path / "never-made").exists()

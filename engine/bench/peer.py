@@ -179,7 +179,6 @@ def format_table(title: str, rows: Sequence[tuple[str, Side | None, Side | None]
 
 # -- the command --------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    import torch
 
     from engine.bench.methods import BenchSettings
     from engine.bench.prompts import make_prompts
@@ -251,15 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         for rnd in range(a.rounds):
             log(f"round {rnd + 1}/{a.rounds}: vLLM {VLLM_VERSION} ({len(spec['methods'])} engines to start)")
-            out, errors = Path(tmp) / "out.json", Path(tmp) / "worker.log"
-            with open(errors, "w") as err:
-                done = subprocess.run([str(python), str(WORKER), str(Path(tmp) / "spec.json"), str(out)], stderr=err,
-                                      stdout=subprocess.DEVNULL, env=worker_env(python, torch.get_num_threads()))
-            if done.returncode != 0:
-                tail = errors.read_text().strip().splitlines()[-3:]
-                print(f"vLLM's run failed (exit {done.returncode}): " + " | ".join(tail), file=sys.stderr)
+            results = run_worker(python, Path(tmp))
+            if results is None:
                 return 1
-            for r in json.loads(out.read_text())["results"]:
+            for r in results:
                 peer.setdefault(r["label"], []).append(r)
             log(f"round {rnd + 1}/{a.rounds}: specplay")
             samples = run_bench(settings, models, prompts, progress=False)
@@ -283,7 +277,6 @@ def batch_main(a, argv, python: Path, spec: dict, pair, table: list[PeerMethod],
                log) -> int:
     """`--batch`: per batch size, vLLM's tokens/s on the first B prompts in one generate call beside the engine's
     batch (engine.batch) on the same ids; alternating blocks, `--rounds` times, medians."""
-    import torch
 
     from engine.bench.batch import run_batch
     from engine.bench.methods import parse_method
@@ -296,15 +289,10 @@ def batch_main(a, argv, python: Path, spec: dict, pair, table: list[PeerMethod],
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         for rnd in range(a.rounds):
             log(f"round {rnd + 1}/{a.rounds}: vLLM {VLLM_VERSION}, batches {batches}")
-            out, errors = Path(tmp) / "out.json", Path(tmp) / "worker.log"
-            with open(errors, "w") as err:
-                done = subprocess.run([str(python), str(WORKER), str(Path(tmp) / "spec.json"), str(out)], stderr=err,
-                                      stdout=subprocess.DEVNULL, env=worker_env(python, torch.get_num_threads()))
-            if done.returncode != 0:
-                tail = errors.read_text().strip().splitlines()[-3:]
-                print(f"vLLM's run failed (exit {done.returncode}): " + " | ".join(tail), file=sys.stderr)
+            results = run_worker(python, Path(tmp))
+            if results is None:
                 return 1
-            for r in json.loads(out.read_text())["results"]:
+            for r in results:
                 for b, result in r["batches"].items():
                     peer.setdefault((int(b), r["label"]), []).append(vllm_side(result))
             log(f"round {rnd + 1}/{a.rounds}: specplay")
@@ -331,6 +319,22 @@ def batch_main(a, argv, python: Path, spec: dict, pair, table: list[PeerMethod],
 
 def settings_name(a) -> str:
     return "chat" if a.target == SMOLLM2 else "code"
+
+
+def run_worker(python: Path, tmp: Path) -> list[dict] | None:
+    """One run of the worker inside vLLM's virtualenv on `tmp`/spec.json: its results, or None after printing
+    why it failed (the last lines of its log)."""
+    import torch
+
+    out, errors = tmp / "out.json", tmp / "worker.log"
+    with open(errors, "w") as err:
+        done = subprocess.run([str(python), str(WORKER), str(tmp / "spec.json"), str(out)], stderr=err,
+                              stdout=subprocess.DEVNULL, env=worker_env(python, torch.get_num_threads()))
+    if done.returncode != 0:
+        tail = errors.read_text().strip().splitlines()[-3:]
+        print(f"vLLM's run failed (exit {done.returncode}): " + " | ".join(tail), file=sys.stderr)
+        return None
+    return json.loads(out.read_text())["results"]
 
 
 def _bench_label(method: str | None) -> str | None:
