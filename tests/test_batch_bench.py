@@ -58,16 +58,17 @@ def test_the_report_and_the_figure_say_what_the_study_holds(study):
     assert "Goodput against batch size" in html
 
 
-def test_crossover_is_the_first_batch_size_from_which_speculation_never_pays(study):
+def test_crossover_is_the_first_batch_size_where_speculation_stops_paying(study):
     from dataclasses import replace
 
     s, _ = study
-    speedups = {1: 1.3, 2: 0.9, 4: 1.05}   # pays again at 4: no crossover yet
-    points = [replace(p, speedup=speedups[p.batch]) if p.method == "ngram K=2" else p for p in s.points]
-    assert replace(s, points=points).crossover("ngram K=2") is None
-    speedups = {1: 1.3, 2: 0.9, 4: 0.7}
-    points = [replace(p, speedup=speedups[p.batch]) if p.method == "ngram K=2" else p for p in s.points]
-    assert replace(s, points=points).crossover("ngram K=2") == 2
+    for speedups, first in (({1: 1.3, 2: 1.1, 4: 1.05}, None), ({1: 1.3, 2: 0.9, 4: 1.05}, 2),
+                            ({1: 1.3, 2: 1.1, 4: 0.7}, 4)):
+        points = [replace(p, speedup=speedups[p.batch], predicted=speedups[p.batch] + 0.2)
+                  if p.method == "ngram K=2" else p for p in s.points]
+        study = replace(s, points=points)
+        assert study.crossover("ngram K=2") == first
+        assert study.crossover("ngram K=2", predicted=True) == (4 if first == 4 else None)
 
 
 def test_a_study_file_is_read_back_checked(tmp_path, study):

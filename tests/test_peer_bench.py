@@ -43,7 +43,7 @@ def test_the_table_gives_ratios_and_says_when_tokens_differ():
 
 def test_methods_follow_the_pair():
     smol = peer.methods_for(SMOLLM2, None)
-    assert [m.specplay for m in smol] == ["target", "ngram:4", "eagle-hybrid:4"] and smol[-1].vllm == "skip"
+    assert [m.specplay for m in smol] == ["target", "ngram-min2:4", "eagle-hybrid:4"] and smol[-1].vllm == "skip"
     builtin = peer.methods_for(BUILTIN, "/x/draft")
     assert builtin[2].vllm == {"method": "draft_model", "model": "/x/draft", "num_speculative_tokens": 4}
     assert builtin[1].vllm["prompt_lookup_min"] == 2

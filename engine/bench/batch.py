@@ -1,8 +1,10 @@
 """Goodput against batch size: `python -m engine bench --batch 1,2,4,8,16`.
 
 At each batch size B the engine decodes B prompts at once (engine.batch), target-only and with each method,
-interleaved and repeated; per B it reports tokens/s over all sequences, each method's speed-up over
-target-only at the same B, α, the measured verify cost (the shared forward over the sequences' K + 1 rows
+interleaved and repeated; per B it reports tokens/s over all sequences in the steady state (the rounds every
+sequence decoded in: what a server that keeps B sequences in flight sees; the whole run's figure beside it
+includes the prefill and the tail of an uneven batch, where sequences that finished early have left), each
+method's speed-up over target-only at the same B, α, the measured verify cost (the shared forward over the sequences' K + 1 rows
 each, relative to target-only's one row each), Leviathan's prediction from those measurements, and the
 batch size where speculation stops paying. A batched calibration per B (engine.calibration, `batch=B`)
 measures r_B(n) on a grid, from which each drafter's best K per batch size is predicted and printed beside
@@ -44,10 +46,13 @@ class BatchRun:
     rows: list[int]                        # rows that forward fed (all sequences)
     draft_ms: list[float]                  # every sequence's drafting in those rounds
     drafted: list[int]                     # tokens drafted in those rounds, all sequences
+    rest_ms: list[float]                   # the rest of those rounds: every sequence's verify, commit, record
     rounds_k: list[int]                    # per sequence and decode round: tokens drafted (all rounds)
     checks: list[list[bool]]               # per drafted sequence-round: its verified accepts, in order
     accepted: int
     verified: int
+    full_tokens: int                       # tokens emitted in the rounds all B sequences decoded in
+    full_ms: float                         # those rounds' time
 
     @property
     def generated(self) -> int:
@@ -55,6 +60,13 @@ class BatchRun:
 
     @property
     def tokens_per_s(self) -> float:
+        """Steady state: the tokens of the rounds every sequence decoded in, over those rounds' time; what a
+        server keeping B sequences in flight sees (no prefill, no tail where finished sequences have left)."""
+        return self.full_tokens / (self.full_ms / 1000) if self.full_ms > 0 else self.wall_tokens_per_s
+
+    @property
+    def wall_tokens_per_s(self) -> float:
+        """All new tokens over the whole run: the prefill and the tail of an uneven batch included."""
         return self.generated / self.wall_s
 
 
@@ -66,15 +78,17 @@ class BatchPoint:
     method: str                  # a Method label: "target", "ngram K=4", ...
     drafter: str                 # "none" for target-only
     k: int
-    tokens_per_s: float          # all sequences' new tokens over the wall time, prefill included
+    tokens_per_s: float          # steady state: tokens of the rounds all B decoded in, over their time
     speedup: float               # over target-only at the same B (1.0 for target-only)
     alpha: float | None          # accepted / verified positions
     forward_ms: float            # the shared target forward of a round with every sequence in it
     rows_per_sequence: float     # rows each sequence fed it, on average
     r: float                     # forward_ms over target-only's at the same B
     draft_ms: float              # drafting per such round, all sequences
-    predicted: float | None      # Leviathan from α (per position), the measured r_B(n) and draft time
+    predicted: float | None      # Leviathan from α (per position), the measured r_B(n), draft time and rest
     same_tokens: bool            # every sequence emitted its single-sequence target-only tokens
+    rest_ms: float = 0.0         # the rest of such a round: every sequence's verify, commit and record
+    wall_tokens_per_s: float = 0.0   # all new tokens over the whole run (prefill and the uneven tail included)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +130,13 @@ class BatchStudy:
         return list(dict.fromkeys(p.method for p in self.points))
 
     def crossover(self, method: str, predicted: bool = False) -> int | None:
-        """The smallest batch size from which `method` stops paying (speed-up < 1, measured or predicted) at
-        every larger size measured; None when it pays at every size."""
+        """The smallest batch size measured at which `method` stops paying (speed-up < 1, measured or predicted);
+        None when it pays at every size measured."""
         points = sorted((p for p in self.points if p.method == method), key=lambda p: p.batch)
-        values = [(p.batch, p.predicted if predicted else p.speedup) for p in points]
-        if any(v is None for _, v in values):
-            return None
-        for i, (batch, _) in enumerate(values):
-            if all(v < 1.0 for _, v in values[i:]):
-                return batch
+        for p in points:
+            value = p.predicted if predicted else p.speedup
+            if value is not None and value < 1.0:
+                return p.batch
         return None
 
     def best_speculative(self, batch: int) -> BatchPoint | None:
@@ -156,9 +168,10 @@ def run_batch(method: Method, pair: ModelPair, prompts: Sequence[Prompt], new_to
     made = batch.generated()
     return BatchRun(len(prompts), method.label, wall, [made[f"{i}"] for i in range(len(prompts))],
                     [r.forward_ms for r in full], [sum(r.rows) for r in full], [r.draft_ms for r in full],
-                    [sum(rec.k for rec in r.records) for r in full],
+                    [sum(rec.k for rec in r.records) for r in full], [r.finish_ms for r in full],
                     [rec.k for rec in records], [rec.checks() for rec in records if rec.k],
-                    sum(rec.accepted for rec in records), sum(rec.verified for rec in records))
+                    sum(rec.accepted for rec in records), sum(rec.verified for rec in records),
+                    sum(r.emitted for r in full), sum(r.total_ms for r in full))
 
 
 def run_single(method: Method, pair: ModelPair, prompt: Prompt, new_tokens: int) -> BatchRun:
@@ -171,9 +184,11 @@ def run_single(method: Method, pair: ModelPair, prompt: Prompt, new_tokens: int)
     decode = [r for r in engine.rounds if not r.is_prefill]
     return BatchRun(1, method.label, wall, [list(engine.generated)], [r.timings.target_forward_ms for r in decode],
                     [r.k + 1 for r in decode], [r.timings.draft_ms for r in decode], [r.k for r in decode],
+                    [r.timings.total_ms - r.timings.draft_ms - r.timings.target_forward_ms for r in decode],
                     [r.k for r in decode],
                     [r.checks() for r in decode if r.k], sum(r.accepted for r in decode),
-                    sum(r.verified for r in decode))
+                    sum(r.verified for r in decode), sum(len(r.emitted) for r in decode),
+                    sum(r.timings.total_ms for r in decode))
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -191,10 +206,12 @@ def _tokens_at(rates: list[float]) -> Callable[[int], float]:
     return lambda k: metrics.expected_tokens_from_rates(rates, k) if k and rates else 1.0
 
 
-def predict(runs: Sequence[BatchRun], batch: int, cost: RCurve, step_ms: float) -> float | None:
-    """Leviathan's speed-up over target-only at this B, from what the runs measured: each sequence's rounds
-    yield E(k) tokens from the per-position α; a round costs the shared verify forward, r_B(rows per
-    sequence) target steps, plus its drafting (ms over the target-only step). None without drafted rounds."""
+def predict(runs: Sequence[BatchRun], batch: int, cost: RCurve, step_ms: float, base_rest_ms: float) -> float | None:
+    """Leviathan's speed-up over target-only at this B, every cost of a round measured: each sequence's rounds
+    yield E(k) tokens from the per-position α; a round costs the shared verify forward (r_B(rows per sequence)
+    target-only forwards of `step_ms`), its drafting and the rest of the round (verify, commit and record for
+    every sequence), where a target-only round costs one forward and its own rest (`base_rest_ms`). None without
+    drafted rounds."""
     rates = _rates(runs)
     if not rates:
         return None
@@ -202,22 +219,29 @@ def predict(runs: Sequence[BatchRun], batch: int, cost: RCurve, step_ms: float) 
     tokens = math.fsum(tokens_at(k) for run in runs for k in run.rounds_k)
     rounds = sum(len(run.rounds_k) for run in runs) / batch
     rows = sum(k + 1 for run in runs for k in run.rounds_k) / (rounds * batch)
-    draft = _median([ms for run in runs for ms in run.draft_ms]) if any(run.draft_ms for run in runs) else 0.0
-    cost_steps = rounds * (cost.at(rows) + draft / step_ms)
-    return tokens / (batch * cost_steps)
+    draft = _median([ms for run in runs for ms in run.draft_ms])
+    rest = _median([ms for run in runs for ms in run.rest_ms])
+    round_ms = cost.at(rows) * step_ms + draft + rest
+    return tokens / (batch * rounds) * (step_ms + base_rest_ms) / round_ms
 
 
-def best_k(runs_by_k: dict[int, list[BatchRun]], batch: int, cost: RCurve, step_ms: float, drafter: str,
-           measured: dict[int, float], k_max: int = COST_GRID[-1] - 1) -> BestK:
-    """The K in 1..k_max with the highest predicted speed-up for this drafter at this B: E(K) from its
-    per-position α (pooled over its runs), the verify at r_B(K + 1), K draft positions at its measured draft
-    time per drafted token; beside the best K among those measured (`measured`: K -> speed-up)."""
+def best_k(runs_by_k: dict[int, list[BatchRun]], batch: int, cost: RCurve, step_ms: float, base_rest_ms: float,
+           drafter: str, measured: dict[int, float], k_max: int = COST_GRID[-1] - 1) -> BestK:
+    """The K in 1..k_max with the highest predicted speed-up for this drafter at this B (as `predict`): E(K) from
+    its per-position α (pooled over its runs), the verify at r_B(K + 1), and per drafted token its measured
+    draft time and its share of the round's rest over target-only's; beside the best K among those measured
+    (`measured`: K -> speed-up)."""
     runs = [run for rs in runs_by_k.values() for run in rs]
     tokens_at = _tokens_at(_rates(runs))
     drafted = sum(sum(run.drafted) for run in runs)
+    rounds = sum(len(run.rest_ms) for run in runs)
     per_token = sum(sum(run.draft_ms) for run in runs) / drafted if drafted else 0.0   # ms, all sequences
-    # a round drafts K for each of the B sequences: B * K draft positions, over B target-only tokens a step
-    curve = {k: tokens_at(k) / (cost.at(k + 1) + k * per_token * batch / step_ms) for k in range(1, k_max + 1)}
+    rest_per_token = max(0.0, sum(sum(run.rest_ms) for run in runs) - rounds * base_rest_ms) / drafted \
+        if drafted else 0.0
+    # a round drafts K for each of the B sequences: B * K drafted tokens
+    curve = {k: tokens_at(k) * (step_ms + base_rest_ms)
+             / (cost.at(k + 1) * step_ms + k * batch * (per_token + rest_per_token) + base_rest_ms)
+             for k in range(1, k_max + 1)}
     top = max(curve, key=curve.get)
     best_measured = max(measured, key=measured.get) if measured else None
     return BestK(batch, drafter, top, curve[top], best_measured,
@@ -299,6 +323,7 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
         base = runs[(b, "target")]
         base_rate = _median([r.tokens_per_s for r in base])
         step_ms = _median([ms for r in base for ms in r.forward_ms])
+        base_rest = _median([ms for r in base for ms in r.rest_ms])
         for m in engine_methods:
             rs = runs[(b, m.label)]
             rate = _median([r.tokens_per_s for r in rs])
@@ -310,15 +335,18 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
                 b, m.label, m.drafter, m.k or 0, rate, rate / base_rate,
                 metrics.alpha_rate(sum(r.accepted for r in rs), verified) if verified else None,
                 forward, rows, forward / step_ms, _median([ms for r in rs for ms in r.draft_ms]),
-                None if m.k is None else predict(rs, b, costs[b], step_ms), same))
+                None if m.k is None else predict(rs, b, costs[b], step_ms, base_rest), same,
+                _median([ms for r in rs for ms in r.rest_ms]), _median([r.wall_tokens_per_s for r in rs])))
     bests = []
     for drafter in dict.fromkeys(m.drafter for m in engine_methods if m.k):
         family = [m for m in engine_methods if m.drafter == drafter and m.tree is None]
         for b in batches:
             base = runs[(b, "target")]
             step_ms = _median([ms for r in base for ms in r.forward_ms])
+            base_rest = _median([ms for r in base for ms in r.rest_ms])
             measured = {m.k: next(p.speedup for p in points if p.batch == b and p.method == m.label) for m in family}
-            bests.append(best_k({m.k: runs[(b, m.label)] for m in family}, b, costs[b], step_ms, drafter, measured))
+            bests.append(best_k({m.k: runs[(b, m.label)] for m in family}, b, costs[b], step_ms, base_rest, drafter,
+                                measured))
     return BatchStudy(pair.target.name, machine, prompt_set, [len(p.ids) for p in prompts], new_tokens, repeats,
                       list(batches), points, [costs[b] for b in batches], bests,
                       {label: _median([r.tokens_per_s for r in rs]) for label, rs in singles.items()},
@@ -355,23 +383,27 @@ def format_study(study: BatchStudy) -> str:
     lines = [f"Goodput against batch size: {study.target}, {study.prompt_set} prompts ({len(lengths)}, "
              f"{lengths[0]}-{lengths[-1]} tokens), {study.new_tokens} new tokens each, greedy, medians of "
              f"{study.repeats} repeats; {study.machine}",
-             "tok/s: all sequences' new tokens over the wall time (prefill included); r: the round's shared forward "
-             "over target-only's at the same B; predicted: Leviathan's speed-up from α, r_B(n) and the draft time",
+             "tok/s: steady state, the tokens of the rounds every sequence decoded in over their time (wall: all "
+             "tokens over the run, the prefill and the tail after the first sequence finishes included); "
+             "r: the round's shared forward "
+             "over target-only's at the same B; predicted: Leviathan's speed-up from α, r_B(n), the draft time and "
+             "the rest of a round (verify, commit, record), all measured",
              "",
-             f"{'B':>3}  {'method':<20} {'tok/s':>8} {'speed-up':>9} {'predicted':>9} {'alpha':>6} {'r':>6} "
-             f"{'fwd ms':>7} {'rows/seq':>8} {'draft ms':>8}  same tokens"]
+             f"{'B':>3}  {'method':<20} {'tok/s':>8} {'wall':>7} {'speed-up':>9} {'predicted':>9} {'alpha':>6} {'r':>6} "
+             f"{'fwd ms':>7} {'rows/seq':>8} {'draft ms':>8} {'rest ms':>7}  same tokens"]
     for p in study.points:
-        lines.append(f"{p.batch:>3}  {p.method:<20} {p.tokens_per_s:>8.1f} {p.speedup:>8.2f}x "
+        lines.append(f"{p.batch:>3}  {p.method:<20} {p.tokens_per_s:>8.1f} {p.wall_tokens_per_s:>7.1f} "
+                     f"{p.speedup:>8.2f}x "
                      f"{_fmt(p.predicted):>8}{'x' if p.predicted is not None else ' '} {_fmt(p.alpha):>6} "
-                     f"{p.r:>6.2f} {p.forward_ms:>7.1f} {p.rows_per_sequence:>8.2f} {p.draft_ms:>8.1f}  "
+                     f"{p.r:>6.2f} {p.forward_ms:>7.1f} {p.rows_per_sequence:>8.2f} {p.draft_ms:>8.1f} {p.rest_ms:>7.1f}  "
                      f"{'yes' if p.same_tokens else 'NO'}")
-    lines += ["", "Best K per batch size (predicted from the drafter's per-position α, its draft time and r_B(K + 1); "
-                  "measured: the best K run):"]
+    lines += ["", "Best K per batch size (predicted from the drafter's per-position α, its draft and rest time per "
+                  "drafted token and r_B(K + 1); measured: the best K run):"]
     for b in study.best_k:
         measured = f"K={b.measured_k} ({b.measured_speedup:.2f}x)" if b.measured_k is not None else "-"
         lines.append(f"  {b.drafter:<13} B={b.batch:<3} predicted K={b.predicted_k} ({b.predicted_speedup:.2f}x)   "
                      f"measured {measured}")
-    lines += ["", "Where speculation stops paying (speed-up < 1 from this batch size on):"]
+    lines += ["", "Where speculation stops paying (the first batch size with a speed-up below 1):"]
     for method in study.methods():
         if method == "target":
             continue

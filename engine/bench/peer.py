@@ -106,7 +106,7 @@ class PeerMethod:
 
 def methods_for(target: str, draft_folder: str | None) -> list[PeerMethod]:
     rows = [PeerMethod("target-only", None, "target"),
-            PeerMethod(f"n-gram K={K}", NGRAM_SPEC, f"ngram:{K}")]
+            PeerMethod(f"n-gram K={K}", NGRAM_SPEC, f"ngram-min2:{K}")]   # vLLM's rule: a match of 2 or more
     if draft_folder:
         rows.append(PeerMethod(f"draft model K={K}", {"method": "draft_model", "model": draft_folder,
                                                     "num_speculative_tokens": K}, f"v2:{K}"))
@@ -303,7 +303,7 @@ def batch_main(a, argv, python: Path, spec: dict, pair, table: list[PeerMethod],
                     accepted, drafted = sum(r.accepted for r in runs), sum(sum(r.rounds_k) for r in runs)
                     rounds = sum(len(r.rounds_k) for r in runs)
                     mine.setdefault((b, row.label), []).append(Side(
-                        [r.tokens_per_s for r in runs], accepted / drafted if drafted else None,
+                        [r.wall_tokens_per_s for r in runs], accepted / drafted if drafted else None,
                         sum(r.generated for r in runs) / rounds if drafted and rounds else None, runs[0].tokens))
     lines = []
     for b in batches:

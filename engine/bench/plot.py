@@ -73,7 +73,7 @@ def batch_figure(study):
         if stop is not None:   # where it stops paying: a cross on its measured point
             fig.add_scatter(x=[stop], y=[study.point(stop, method).speedup], mode="markers", showlegend=False,
                             marker={"symbol": "x", "size": 14, "color": colour, "line": {"width": 1}},
-                            hovertemplate=f"{method} stops paying from B={stop}<extra></extra>",
+                            hovertemplate=f"{method} stops paying at B={stop}<extra></extra>",
                             legendgroup=method, row=1, col=2)
     fig.add_hline(y=1.0, line={"color": "grey", "dash": "dash"}, row=1, col=2)
     for col in (1, 2):

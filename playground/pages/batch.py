@@ -156,8 +156,8 @@ def build(ctx: Context) -> BatchPage:
     gr.Markdown("### Goodput against batch size\nA server decodes many sequences at once, and a batch spends the "
                 "same spare compute speculation does. Here the engine decodes B prompts together, one target "
                 "forward a round over all their rows, target-only and with speculation, and shows where "
-                "speculation stops paying. Measured points are solid; Leviathan's prediction from the measured α, "
-                "draft time and batched r_B(n) is dotted.")
+                "speculation stops paying. Measured points are solid; Leviathan's prediction is dotted, fed the "
+                "measured α, the batched r_B(n), the draft time and the rest of a round (verify, commit, record).")
     study = gr.Dropdown([*studies], value=first, label="study", elem_id="batch-study")
     goodput = gr.Plot(show_label=False, elem_id="batch-goodput")
     lesson = gr.Markdown(elem_id="batch-lesson")

@@ -46,11 +46,11 @@ def batch_lesson(study: BatchStudy) -> list[str]:
             out.append(f"**{method}** paid at every batch size measured (up to {large}), and the prediction "
                        "agrees.")
             continue
-        said = f"stops paying from B = {measured}" if measured is not None else \
+        said = f"stops paying at B = {measured}" if measured is not None else \
             f"paid at every batch size measured (up to {large})"
         guess = f"B = {predicted}" if predicted is not None else f"no batch size up to {large}"
-        out.append(f"**{method}** {said}; Leviathan's formula, fed the measured α, draft time and r_B(n), "
-                   f"says {guess}.")
+        out.append(f"**{method}** {said}; Leviathan's formula, fed the measured α, r_B(n), draft time and the rest "
+                   f"of a round, says {guess}.")
     for drafter in dict.fromkeys(b.drafter for b in study.best_k):
         ks = [b for b in study.best_k if b.drafter == drafter]
         first, last = ks[0], ks[-1]
@@ -60,6 +60,14 @@ def batch_lesson(study: BatchStudy) -> list[str]:
         measured = ", ".join(f"B = {b.batch}: K = {b.measured_k}" for b in ks if b.measured_k is not None)
         out.append(f"**K per batch size ({drafter}).** The K that maximises the predicted goodput {move} {tail} "
                    f"(the best K measured among those run: {measured}).")
+    if best_large is not None and best_large.wall_tokens_per_s and many.wall_tokens_per_s:
+        out.append(
+            f"**A static batch waits for its slowest sequence.** The figures above are the steady state (rounds "
+            f"every sequence decoded in). Over whole runs, the prefill and the tail after the first sequence "
+            f"finished included, {best_large.method} at B = {large} made {best_large.wall_tokens_per_s:.1f} tokens/s "
+            f"against target-only's {many.wall_tokens_per_s:.1f} "
+            f"({_x(best_large.wall_tokens_per_s / many.wall_tokens_per_s)}): speculation makes sequences finish "
+            "unevenly, and a server that refills its batch as sequences finish keeps the steady state.")
     drafted = [p for p in study.points if p.drafter not in ("none", "ngram")]
     if drafted and large > small:
         method = drafted[0].method
