@@ -28,7 +28,7 @@ from tests.conftest import tiny_model
 from tests.test_eagle import random_head
 
 SAMPLING = SamplingParams(temperature=0.9, top_k=4, top_p=0.95)
-RUNS = 600         # the wrong rules below are still rejected at p < 1e-7 with these counts
+RUNS = 450         # the skewed distribution below is still rejected at p ~ 3e-6 with these counts
 LEVEL = 1e-3
 SHARPEN = 50.0
 PROMPT = [5, 17, 230, 9, 17, 230, 9]   # a repeat, so that prompt lookup finds something to copy
@@ -181,5 +181,5 @@ def test_a_tree_rule_that_skips_the_residual_update_fails_the_same_test(tiny, bu
         sharp.model.model.norm.weight.mul_(SHARPEN)
     # the lab's wrong rule, handed to the engine's tree verification for this test only
     monkeypatch.setattr(drafters_base, "verify_tree", partial(verify_tree, after_rejection=no_residual_update))
-    wrong = tree_counts(ModelPair(pair.target, sharp), DrafterKind.MODEL, TreeSpec(widths=(4, 1)), RUNS // 2)
+    wrong = tree_counts(ModelPair(pair.target, sharp), DrafterKind.MODEL, TreeSpec(widths=(4, 1)), 300)
     assert chi_square(exact, wrong) < LEVEL

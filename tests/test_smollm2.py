@@ -72,9 +72,9 @@ def references(smol):
     return {q: hf_greedy(smol, encode_chat(smol.tokenizer, ChatPrompt(q)), NEW, eos_id=2) for q in QUESTIONS}
 
 
-# v1 runs two target forwards a round, so it is the costliest here; its K=1 edge is held by the built-in pair's
-# tests (tests/test_eagle.py, tests/test_tree.py), and SmolLM2 keeps it at K=4
-@pytest.mark.parametrize("mode, k", [(Mode.V2, 1), (Mode.V2, 4), (Mode.V1, 4), (Mode.TARGET, 4)])
+# v1 runs two target forwards a round, so it is the costliest here; the K=1 edge of v1 and v2 is held by the tiny and
+# built-in pairs' tests (tests/test_speculative.py, tests/test_eagle.py, tests/test_tree.py), and SmolLM2 keeps K=4
+@pytest.mark.parametrize("mode, k", [(Mode.V2, 4), (Mode.V1, 4), (Mode.TARGET, 4)])
 def test_greedy_parity_with_generate(smol, references, mode, k, drafter=DrafterKind.NGRAM):
     """v2 and v1 with prompt lookup, and target-only, token for token against generate on chat turns.
     (SmolLM2 has no separate draft model; its EAGLE head is tested in test_eagle_smollm2.)"""
@@ -94,7 +94,7 @@ def test_bf16_weights_keep_target_only_parity_with_generate_in_bf16():
     generate on 7, EAGLE K=2 on 4; in fp32 both matched on all 12)."""
     bf = load_model(SMOLLM2, dtype=torch.bfloat16)
     assert bf.dtype == torch.bfloat16 and next(bf.model.parameters()).dtype == torch.bfloat16
-    for q in QUESTIONS:
+    for q in QUESTIONS[:2]:
         ids = encode_chat(bf.tokenizer, ChatPrompt(q))
         engine = SpeculativeEngine(ModelPair(bf), ids, SpecConfig(mode=Mode.TARGET, max_new_tokens=NEW, record=False))
         engine.run()
@@ -170,7 +170,7 @@ def test_a_missing_wheel_names_the_pip_command(monkeypatch):
 
 
 @pytest.mark.skipif(not eagle_folder(SMOLLM2).is_dir(), reason="no EAGLE head shipped for SmolLM2")
-@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("k", [1, 8])   # K=4 on the built-in pair (tests/test_eagle.py)
 def test_its_eagle_head_keeps_greedy_parity(smol, references, k):
     pair = ModelPair(smol, None, load_eagle(SMOLLM2, smol))
     accepted = 0
