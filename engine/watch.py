@@ -1,8 +1,10 @@
-"""Watching a real engine: vLLM's and SGLang's speculative-decoding metrics, read from their Prometheus
-`/metrics` text and turned into the playground's figures, with `python -m engine watch URL`.
+"""Watching a real engine: vLLM's, llama.cpp's and SGLang's speculative-decoding metrics, read from their
+Prometheus `/metrics` text and turned into the playground's figures, with `python -m engine watch URL`.
 
 vLLM (v1) exports counters per model (label `model_name`): drafts, draft tokens, accepted tokens,
-accepted tokens per draft position, generated tokens. Over an interval, from their increases:
+accepted tokens per draft position, generated tokens. llama.cpp's server (started with `--metrics`)
+exports the same counters under its own prefix, for its one model and without the label (named
+"llama.cpp" here); its drafts are its verify steps, its per-position count as vLLM's does. Over an interval, from their increases:
 acceptance rate = Δaccepted / Δdraft_tokens, mean acceptance length = 1 + Δaccepted / Δdrafts, the
 rate at position i = Δper_position[i] / Δdrafts, and tokens/s from Δ / seconds. A counter that goes
 down means the server restarted: the interval then counts from zero (its new value is the increase).
@@ -30,6 +32,8 @@ from engine.metrics import conditional_rates, expected_tokens_from_rates
 MAX_METRICS_BYTES = 4 * 2**20    # a /metrics page is tens of kB; this bounds a hostile or wrong endpoint
 FETCH_TIMEOUT_S = 5.0
 VLLM = "vllm:spec_decode_num_"
+LLAMACPP = "llamacpp:spec_decode_num_"
+GENERATED = {"vllm:generation_tokens_total": "", "llamacpp:tokens_predicted_total": "llama.cpp"}
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?\s*')
 
@@ -87,17 +91,19 @@ def counters(samples: list[Sample], at: float) -> dict[str, Counters]:
     found: dict[str, dict] = {}
     for s in samples:
         model = s.labels.get("model_name", "")
-        if s.name.startswith(VLLM) and s.name.endswith("_total"):
+        prefix = next((p for p in (VLLM, LLAMACPP) if s.name.startswith(p)), None)
+        if prefix is not None and s.name.endswith("_total"):
+            model = model or ("llama.cpp" if prefix == LLAMACPP else "")
             field_name = {"drafts_total": "drafts", "draft_tokens_total": "draft_tokens",
-                          "accepted_tokens_total": "accepted"}.get(s.name[len(VLLM):])
+                          "accepted_tokens_total": "accepted"}.get(s.name[len(prefix):])
             entry = found.setdefault(model, {"per_position": {}})
             if field_name:
                 entry[field_name] = entry.get(field_name, 0.0) + s.value
-            elif s.name == VLLM + "accepted_tokens_per_pos_total" and s.labels.get("position", "").isdigit():
+            elif s.name == prefix + "accepted_tokens_per_pos_total" and s.labels.get("position", "").isdigit():
                 i = int(s.labels["position"])
                 entry["per_position"][i] = entry["per_position"].get(i, 0.0) + s.value
-        elif s.name == "vllm:generation_tokens_total":
-            entry = found.setdefault(model, {"per_position": {}})
+        elif s.name in GENERATED:
+            entry = found.setdefault(model or GENERATED[s.name], {"per_position": {}})
             entry["generated"] = entry.get("generated", 0.0) + s.value
         elif s.name in ("sglang:spec_accept_length", "sglang:spec_accept_rate"):
             entry = found.setdefault(model, {"per_position": {}})
@@ -105,7 +111,8 @@ def counters(samples: list[Sample], at: float) -> dict[str, Counters]:
     speculating = {m: e for m, e in found.items() if "drafts" in e or "accept_length" in e}
     if not speculating:
         raise WatchError("the server exports no speculative-decoding metrics: speculation is off (start vLLM "
-                         "with --speculative-config, SGLang with --speculative-algorithm)")
+                         "with --speculative-config, llama.cpp's server with --metrics and --spec-type or a draft "
+                         "model, SGLang with --speculative-algorithm)")
     out = {}
     for model, e in speculating.items():
         positions = e.pop("per_position")

@@ -93,13 +93,15 @@ def _models(registry: ModelRegistry) -> dict:
     return dict(preset=preset, custom_draft=custom_draft, custom_target=custom_target)
 
 
-def _decoding(max_new_tokens: int, preset: PairPreset) -> dict:
+def _decoding(max_new_tokens: int, preset: PairPreset, registry: ModelRegistry) -> dict:
     rec = preset.recommended
     mode = gr.Radio(list(MODES), value=Mode.V2.value, label="Mode")
-    drafter = gr.Radio(list(DRAFTERS), value=default_drafter(preset), label="Drafter", elem_id="drafter-radio",
-                       info=_fastest_info(preset))
+    # drafter and K are read when a page loads: the server may measure them on its CPU after it starts (engine.pick)
+    drafter = gr.Radio(list(DRAFTERS), value=lambda: default_drafter(preset, registry.recommended(preset)),
+                       label="Drafter", elem_id="drafter-radio", info=_fastest_info(registry.recommended(preset)))
+    gr.Markdown(lambda: registry.pick_note(preset.key), elem_id="pick-note")
     with gr.Row():
-        k = RawSlider(1, K_BOUND, value=rec.k, step=1, label="K (drafts per round)")
+        k = RawSlider(1, K_BOUND, value=lambda: registry.recommended(preset).k, step=1, label="K (drafts per round)")
         k_schedule = gr.Radio(list(SCHEDULES), value=KSchedule.CONSTANT.value, label="K schedule")
     with gr.Row():
         k_min = RawSlider(1, K_BOUND, value=1, step=1, label="K min (heuristic)")
@@ -131,19 +133,20 @@ def preset_defaults(registry: ModelRegistry, key: str) -> tuple:
     except ValueError:
         return tuple(gr.skip() for _ in range(7))
     examples = list(preset.examples) or [""]
-    rec = preset.recommended
+    rec = registry.recommended(preset)
     return (examples[0], CHAT if preset.chat else RAW,
-            gr.update(value=default_drafter(preset), info=_fastest_info(preset)), rec.k,
+            gr.update(value=default_drafter(preset, rec), info=_fastest_info(rec)), rec.k,
             gr.update(value=rec.temperature, info=_card_info(rec.temperature, rec)),
             gr.update(value=rec.top_p, info=_card_info(rec.top_p, rec)),
             gr.Dropdown(choices=[(_short(e), e) for e in examples], value=examples[0]))
 
 
-def default_drafter(preset: PairPreset) -> str:
-    """The drafter measured fastest for the pair; without a measurement its own draft model, else its EAGLE
-    head, else prompt lookup."""
-    if preset.recommended.drafter is not None:
-        return preset.recommended.drafter.value
+def default_drafter(preset: PairPreset, rec: Recommended | None = None) -> str:
+    """The drafter measured fastest for the pair (`rec`: its recommended settings, the preset's own by default);
+    without a measurement its own draft model, else its EAGLE head, else prompt lookup."""
+    rec = rec or preset.recommended
+    if rec.drafter is not None:
+        return rec.drafter.value
     return DrafterKind.MODEL.value if preset.draft else (
         DrafterKind.EAGLE.value if preset.eagle else DrafterKind.NGRAM.value)
 
@@ -152,10 +155,12 @@ def _card_info(value: float, rec: Recommended) -> str | None:
     return f"Recommended for this model: {value:g} ({rec.source}); change it freely." if rec.source else None
 
 
-def _fastest_info(preset: PairPreset) -> str | None:
-    rec = preset.recommended
-    return None if rec.drafter is None else \
-        f"Recommended for this pair: {rec.drafter.value}, K={rec.k} (the fastest chain measured here)."
+def _fastest_info(rec: Recommended) -> str | None:
+    if rec.drafter is None:
+        return None
+    if rec.measured_here:
+        return f"Recommended for this pair: {rec.drafter.value}, K={rec.k} (measured fastest on this machine's CPU)."
+    return f"Recommended for this pair: {rec.drafter.value}, K={rec.k} (the fastest chain in this project's bench)."
 
 
 def _short(text: str) -> str:
@@ -181,7 +186,7 @@ def build_controls(registry: ModelRegistry, max_new_tokens: int) -> Controls:
     with gr.Accordion("Models", open=False):
         models = _models(registry)
     with gr.Accordion("Decoding", open=True):
-        decoding = _decoding(max_new_tokens, first)
+        decoding = _decoding(max_new_tokens, first, registry)
     example_box.input(lambda text: text, [example_box], [prompt], api_name=False)
     return Controls(prompt=prompt, **models, **decoding, prompt_as=prompt_as, system=system, examples=example_box,
                     **transport)

@@ -34,6 +34,7 @@ from engine.drafters.eagle import CONFIG as EAGLE_CONFIG
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
 from engine.pair import ModelPair
+from engine.pick import Pick
 from engine.sources import BUILTIN, SMOLLM2, SMOLLM2_HUB_ID, eagle_folder, hub_kwargs, smollm2_gguf
 
 CUSTOM = "custom"
@@ -81,6 +82,7 @@ class Recommended:
     drafter: DrafterKind | None = None   # None: the pair's own draft model, else its EAGLE head, else lookup
     k: int = 4
     source: str = ""
+    measured_here: bool = False          # drafter and K come from a pick measured on this machine (engine.pick)
 
 
 # SmolLM2-135M-Instruct's model card recommends temperature 0.2 and top-p 0.9. The drafters are the fastest
@@ -221,12 +223,20 @@ def weight_bytes(source: str, role: str, device: torch.device) -> int:
     slow, and never done under a shared lock). Raises ModelLoadError when there is no config to read."""
     from transformers import AutoConfig
 
+    size = torch.empty((), dtype=resolve_dtype("auto", device)).element_size()
+    if source.lower().endswith(".gguf") and Path(source).is_file():   # a local GGUF: its header, checked
+        from engine.gguf_file import gguf_problem, read_header
+
+        problem = gguf_problem(Path(source))
+        if problem:
+            raise ModelLoadError(f"Could not load the {role} model: {problem}.")
+        return sum(math.prod(t.shape) for t in read_header(Path(source)).tensors) * size
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **hub_kwargs(source))
     except Exception:  # offline, unknown id, not a model folder, remote code required, ...
         raise ModelLoadError(unreadable_config(role, source)) from None
     try:
-        return estimate_parameters(config) * torch.empty((), dtype=resolve_dtype("auto", device)).element_size()
+        return estimate_parameters(config) * size
     except ValueError as exc:
         raise ModelLoadError(f"Cannot estimate the size of {role} model {source!r} ({exc}); "
                              "refusing to load it.") from None
@@ -246,6 +256,7 @@ def check_room(source: str, role: str, device: torch.device, need: int, have: in
                              f"{have / 2**30:.1f} GiB is free there. Pick a smaller pair.")
 
 
+PICK_PROMPTS = 3   # held-out prompts each candidate of a pick decodes (engine.pick)
 ModelKey = tuple[str, str, str, str]   # (source, role for the built-in pair else "", device, weights)
 
 
@@ -314,6 +325,8 @@ class ModelRegistry:
         self._claimed: dict[ModelKey, tuple[str, int]] = {}   # loads under way: (device, estimated bytes)
         self._pairs: dict[tuple[int, int, int], ModelPair] = {}   # tokenizers checked once per pair
         self._lock = threading.Lock()   # guards the three dicts above, and only for dict operations
+        self.picks: dict[str, Pick] = {}   # preset key -> the drafter and K measured fastest on this CPU
+        self.picking: set[str] = set()     # preset keys whose pick is being measured
 
     def choices(self) -> list[tuple[str, str]]:
         """(label, key) for the preset picker; "custom" only when custom ids are allowed."""
@@ -381,6 +394,57 @@ class ModelRegistry:
             with self._lock:
                 pair = self._pairs.setdefault(key, built)
         return pair
+
+    # -- the default measured on this machine ------------------------------------------------------------------
+    def recommended(self, preset: PairPreset) -> Recommended:
+        """The preset's starting settings; its drafter and K as measured fastest on this CPU when a pick says so."""
+        pick = self.picks.get(preset.key)
+        if pick is None or pick.chosen is None:
+            return preset.recommended
+        return replace(preset.recommended, drafter=DrafterKind(pick.chosen.drafter), k=pick.chosen.k,
+                       measured_here=True)
+
+    def pick_note(self, key: str) -> str:
+        """What the pick of a preset found (or that it is being measured), for the page; "" when there is none."""
+        pick = self.picks.get(key)
+        if pick is not None:
+            return pick.explain()
+        if key in self.picking:
+            return ("Measuring which drafter and K decode fastest on this machine's CPU (a minute, once per CPU "
+                    "model); until then the defaults come from another machine's bench.")
+        return ""
+
+    def measure_pick(self, key: str, pair: ModelPair, stop: threading.Event | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> Pick:
+        """The pick of preset `key` on this CPU: the one kept under the cache, else measured now (each round
+        holding the compute gate, so no visitor's timed round shares the cores with it) and kept."""
+        from engine.bench.methods import BenchSettings
+        from engine.bench.prompts import make_prompts
+        from engine.clock import machine_name
+        from engine.pick import NEW_TOKENS, candidates_for, load_pick, measure_pick, save_pick
+        from engine.sampling import SamplingParams
+
+        preset = self.resolve(key)
+        rec = preset.recommended
+        sampling = SamplingParams(rec.temperature, 0, rec.top_p)
+        candidates = candidates_for(preset.draft is not None, preset.eagle is not None)
+        cpu = machine_name()
+        pick = load_pick(cpu, pair.target.name, pair.target.weights, sampling, candidates)
+        if pick is None:
+            with self._lock:
+                self.picking.add(key)
+            try:
+                prompts = make_prompts(BenchSettings(prompt_set="chat-heldout" if preset.chat else "heldout",
+                                                     num_prompts=PICK_PROMPTS, new_tokens=NEW_TOKENS), pair.target)
+                pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, cpu, gate=self.gate,
+                                    stop=stop, progress=progress)
+                save_pick(pick, sampling, candidates)
+            finally:
+                with self._lock:
+                    self.picking.discard(key)
+        with self._lock:
+            self.picks[key] = pick
+        return pick
 
     def calibration(self, target: LoadedModel, again: bool = False) -> RCurve | None:
         """The target's measured r(n), or None while it is being measured: the first request (and every

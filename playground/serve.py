@@ -17,6 +17,7 @@ import gradio as gr
 
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, SpecConfig
+from engine.pick import PickStopped
 from engine.prompts import ChatPrompt
 from engine.sampling import SamplingParams
 from engine.sources import bound_hub_requests
@@ -74,7 +75,8 @@ def start(ctx: Context, *, quiet: bool = False, warm: bool = True) -> Served:
 
 
 def _warm(ctx: Context, stop: threading.Event) -> None:
-    """Load the default pair, start measuring its target's r(n), and decode a few rounds of its recommended
+    """Load the default pair, start measuring its target's r(n), pick its drafter and K on this CPU (with
+    `pick_default`: engine.pick, kept per CPU model, so measured once), and decode a few rounds of its recommended
     settings, so that the first visitor's run is timed like every later one: a process's first rounds of a
     drafter build their kernels (on SmolLM2 the first run after start-up measured 0.98x where the next measured
     1.20x). The measurement and the warm-up take turns with visitors' rounds (ModelRegistry.gate); `stop` ends
@@ -86,9 +88,17 @@ def _warm(ctx: Context, stop: threading.Event) -> None:
         return
     ctx.registry.calibration(pair.target)
     preset = ctx.registry.presets[0]
-    rec, text = preset.recommended, (preset.examples or ("Hello",))[0]
+    if ctx.settings.pick_default:
+        try:
+            pick = ctx.registry.measure_pick(preset.key, pair, stop)
+            log.info("default drafter and K for this CPU: %s", pick.explain())
+        except PickStopped:
+            return
+        except Exception as exc:  # the presets' own defaults stay
+            log.warning("measuring the default drafter on this CPU failed: %s", exc)
+    rec, text = ctx.registry.recommended(preset), (preset.examples or ("Hello",))[0]
     try:
-        config = SpecConfig(drafter=DrafterKind(default_drafter(preset)), k=rec.k, max_new_tokens=WARM_TOKENS,
+        config = SpecConfig(drafter=DrafterKind(default_drafter(preset, rec)), k=rec.k, max_new_tokens=WARM_TOKENS,
                             sampling=SamplingParams(rec.temperature, 0, rec.top_p))
         run = ComparedRun(pair, ChatPrompt(text) if preset.chat else text, config)
         try:

@@ -10,6 +10,7 @@ AUTO, NONE = "auto", "none"
 
 ALLOW_CUSTOM_ENV = "SPECPLAY_ALLOW_CUSTOM_MODELS"
 LIVE_ENGINE_ENV = "SPECPLAY_LIVE_ENGINE"
+PICK_DEFAULT_ENV = "SPECPLAY_PICK_DEFAULT"
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -37,6 +38,8 @@ class AppSettings:
     concurrency: int = 1                 # decoding events run at once (the rest queue)
     live_engine: bool = True             # the Live engine page, which makes the server fetch a metrics URL
     watch_hosts: tuple[str, ...] = ()    # hosts beyond loopback that page may fetch from
+    pick_default: bool = False           # start visitors with the drafter and K measured fastest on this CPU
+    #                                      (engine.pick; `python app.py` turns it on, see pick_default_on)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -72,6 +75,13 @@ def live_engine_default(env: Mapping[str, str]) -> bool:
     """SPECPLAY_LIVE_ENGINE decides if set; otherwise the Live engine page is on locally and off on a Space,
     where any visitor could otherwise make the server fetch an address."""
     return _switch(env, LIVE_ENGINE_ENV)
+
+
+def pick_default_on(env: Mapping[str, str]) -> bool:
+    """SPECPLAY_PICK_DEFAULT decides if set; otherwise the server measures its default drafter and K on its own
+    CPU (once per CPU model, kept under the cache), locally and on a Space alike."""
+    value = env.get(PICK_DEFAULT_ENV)
+    return True if value is None else _switch(env, PICK_DEFAULT_ENV)
 
 
 def _switch(env: Mapping[str, str], name: str) -> bool:

@@ -120,7 +120,7 @@ def test_each_pair_starts_from_its_recommended_settings_and_says_where_they_come
     key = next(p.key for p in ctx.registry.presets if p.target == "builtin")
     prompt, _, drafter, k, t, p, examples = preset_defaults(ctx.registry, key)
     assert (drafter["value"], k, t["value"], p["value"]) == ("hybrid", 4, 1.0, 1.0)
-    assert t["info"] is None and "fastest chain measured" in drafter["info"] and examples.value == prompt
+    assert t["info"] is None and "fastest chain in this project's bench" in drafter["info"] and examples.value == prompt
 
 
 def test_a_space_starts_on_smollm2_from_the_hub_and_says_its_head_was_trained_on_other_weights(monkeypatch):

@@ -26,7 +26,9 @@ def test_specplay_samples_are_read_per_repeat():
                run([1, 2], 0.5, [4], 1), run([3, 4, 5, 6], 0.5, [4, 4], 2)]      # repeat 2: 6 tokens in 1 s
     side = peer.specplay_side(samples, prompts=2)
     assert side.tokens_per_s == [3.0, 6.0] and side.tokens == [[1, 2], [3, 4, 5, 6]]
-    assert side.acceptance == 3 / 12 and side.tokens_per_round == 6 / 3
+    assert side.acceptance == 3 / 12 and side.tokens_per_round == 1 + 3 / 3   # 1 + accepted / drafting rounds
+    undrafted = [run([1, 2], 1.0, [0, 4], 1), run([3], 1.0, [0], 0)]            # a round with no match drafts 0
+    assert peer.specplay_side(undrafted, prompts=2).tokens_per_round == 1 + 1 / 1
 
 
 def test_the_table_gives_ratios_and_says_when_tokens_differ():

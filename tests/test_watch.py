@@ -72,6 +72,32 @@ def test_several_models_on_one_server_are_kept_apart():
     assert readings["other"].drafts == 2 * readings["smollm2"].drafts
 
 
+# llama.cpp build 11434's llama-server serving the same weights (F32) with ngram-simple, n=2, m=4, after five greedy
+# completions: 35 drafts (verify steps), 118 draft tokens, 26 accepted, per position 17, 5, 2, 2; 193 predicted
+LLAMACPP = Path(__file__).resolve().parent / "data" / "llamacpp-b11434-cpu-metrics-ngram.txt"
+
+
+def test_a_real_llamacpp_body_reads_as_one_unlabelled_model():
+    [(model, c)] = counters(parse_prometheus(LLAMACPP.read_text()), at=3.0).items()
+    assert model == "llama.cpp" and (c.drafts, c.draft_tokens, c.accepted) == (35.0, 118.0, 26.0)
+    assert c.per_position == (17.0, 5.0, 2.0, 2.0) and c.generated == 193.0
+
+
+def test_a_llamacpp_interval_reads_like_vllms():
+    def halved(m: re.Match) -> str:
+        return f"{m.group(1)} {float(m.group(2)) / 2}"
+    text = LLAMACPP.read_text()
+    half = re.sub(r"^(llamacpp:(?:spec_decode_num_\w+_total(?:\{[^}]*\})?|tokens_predicted_total)) (\S+)$", halved,
+                  text, flags=re.M)
+    iv = interval(counters(parse_prometheus(half), at=0.0)["llama.cpp"],
+                  counters(parse_prometheus(text), at=2.0)["llama.cpp"])
+    # half the capture's counters to all of them: Δdrafts 17.5, Δdraft tokens 59, Δaccepted 13, Δgenerated 96.5
+    assert not iv.restarted and iv.acceptance_rate == pytest.approx(13 / 59)
+    assert iv.mean_acceptance_length == pytest.approx(1 + 13 / 17.5)
+    assert iv.position_rates == pytest.approx((8.5 / 17.5, 2.5 / 17.5, 1 / 17.5, 1 / 17.5))
+    assert iv.generated_per_s == pytest.approx(96.5 / 2)
+
+
 @pytest.mark.parametrize("text, words", [
     ("<!doctype html><html><body>Hello</body></html>", "not Prometheus metrics text"),
     ('{"detail": "Not Found"}', "not Prometheus metrics text"),

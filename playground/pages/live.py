@@ -1,4 +1,4 @@
-"""The Live engine tab: a real vLLM or SGLang server's speculative-decoding metrics, polled and drawn over
+"""The Live engine tab: a real vLLM, llama.cpp or SGLang server's speculative-decoding metrics, polled and drawn over
 time next to Leviathan's prediction, a specplay run of the same K beside them, and an audit of the server's
 sampling (engine.audit): is it lossless?
 
@@ -246,8 +246,9 @@ def build(ctx: Context) -> LivePage | None:
                     "loopback with `--watch-host HOST`.")
         return None
     hosts = ", ".join(ctx.settings.watch_hosts) or "none"
-    gr.Markdown("### Watch a real engine\nPoint this at a vLLM or SGLang server's Prometheus `/metrics` with "
-                "speculative decoding on (vLLM: `--speculative-config`, SGLang: `--speculative-algorithm`). "
+    gr.Markdown("### Watch a real engine\nPoint this at a vLLM, llama.cpp or SGLang server's Prometheus `/metrics` "
+                "with speculative decoding on (vLLM: `--speculative-config`; llama.cpp's `llama-server`: `--metrics` "
+                "and `--spec-type` or a draft model `-md`; SGLang: `--speculative-algorithm`). "
                 f"Only loopback addresses are fetched, and these other hosts: {hosts}.")
     with gr.Row():
         url = gr.Textbox(DEFAULT_URL, label="metrics URL", scale=3, elem_id="live-url")

@@ -1,0 +1,211 @@
+"""Which drafter and K a visitor starts with, measured on the machine that serves them: a quick calibration.
+
+Acceptance belongs to the model pair and the sampling, but what a round costs belongs to the CPU: a verify of
+five rows costs 1.15 target steps on an AMD EPYC and 1.37 on an Intel Xeon with AMX, and the EAGLE head's
+step costs differently again. A default read off one machine's bench can lose on another. So every candidate
+(drafter, K) decodes the same few held-out prompts at the model card's sampling, each prompt beside a
+target-only decode of it, in a rotating order; the candidate with the most tokens per second of engine time
+over target-only is the default when it beats target-only, and when none does the pick says so and why, in
+α, c and r. The result is kept per CPU model, model and sampling under the cache, so a machine measures once.
+
+The clock counts the engine's rounds (`RoundRecord.elapsed_s`, as `metrics.tokens_per_s`): a run may wait between rounds for a
+visitor's round (the compute gate), and that wait is not the candidate's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine import metrics
+from engine.clock import ComputeGate
+from engine.config import DrafterKind, SpecConfig
+from engine.pair import ModelPair
+from engine.sampling import SamplingParams
+from engine.sources import cache_root
+
+PICK_FORMAT = 1
+NEW_TOKENS = 48
+
+
+class PickStopped(Exception):
+    """The measurement was asked to stop before it finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    drafter: str     # a DrafterKind value
+    k: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.drafter}, K={self.k}"
+
+
+@dataclass(frozen=True, slots=True)
+class Tried:
+    """One candidate's figures over the pick's prompts."""
+
+    candidate: Candidate
+    tokens_per_s: float
+    speedup: float               # over target-only on the same prompts: tokens per second of engine time
+    alpha: float | None          # accepted / verified positions
+    c: float | None              # median draft forward / median target-only step
+    r: float | None              # median verify forward / median target-only step
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    cpu: str
+    model: str
+    weights: str
+    temperature: float
+    top_p: float
+    prompts: int
+    new_tokens: int
+    target_tokens_per_s: float
+    tried: tuple[Tried, ...]
+
+    @property
+    def best(self) -> Tried:
+        return max(self.tried, key=lambda t: t.speedup)
+
+    @property
+    def chosen(self) -> Candidate | None:
+        """The fastest candidate when it beat target-only, else None (target-only is faster here)."""
+        return self.best.candidate if self.best.speedup > 1.0 else None
+
+    def explain(self) -> str:
+        """What the pick found, in a sentence or two: the winner and its margin, or why nothing won."""
+        b = self.best
+        where = f"on this machine ({self.cpu})"
+        if self.chosen is not None:
+            return (f"Picked {where}: {b.candidate.label} decoded {b.speedup:.2f}× as fast as target-only "
+                    f"({b.tokens_per_s:.1f} against {self.target_tokens_per_s:.1f} tokens/s, {self.prompts} prompts, "
+                    f"T = {self.temperature:g}), the fastest of {len(self.tried)} candidates measured.")
+        why = []
+        if b.alpha is not None:
+            why.append(f"α {b.alpha:.2f}")
+        if b.c is not None:
+            why.append(f"c {b.c:.3f}")
+        if b.r is not None:
+            why.append(f"r(K+1) {b.r:.2f}")
+        return (f"No drafter beat target-only {where} at T = {self.temperature:g}: the best, {b.candidate.label}, "
+                f"decoded {b.speedup:.2f}× ({', '.join(why)}). A round here yields too few accepted tokens for what "
+                "its draft and its verify forward cost in target steps; speculation pays where α is higher or "
+                "a verify of several rows costs nearer one step.")
+
+
+def candidates_for(has_draft: bool, has_eagle: bool) -> tuple[Candidate, ...]:
+    """What a pair can draft with, at the Ks that have won somewhere (K above 4 never won on a CPU here)."""
+    out = []
+    if has_eagle:
+        out += [Candidate(DrafterKind.EAGLE_HYBRID.value, k) for k in (1, 2, 3, 4)]
+        out += [Candidate(DrafterKind.EAGLE.value, 2)]
+    if has_draft:
+        out += [Candidate(DrafterKind.HYBRID.value, k) for k in (2, 4)] + [Candidate(DrafterKind.MODEL.value, 4)]
+    out += [Candidate(DrafterKind.NGRAM.value, k) for k in (2, 4)]
+    return tuple(out)
+
+
+def measure_pick(pair: ModelPair, prompts: Sequence[list[int]], candidates: Sequence[Candidate],
+                 sampling: SamplingParams, cpu: str, *, new_tokens: int = NEW_TOKENS, gate: ComputeGate | None = None,
+                 stop: threading.Event | None = None, progress: Callable[[int, int], None] | None = None) -> Pick:
+    """Decode every prompt with target-only and every candidate (a rotating order per prompt, one warm-up
+    round each first) and compare their tokens per second of engine time. Each round holds `gate`, so a
+    visitor's round never shares the cores with one of these; `stop` ends the measurement (PickStopped)."""
+    from engine.speculative import SpeculativeEngine
+
+    if not candidates or not prompts:
+        raise ValueError("a pick needs at least one candidate and one prompt")
+    runs = [None, *candidates]                  # None: target-only
+    rounds: dict[Candidate | None, list] = {c: [] for c in runs}
+    total, done = len(prompts) * len(runs), 0
+
+    def decode(candidate: Candidate | None, ids: list[int], tokens: int) -> list:
+        config = SpecConfig(mode="target" if candidate is None else "v2",
+                            drafter=candidate.drafter if candidate else DrafterKind.MODEL,
+                            k=candidate.k if candidate else 1, sampling=sampling, max_new_tokens=tokens,
+                            stop_at_eos=False, record=False)
+        engine = SpeculativeEngine(pair, ids, config)
+        try:
+            while not engine.finished:
+                if stop is not None and stop.is_set():
+                    raise PickStopped()
+                with gate.held() if gate is not None else nullcontext():
+                    engine.step()
+            return list(engine.rounds)
+        finally:
+            engine.close()
+
+    for candidate in runs:                      # a warm-up of each: a drafter's first rounds build its kernels
+        decode(candidate, list(prompts[0]), 4)
+    for i, ids in enumerate(prompts):
+        shift = i % len(runs)
+        for candidate in runs[shift:] + runs[:shift]:
+            rounds[candidate].append(decode(candidate, list(ids), new_tokens))
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    base = [r for run in rounds[None] for r in run]
+    base_rate = _rate(rounds[None])
+    tried = []
+    for candidate in candidates:
+        flat = [r for run in rounds[candidate] for r in run]
+        tally = metrics.Tally.of(flat, base)
+        rate = _rate(rounds[candidate])
+        tried.append(Tried(candidate, rate, rate / base_rate, tally.alpha(), tally.cost_ratio(),
+                           metrics.verify_ratio(flat, base)))
+    return Pick(cpu, pair.target.name, pair.target.weights, sampling.temperature, sampling.top_p, len(prompts),
+                new_tokens, base_rate, tuple(tried))
+
+
+def _rate(runs: list[list]) -> float:
+    """Generated tokens over the engine's time for them (prefill included), over all runs."""
+    tokens = sum(run[-1].tokens_total for run in runs if run)
+    seconds = sum(run[-1].elapsed_s for run in runs if run)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+# -- kept per CPU -----------------------------------------------------------------------------------------
+def _store(cpu: str) -> Path:
+    slug = "".join(ch if ch.isalnum() else "-" for ch in cpu.lower()).strip("-")[:120] or "unknown-cpu"
+    return cache_root() / "picks" / f"{slug}.json"
+
+
+def _key(model: str, weights: str, sampling: SamplingParams, candidates: Sequence[Candidate]) -> str:
+    return json.dumps([PICK_FORMAT, model, weights, sampling.temperature, sampling.top_p,
+                       [asdict(c) for c in candidates]])
+
+
+def load_pick(cpu: str, model: str, weights: str, sampling: SamplingParams,
+              candidates: Sequence[Candidate]) -> Pick | None:
+    """The pick kept for this CPU, model, weights, sampling and candidates, or None (never measured, or a file
+    that does not read: it is measured again)."""
+    try:
+        kept = json.loads(_store(cpu).read_text())[_key(model, weights, sampling, candidates)]
+        tried = tuple(Tried(Candidate(**t.pop("candidate")), **t) for t in kept.pop("tried"))
+        return Pick(**kept, tried=tried)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_pick(pick: Pick, sampling: SamplingParams, candidates: Sequence[Candidate]) -> None:
+    """Keep `pick` beside the others of its CPU (written whole, then renamed into place)."""
+    path = _store(pick.cpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        kept = json.loads(path.read_text())
+        kept = kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        kept = {}
+    kept[_key(pick.model, pick.weights, sampling, candidates)] = asdict(pick)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as f:
+        json.dump(kept, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,113 @@
+"""A GGUF is checked before transformers reads it: the wheel's file passes, and a cut, damaged or foreign file, or
+one whose tensors are of a type the loader cannot dequantize, gets a sentence naming the offset or the type; the
+engine's load and the app's registry say that sentence and load nothing."""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.gguf_file import gguf_problem, read_header
+from engine.models import ModelLoadError, load_model
+from engine.sources import smollm2_gguf
+
+WHEEL = smollm2_gguf()
+needs_wheel = pytest.mark.skipif(WHEEL is None, reason="SmolLM2's wheel is not installed")
+
+
+def small_gguf(path: Path) -> Path:
+    """A real GGUF written by gguf-py: two F32 tensors and a little metadata."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("first.weight", np.arange(64, dtype=np.float32).reshape(8, 8))
+    writer.add_tensor("second.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def type_field_offset(data: bytes, name: str, dims: int) -> int:
+    """Where a tensor record's type id lies: after its name (u64 length + bytes), its dimension count and dims."""
+    at = data.index(struct.pack("<Q", len(name)) + name.encode())
+    return at + 8 + len(name) + 4 + 8 * dims
+
+
+@needs_wheel
+def test_the_wheels_gguf_reads_as_gguf_pys_own_reader_reads_it():
+    from gguf import GGUFReader
+
+    header, theirs = read_header(WHEEL), GGUFReader(WHEEL)
+    assert gguf_problem(WHEEL) is None
+    assert [t.name for t in header.tensors] == [t.name for t in theirs.tensors]
+    assert [header.data_start + t.offset for t in header.tensors] == [int(t.data_offset) for t in theirs.tensors]
+    assert header.metadata["general.architecture"] == "llama"
+
+
+@needs_wheel
+@pytest.mark.parametrize("keep", [3, 100, 5000])
+def test_a_gguf_cut_in_its_header_is_named_by_the_offset_where_it_ends(tmp_path, keep):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(WHEEL.read_bytes()[:keep])
+    problem = gguf_problem(cut)
+    assert problem.startswith("cut.gguf is not a readable GGUF (at byte offset ")
+    offset = int(problem.split("offset ")[1].split(":")[0].replace(",", ""))
+    assert 0 <= offset <= keep and (keep < 4 or "the file ends" in problem)
+
+
+@needs_wheel
+def test_a_gguf_cut_in_its_data_names_the_first_tensor_past_the_end(tmp_path):
+    from gguf import GGUFReader
+
+    first = GGUFReader(WHEEL).tensors[0]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(WHEEL.read_bytes()[:2_000_000])
+    end = int(first.data_offset) + int(first.n_bytes)
+    assert gguf_problem(cut) == (f"cut.gguf is cut short: tensor {first.name!r} ends at byte offset {end:,}, the "
+                                 "file has 2,000,000 bytes")
+
+
+def test_a_file_that_is_not_gguf_says_what_it_starts_with(tmp_path):
+    page = tmp_path / "model.gguf"
+    page.write_text("<html>404</html>")
+    assert "the file starts with b'<htm'; a GGUF starts with b'GGUF'" in gguf_problem(page)
+    assert gguf_problem(small_gguf(tmp_path / "fine.gguf")) is None
+
+
+@pytest.mark.parametrize("type_id, words", [(9, "as Q8_1: the loader cannot dequantize it"),
+                                            (97, "as type id 97: no GGUF defines it")])
+def test_a_tensor_type_the_loader_cannot_read_is_named(tmp_path, type_id, words):
+    path = small_gguf(tmp_path / "odd.gguf")
+    data = bytearray(path.read_bytes())
+    at = type_field_offset(bytes(data), "second.weight", 1)
+    assert struct.unpack_from("<I", data, at)[0] == 0          # F32, as written
+    struct.pack_into("<I", data, at, type_id)
+    path.write_bytes(bytes(data))
+    problem = gguf_problem(path)
+    assert f"odd.gguf stores tensor 'second.weight' {words}" in problem and "Q4_1" in problem
+
+
+def test_loading_a_damaged_gguf_is_one_sentence_and_converts_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPLAY_CACHE", str(tmp_path / "cache"))
+    path = small_gguf(tmp_path / "tiny.gguf")
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ModelLoadError, match=r"tiny.gguf is cut short: tensor 'second.weight' ends at byte offset"):
+        load_model(str(path))
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def test_the_registry_sizes_a_gguf_from_its_header_and_refuses_a_damaged_one(tmp_path):
+    from playground.registry import weight_bytes
+
+    path = small_gguf(tmp_path / "tiny.gguf")
+    assert weight_bytes(str(path), "target", torch.device("cpu")) == (64 + 32) * 4
+    path.write_bytes(b"GGUF" + path.read_bytes()[4:12])
+    with pytest.raises(ModelLoadError, match=r"Could not load the target model: tiny.gguf is not a readable GGUF "
+                                             r"\(at byte offset 8: the tensor count needs 8 bytes, the file ends 4 bytes later\)"):
+        weight_bytes(str(path), "target", torch.device("cpu"))

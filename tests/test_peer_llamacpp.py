@@ -1,0 +1,82 @@
+"""peer-bench --peer llama.cpp: what it reads from llama.cpp's server (a real /metrics capture), its sentences when
+llama.cpp cannot be built or started, and, where llama.cpp is compiled under the cache, greedy parity with it."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from engine.bench import peer_llamacpp as lc
+from engine.bench.peer import PeerUnavailable, main
+from engine.sources import smollm2_gguf
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "llamacpp-b11434-cpu-metrics-ngram.txt"
+
+
+def test_verify_steps_come_from_the_servers_metrics():
+    assert lc.drafts_of(FIXTURE.read_text()) == 35.0        # llamacpp:spec_decode_num_drafts_total in the capture
+    no_speculation = "\n".join(line for line in FIXTURE.read_text().splitlines() if "spec_decode" not in line)
+    assert lc.drafts_of(no_speculation) == 0.0
+
+
+@pytest.mark.parametrize("line, fraction", [("[12/216] Building CXX object x.o", 12 / 216), ("[ 45%] Built target ggml", 0.45),
+                                            ("-- Configuring done", None), ("[a/b] odd", None)])
+def test_build_progress_is_read_from_ninja_and_make_lines(line, fraction):
+    assert lc._ninja_fraction(line) == (pytest.approx(fraction) if fraction is not None else None)
+
+
+def test_a_missing_compiler_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc.shutil, "which", lambda name: None if name == "cmake" else "/usr/bin/" + name)
+    with pytest.raises(PeerUnavailable, match="needs cmake: install them"):
+        lc.ensure_llamacpp(tmp_path / "llama.cpp", lambda m: None)
+
+
+def _program(path: Path, script: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_a_server_that_dies_at_start_is_reported_with_its_last_words(tmp_path):
+    _program(lc.tool(tmp_path, "llama-server"), 'echo "loading model"\necho "error: failed to load model $2" >&2\nexit 1\n')
+    with pytest.raises(PeerUnavailable, match=r"exited at start \(code 1\): loading model \| error: failed to load"):
+        with lc.LlamaServer(tmp_path, tmp_path / "absent.gguf", [], threads=1):
+            pass
+
+
+def test_a_server_that_never_answers_is_stopped_and_reported(tmp_path, monkeypatch):
+    _program(lc.tool(tmp_path, "llama-server"), 'echo "warming up"\nexec sleep 60\n')
+    monkeypatch.setattr(lc, "START_TIMEOUT_S", 1.0)
+    server = lc.LlamaServer(tmp_path, tmp_path / "m.gguf", [], threads=1)
+    with pytest.raises(PeerUnavailable, match=r"did not answer /health within 1 s: warming up"):
+        server.__enter__()
+    assert server._proc.poll() is not None       # not left running
+
+
+@pytest.mark.parametrize("args, words", [(["--target", "builtin"], "compares SmolLM2"),
+                                         (["--batch", "1,2"], "--batch compares with vLLM")])
+def test_what_llamacpp_does_not_compare_is_refused_before_building(args, words, tmp_path, capsys):
+    assert main(["--peer", "llama.cpp", "--llamacpp", str(tmp_path / "never"), *args]) == 2
+    assert words in capsys.readouterr().err and not (tmp_path / "never").exists()
+
+
+FOLDER = Path(os.environ.get("SPECPLAY_LLAMACPP", lc.default_folder()))
+
+
+@pytest.mark.skipif(not all(lc._runs(lc.tool(FOLDER, t)) for t in lc.TOOLS) or smollm2_gguf() is None,
+                    reason="llama.cpp is not compiled here (python -m engine peer-bench --peer llama.cpp --install-only)")
+def test_llamacpp_decodes_the_f32_copy_token_for_token_as_the_engine():
+    from engine.bench.methods import BenchSettings, Method
+    from engine.bench.prompts import make_prompts
+    from engine.bench.runs import BenchModels, run_engine
+    from engine.pair import load_pair
+
+    models = BenchModels(load_pair("smollm2"))
+    prompts = make_prompts(BenchSettings(prompt_set="chat", num_prompts=2, prompt_tokens=128, new_tokens=24),
+                           models.target)
+    f32 = lc.f32_copy(FOLDER, smollm2_gguf())
+    with lc.LlamaServer(FOLDER, f32, list(lc.NGRAM_K4), threads=2) as server:   # its n-gram speculation on
+        for p in prompts:
+            assert server.complete(p.ids, 24)["tokens"] == run_engine(Method("target"), models, p.ids, 24).tokens

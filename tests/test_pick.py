@@ -1,0 +1,134 @@
+"""The default drafter and K measured on the serving machine (engine.pick): what a pick measures, what it keeps per
+CPU, how it explains a loss, and how the app's controls start from it."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from engine import metrics
+from engine.config import DrafterKind, SpecConfig
+from engine.pair import ModelPair
+from engine.pick import Candidate, Pick, PickStopped, Tried, candidates_for, load_pick, measure_pick, save_pick
+from engine.sampling import SamplingParams
+from engine.speculative import SpeculativeEngine
+
+SAMPLING = SamplingParams(0.2, 0, 0.9)
+CPU = "Test CPU 9000, 2 torch threads"
+
+
+@pytest.fixture(scope="module")
+def pair(builtin_pair) -> ModelPair:
+    draft, target = builtin_pair
+    return ModelPair(target, draft)
+
+
+def prompt_ids(pair: ModelPair) -> list[list[int]]:
+    tok = pair.target.tokenizer
+    return [tok("def fibonacci(n):\n    if n < 2:\n")["input_ids"], tok("import os\n\n\ndef walk(path):\n")["input_ids"]]
+
+
+def test_a_pick_reads_each_candidate_from_its_own_rounds(pair, cache):
+    candidates = (Candidate(DrafterKind.MODEL.value, 2), Candidate(DrafterKind.NGRAM.value, 2))
+    seen = []
+    pick = measure_pick(pair, prompt_ids(pair), candidates, SAMPLING, CPU, new_tokens=16,
+                        progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(i, 6) for i in range(1, 7)]         # 2 prompts x (target-only + 2 candidates)
+    model, ngram = pick.tried
+    # the same configuration decoded again (same seed, same prompts) verifies the same positions
+    rounds = []
+    for ids in prompt_ids(pair):
+        engine = SpeculativeEngine(pair, ids, SpecConfig(drafter=DrafterKind.MODEL, k=2, sampling=SAMPLING,
+                                                        max_new_tokens=16, stop_at_eos=False, record=False))
+        rounds += engine.run()
+        engine.close()
+    assert model.alpha == pytest.approx(metrics.Tally.of(rounds).alpha())
+    assert ngram.c == 0.0 and model.c > 0 and model.r >= 1.0 - 0.5
+    assert pick.best in pick.tried and pick.target_tokens_per_s > 0
+    assert {t.speedup for t in pick.tried} == {t.tokens_per_s / pick.target_tokens_per_s for t in pick.tried}
+
+
+def test_a_pick_waits_for_the_compute_gate_and_stops_when_asked(pair):
+    from engine.clock import ComputeGate
+
+    gate, stop, progressed = ComputeGate(), threading.Event(), threading.Event()
+    outcome = []
+
+    def pick():
+        try:
+            measure_pick(pair, prompt_ids(pair)[:1], (Candidate(DrafterKind.NGRAM.value, 2),), SAMPLING, CPU,
+                         new_tokens=64, gate=gate, stop=stop, progress=lambda d, t: progressed.set())
+            outcome.append("finished")
+        except PickStopped:
+            outcome.append("stopped")
+
+    with gate.held():                    # a visitor's round holds the cores: the pick runs no round meanwhile
+        thread = threading.Thread(target=pick)
+        thread.start()
+        assert not progressed.wait(0.5)
+        stop.set()
+    thread.join(60)
+    assert outcome == ["stopped"] and not progressed.is_set()
+
+
+def tried(drafter: str, k: int, speedup: float) -> Tried:
+    return Tried(Candidate(drafter, k), 30.0 * speedup, speedup, 0.31, 0.072, 1.39)
+
+
+def a_pick(*speedups: float) -> Pick:
+    rows = tuple(tried(DrafterKind.EAGLE_HYBRID.value, k, s) for k, s in enumerate(speedups, start=1))
+    return Pick(CPU, "smollm2", "fp32", 0.2, 0.9, 3, 48, 30.0, rows)
+
+
+def test_the_fastest_candidate_wins_only_when_it_beats_target_only():
+    assert a_pick(0.9, 1.31, 1.2).chosen == Candidate(DrafterKind.EAGLE_HYBRID.value, 2)
+    assert "1.31× as fast as target-only" in a_pick(0.9, 1.31, 1.2).explain()
+    lost = a_pick(0.56, 0.8, 0.7)
+    assert lost.chosen is None
+    assert lost.explain().startswith("No drafter beat target-only on this machine (Test CPU 9000, 2 torch threads) "
+                                     "at T = 0.2: the best, eagle-hybrid, K=2, decoded 0.80× (α 0.31, c 0.072, "
+                                     "r(K+1) 1.39).")
+
+
+def test_a_pick_is_kept_per_cpu_model_and_sampling(cache):
+    cands = candidates_for(has_draft=False, has_eagle=True)
+    assert Candidate(DrafterKind.EAGLE_HYBRID.value, 2) in cands and all(c.k <= 4 for c in cands)
+    pick = a_pick(1.1, 1.4)
+    save_pick(pick, SAMPLING, cands)
+    assert load_pick(CPU, "smollm2", "fp32", SAMPLING, cands) == pick
+    assert load_pick("Another CPU, 2 torch threads", "smollm2", "fp32", SAMPLING, cands) is None
+    assert load_pick(CPU, "smollm2", "int8", SAMPLING, cands) is None
+    assert load_pick(CPU, "smollm2", "fp32", SamplingParams(1.0, 0, 1.0), cands) is None
+    assert load_pick(CPU, "smollm2", "fp32", SAMPLING, cands[:2]) is None
+    [kept] = (cache / "picks").iterdir()
+    kept.write_text(json.dumps({"not": "a pick"}))           # damaged: measured again, never read half-way
+    assert load_pick(CPU, "smollm2", "fp32", SAMPLING, cands) is None
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPLAY_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_the_controls_start_from_the_pick_and_say_where_it_comes_from(cache):
+    from playground.controls import default_drafter, preset_defaults
+    from playground.registry import ModelRegistry
+
+    registry = ModelRegistry()
+    preset = registry.presets[0]
+    assert registry.recommended(preset) == preset.recommended and registry.pick_note(preset.key) == ""
+    registry.picking.add(preset.key)
+    assert registry.pick_note(preset.key).startswith("Measuring which drafter and K decode fastest")
+    registry.picks[preset.key] = Pick(CPU, "t", "fp32", 1.0, 1.0, 3, 48, 100.0,
+                                      (tried(DrafterKind.NGRAM.value, 3, 1.2), tried(DrafterKind.MODEL.value, 2, 1.1)))
+    rec = registry.recommended(preset)
+    assert (rec.drafter, rec.k, rec.measured_here) == (DrafterKind.NGRAM, 3, True)
+    assert default_drafter(preset, rec) == DrafterKind.NGRAM.value
+    _, _, drafter, k, *_ = preset_defaults(registry, preset.key)
+    assert drafter["value"] == DrafterKind.NGRAM.value and k == 3
+    assert "measured fastest on this machine's CPU" in drafter["info"]
+    registry.picks[preset.key] = a_pick(0.7, 0.9)          # nothing won: the preset's own default, and why
+    assert registry.recommended(preset) == preset.recommended
+    assert registry.pick_note(preset.key).startswith("No drafter beat target-only")
