@@ -5,8 +5,9 @@ five rows costs 1.15 target steps on an AMD EPYC and 1.37 on an Intel Xeon with 
 step costs differently again. A default read off one machine's bench can lose on another. So every candidate
 (drafter, K) decodes the same few held-out prompts at the model card's sampling, each prompt beside a
 target-only decode of it, in a rotating order; the candidate with the most tokens per second of engine time
-over target-only is the default when it beats target-only, and when none does the pick says so and why, in
-α, c and r. The result is kept per CPU model, model and sampling under the cache, so a machine measures once.
+over target-only is the default when it beats target-only (the project's bench default stays when it is within
+TIE of the fastest: a few prompts cannot tell such candidates apart), and when none beats target-only the pick
+says so and why, in α, c and r. The result is kept per CPU model, model and sampling under the cache, so a machine measures once.
 
 The clock counts the engine's rounds (`RoundRecord.elapsed_s`, as `metrics.tokens_per_s`): a run may wait between rounds for a
 visitor's round (the compute gate), and that wait is not the candidate's.
@@ -31,6 +32,7 @@ from engine.sources import cache_root
 
 PICK_FORMAT = 1
 NEW_TOKENS = 48
+TIE = 0.10          # a candidate this close to the fastest is as fast, as far as a pick of a few prompts can tell
 
 
 class PickStopped(Exception):
@@ -70,24 +72,37 @@ class Pick:
     new_tokens: int
     target_tokens_per_s: float
     tried: tuple[Tried, ...]
+    preferred: Candidate | None = None   # the project's bench default for the pair: kept when it is as good
 
     @property
     def best(self) -> Tried:
         return max(self.tried, key=lambda t: t.speedup)
 
     @property
+    def winner(self) -> Tried:
+        """The fastest candidate, or the preferred one when it is within TIE of it: a quick measurement of a
+        few prompts cannot tell apart what the longer bench measured apart."""
+        kept = next((t for t in self.tried if t.candidate == self.preferred), None)
+        if kept is not None and kept.speedup > 1.0 and kept.speedup >= self.best.speedup * (1 - TIE):
+            return kept
+        return self.best
+
+    @property
     def chosen(self) -> Candidate | None:
-        """The fastest candidate when it beat target-only, else None (target-only is faster here)."""
-        return self.best.candidate if self.best.speedup > 1.0 else None
+        """The winner when it beat target-only, else None (target-only is faster here)."""
+        return self.winner.candidate if self.winner.speedup > 1.0 else None
 
     def explain(self) -> str:
         """What the pick found, in a sentence or two: the winner and its margin, or why nothing won."""
-        b = self.best
+        b = self.winner
         where = f"on this machine ({self.cpu})"
         if self.chosen is not None:
+            among = (f"the fastest of {len(self.tried)} candidates measured" if b is self.best else
+                     f"within {TIE:.0%} of the fastest of {len(self.tried)} candidates ({self.best.candidate.label}, "
+                     f"{self.best.speedup:.2f}×), so the project's bench default stays")
             return (f"Picked {where}: {b.candidate.label} decoded {b.speedup:.2f}× as fast as target-only "
                     f"({b.tokens_per_s:.1f} against {self.target_tokens_per_s:.1f} tokens/s, {self.prompts} prompts, "
-                    f"T = {self.temperature:g}), the fastest of {len(self.tried)} candidates measured.")
+                    f"T = {self.temperature:g}), {among}.")
         why = []
         if b.alpha is not None:
             why.append(f"α {b.alpha:.2f}")
@@ -114,8 +129,9 @@ def candidates_for(has_draft: bool, has_eagle: bool) -> tuple[Candidate, ...]:
 
 
 def measure_pick(pair: ModelPair, prompts: Sequence[list[int]], candidates: Sequence[Candidate],
-                 sampling: SamplingParams, cpu: str, *, new_tokens: int = NEW_TOKENS, gate: ComputeGate | None = None,
-                 stop: threading.Event | None = None, progress: Callable[[int, int], None] | None = None) -> Pick:
+                 sampling: SamplingParams, cpu: str, *, preferred: Candidate | None = None,
+                 new_tokens: int = NEW_TOKENS, gate: ComputeGate | None = None, stop: threading.Event | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> Pick:
     """Decode every prompt with target-only and every candidate (a rotating order per prompt, one warm-up
     round each first) and compare their tokens per second of engine time. Each round holds `gate`, so a
     visitor's round never shares the cores with one of these; `stop` ends the measurement (PickStopped)."""
@@ -162,7 +178,7 @@ def measure_pick(pair: ModelPair, prompts: Sequence[list[int]], candidates: Sequ
         tried.append(Tried(candidate, rate, rate / base_rate, tally.alpha(), tally.cost_ratio(),
                            metrics.verify_ratio(flat, base)))
     return Pick(cpu, pair.target.name, pair.target.weights, sampling.temperature, sampling.top_p, len(prompts),
-                new_tokens, base_rate, tuple(tried))
+                new_tokens, base_rate, tuple(tried), preferred)
 
 
 def _rate(runs: list[list]) -> float:
@@ -178,19 +194,21 @@ def _store(cpu: str) -> Path:
     return cache_root() / "picks" / f"{slug}.json"
 
 
-def _key(model: str, weights: str, sampling: SamplingParams, candidates: Sequence[Candidate]) -> str:
+def _key(model: str, weights: str, sampling: SamplingParams, candidates: Sequence[Candidate],
+         preferred: Candidate | None) -> str:
     return json.dumps([PICK_FORMAT, model, weights, sampling.temperature, sampling.top_p,
-                       [asdict(c) for c in candidates]])
+                       [asdict(c) for c in candidates], asdict(preferred) if preferred else None])
 
 
-def load_pick(cpu: str, model: str, weights: str, sampling: SamplingParams,
-              candidates: Sequence[Candidate]) -> Pick | None:
-    """The pick kept for this CPU, model, weights, sampling and candidates, or None (never measured, or a file
-    that does not read: it is measured again)."""
+def load_pick(cpu: str, model: str, weights: str, sampling: SamplingParams, candidates: Sequence[Candidate],
+              preferred: Candidate | None = None) -> Pick | None:
+    """The pick kept for this CPU, model, weights, sampling, candidates and preferred one, or None (never
+    measured, or a file that does not read: it is measured again)."""
     try:
-        kept = json.loads(_store(cpu).read_text())[_key(model, weights, sampling, candidates)]
+        kept = json.loads(_store(cpu).read_text())[_key(model, weights, sampling, candidates, preferred)]
         tried = tuple(Tried(Candidate(**t.pop("candidate")), **t) for t in kept.pop("tried"))
-        return Pick(**kept, tried=tried)
+        preferred = kept.pop("preferred")
+        return Pick(**kept, tried=tried, preferred=Candidate(**preferred) if preferred else None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -204,7 +222,7 @@ def save_pick(pick: Pick, sampling: SamplingParams, candidates: Sequence[Candida
         kept = kept if isinstance(kept, dict) else {}
     except (OSError, ValueError):
         kept = {}
-    kept[_key(pick.model, pick.weights, sampling, candidates)] = asdict(pick)
+    kept[_key(pick.model, pick.weights, sampling, candidates, pick.preferred)] = asdict(pick)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     with os.fdopen(fd, "w") as f:
         json.dump(kept, f, indent=1)

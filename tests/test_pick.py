@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -91,6 +92,14 @@ def test_the_fastest_candidate_wins_only_when_it_beats_target_only():
                                      "r(K+1) 1.39).")
 
 
+def test_the_bench_default_stays_when_the_quick_measurement_cannot_tell_it_from_the_fastest():
+    k2 = Candidate(DrafterKind.EAGLE_HYBRID.value, 2)
+    close = replace(a_pick(1.1, 1.26, 1.31, 1.2), preferred=k2)          # K=2 within 10% of K=3
+    assert close.chosen == k2 and "so the project's bench default stays" in close.explain()
+    assert replace(a_pick(1.1, 1.15, 1.31), preferred=k2).chosen.k == 3   # more than 10% behind: the fastest
+    assert replace(a_pick(1.02, 0.96, 1.05), preferred=k2).chosen.k == 3  # the default lost to target-only
+
+
 def test_a_pick_is_kept_per_cpu_model_and_sampling(cache):
     cands = candidates_for(has_draft=False, has_eagle=True)
     assert Candidate(DrafterKind.EAGLE_HYBRID.value, 2) in cands and all(c.k <= 4 for c in cands)
@@ -101,6 +110,10 @@ def test_a_pick_is_kept_per_cpu_model_and_sampling(cache):
     assert load_pick(CPU, "smollm2", "int8", SAMPLING, cands) is None
     assert load_pick(CPU, "smollm2", "fp32", SamplingParams(1.0, 0, 1.0), cands) is None
     assert load_pick(CPU, "smollm2", "fp32", SAMPLING, cands[:2]) is None
+    assert load_pick(CPU, "smollm2", "fp32", SAMPLING, cands, preferred=cands[1]) is None
+    preferring = replace(pick, preferred=cands[1])
+    save_pick(preferring, SAMPLING, cands)
+    assert load_pick(CPU, "smollm2", "fp32", SAMPLING, cands, preferred=cands[1]) == preferring
     [kept] = (cache / "picks").iterdir()
     kept.write_text(json.dumps({"not": "a pick"}))           # damaged: measured again, never read half-way
     assert load_pick(CPU, "smollm2", "fp32", SAMPLING, cands) is None

@@ -362,9 +362,36 @@ def llamacpp_main(a, argv, log) -> int:
                  and (m.weights in (None, "F32") and m.dtype == "float32") and side.acceptance is not None]
         return max(found, key=lambda x: x[1]) if found else None
 
+    for line in differences(models["float32"].target, ids, reference, rows[0][1].tokens if rows[0][1] else []):
+        print(line)
     best_peer, best_mine = fastest(lambda r: r[1]), fastest(lambda r: r[2])
     if best_peer and best_mine:
         print(f"fastest speculative on the same fp32 weights: specplay {best_mine[0]} {best_mine[1]:.1f} tok/s, "
               f"llama.cpp {best_peer[0]} {best_peer[1]:.1f} tok/s: {best_mine[1] / best_peer[1]:.2f}x")
     print(f"command: python -m engine peer-bench {' '.join(argv if argv is not None else sys.argv[1:])}")
     return 0
+
+
+def differences(target, prompts: list[list[int]], mine: list[list[int]], theirs: list[list[int]]) -> list[str]:
+    """Where llama.cpp's target-only tokens part from specplay's on the same F32 weights: per prompt, the first
+    differing position, the two tokens, and the gap between specplay's two highest logits there (a near tie is
+    decided by the order each engine sums its products in, not by a different model)."""
+    import torch
+
+    lines = []
+    for i, (ours, other) in enumerate(zip(mine, theirs)):
+        j = next((n for n, (a, b) in enumerate(zip(ours, other)) if a != b), None)
+        if j is None:
+            continue
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([prompts[i] + ours[:j]])).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        gap = float(top.values[0] - top.values[1])
+        theirs_logit = float(logits[other[j]])
+        say = target.tokenizer.decode
+        lines.append(f"prompt {i}: first difference at token {j}: specplay {ours[j]} {say([ours[j]])!r}, llama.cpp "
+                     f"{other[j]} {say([other[j]])!r}; specplay's logits there: top two {gap:.3f} apart, llama.cpp's "
+                     f"token {float(top.values[0]) - theirs_logit:.3f} below the top")
+    if lines:
+        lines.insert(0, "target-only tokens, F32 weights, where the two engines part:")
+    return lines
