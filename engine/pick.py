@@ -95,14 +95,13 @@ class Pick:
     def explain(self) -> str:
         """What the pick found, in a sentence or two: the winner and its margin, or why nothing won."""
         b = self.winner
-        where = f"on this machine ({self.cpu})"
+        where = f"on this CPU ({self.cpu})"
         if self.chosen is not None:
-            among = (f"the fastest of {len(self.tried)} candidates measured" if b is self.best else
-                     f"within {TIE:.0%} of the fastest of {len(self.tried)} candidates ({self.best.candidate.label}, "
-                     f"{self.best.speedup:.2f}×), so the project's bench default stays")
-            return (f"Picked {where}: {b.candidate.label} decoded {b.speedup:.2f}× as fast as target-only "
-                    f"({b.tokens_per_s:.1f} against {self.target_tokens_per_s:.1f} tokens/s, {self.prompts} prompts, "
-                    f"T = {self.temperature:g}), {among}.")
+            among = (f"the fastest of {len(self.tried)} candidates" if b is self.best else
+                     f"the fastest, {self.best.candidate.label} at {self.best.speedup:.2f}×, is within {TIE:.0%}, so "
+                     "the bench default stays")
+            return (f"Measured {where}: {b.candidate.label} decoded {b.speedup:.2f}× as fast as target-only "
+                    f"({self.prompts} prompts, T = {self.temperature:g}); {among}.")
         why = []
         if b.alpha is not None:
             why.append(f"α {b.alpha:.2f}")

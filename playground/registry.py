@@ -414,6 +414,29 @@ class ModelRegistry:
                     "model); until then the defaults come from another machine's bench.")
         return ""
 
+    def _pick_of(self, key: str):
+        """(preset, sampling, candidates, preferred candidate) of preset `key`'s pick."""
+        from engine.pick import Candidate, candidates_for
+        from engine.sampling import SamplingParams
+
+        preset = self.resolve(key)
+        rec = preset.recommended
+        preferred = Candidate(rec.drafter.value, rec.k) if rec.drafter is not None else None
+        return (preset, SamplingParams(rec.temperature, 0, rec.top_p),
+                candidates_for(preset.draft is not None, preset.eagle is not None), preferred)
+
+    def kept_pick(self, key: str) -> Pick | None:
+        """The pick of preset `key` kept under the cache for this CPU (read, not measured; no model loads)."""
+        from engine.clock import machine_name
+        from engine.pick import load_pick
+
+        preset, sampling, candidates, preferred = self._pick_of(key)
+        pick = load_pick(machine_name(), preset.target, preset.weights, sampling, candidates, preferred)
+        if pick is not None:
+            with self._lock:
+                self.picks[key] = pick
+        return pick
+
     def measure_pick(self, key: str, pair: ModelPair, stop: threading.Event | None = None,
                      progress: Callable[[int, int], None] | None = None) -> Pick:
         """The pick of preset `key` on this CPU: the one kept under the cache, else measured now (each round
@@ -421,28 +444,24 @@ class ModelRegistry:
         from engine.bench.methods import BenchSettings
         from engine.bench.prompts import make_prompts
         from engine.clock import machine_name
-        from engine.pick import NEW_TOKENS, Candidate, candidates_for, load_pick, measure_pick, save_pick
-        from engine.sampling import SamplingParams
+        from engine.pick import NEW_TOKENS, measure_pick, save_pick
 
-        preset = self.resolve(key)
-        rec = preset.recommended
-        sampling = SamplingParams(rec.temperature, 0, rec.top_p)
-        candidates = candidates_for(preset.draft is not None, preset.eagle is not None)
-        cpu = machine_name()
-        preferred = Candidate(rec.drafter.value, rec.k) if rec.drafter is not None else None
-        pick = load_pick(cpu, pair.target.name, pair.target.weights, sampling, candidates, preferred)
-        if pick is None:
+        pick = self.kept_pick(key)
+        if pick is not None:
+            return pick
+        preset, sampling, candidates, preferred = self._pick_of(key)
+        with self._lock:
+            self.picking.add(key)
+        try:
+            prompts = make_prompts(BenchSettings(prompt_set="chat-heldout" if preset.chat else "heldout",
+                                                 num_prompts=PICK_PROMPTS, new_tokens=NEW_TOKENS), pair.target)
+            pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, machine_name(),
+                                preferred=preferred, gate=self.gate, stop=stop, progress=progress)
+            pick = replace(pick, model=preset.target, weights=preset.weights)   # kept by source: read before loading
+            save_pick(pick, sampling, candidates)
+        finally:
             with self._lock:
-                self.picking.add(key)
-            try:
-                prompts = make_prompts(BenchSettings(prompt_set="chat-heldout" if preset.chat else "heldout",
-                                                     num_prompts=PICK_PROMPTS, new_tokens=NEW_TOKENS), pair.target)
-                pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, cpu, preferred=preferred,
-                                    gate=self.gate, stop=stop, progress=progress)
-                save_pick(pick, sampling, candidates)
-            finally:
-                with self._lock:
-                    self.picking.discard(key)
+                self.picking.discard(key)
         with self._lock:
             self.picks[key] = pick
         return pick

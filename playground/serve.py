@@ -62,11 +62,13 @@ def start(ctx: Context, *, quiet: bool = False, warm: bool = True) -> Served:
     if swept:
         log.warning("removed %d session folder(s) left by a server that did not shut down: %s", len(swept),
                     ", ".join(str(p) for p in swept))
+    s = ctx.settings
+    if s.pick_default:   # a pick kept for this CPU is in the page from the start (measuring one waits for the model)
+        ctx.registry.kept_pick(ctx.registry.presets[0].key)
     stop_warming, warming = threading.Event(), None
     if warm:
         warming = threading.Thread(target=_warm, args=(ctx, stop_warming), name="specplay-warm-up", daemon=True)
         warming.start()
-    s = ctx.settings
     demo = build_app(ctx)
     demo.launch(server_name=s.host, server_port=s.port, share=s.share, prevent_thread_lock=True, quiet=quiet,
                 **launch_kwargs(ctx))

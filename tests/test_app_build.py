@@ -161,4 +161,4 @@ def test_a_page_starts_from_the_drafter_and_k_measured_on_this_cpu_once_there_is
                                    Candidate(DrafterKind.HYBRID.value, 4))
     on_load = {name: c.load_event_to_attach[0] for name, c in (("drafter", drafter), ("k", k), ("note", note))}
     assert (on_load["drafter"](), on_load["k"]()) == ("model", 3)
-    assert on_load["note"]().startswith("Picked on this machine (Some CPU): model, K=3 decoded 1.87×")
+    assert on_load["note"]().startswith("Measured on this CPU (Some CPU): model, K=3 decoded 1.87×")

@@ -85,6 +85,24 @@ def test_the_pages_figures_are_the_counters_own(handlers, served):
     assert "last reading failed" in summary and "connection refused" in summary and live.watcher is not None
 
 
+def test_the_page_watches_a_llamacpp_server_as_it_watches_vllm(handlers):
+    from tests.test_watch import LLAMACPP
+
+    text = LLAMACPP.read_text()
+    halved = "\n".join(f"{line.rsplit(' ', 1)[0]} {float(line.rsplit(' ', 1)[1]) / 2}"
+                        if line.startswith("llamacpp:") else line for line in text.splitlines())
+    served = Serving(halved)
+    try:
+        live, *_ = handlers.start(None, served.url, 1.0, None, 0.05, 1.1)
+        served.text = text
+        live, _, summary, model, acceptance, per_position, *_ = handlers.tick(live, None, 0.05, 1.1)
+    finally:
+        served.close()
+    # the capture's counters from half to all: 17.5 verify steps, 59 drafted, 13 accepted, per position 8.5, 2.5, 1, 1
+    assert model.value == "llama.cpp" and "acceptance rate 0.220" in summary    # 13 / 59
+    assert list(per_position.data[0].y) == pytest.approx([8.5 / 17.5, 2.5 / 17.5, 1 / 17.5, 1 / 17.5])
+
+
 def test_a_refused_address_gets_its_sentence_and_no_timer(handlers):
     live, timer, summary, *_ = handlers.start(None, "http://203.0.113.9:8000/metrics", 1.0, None, None, None)
     assert not timer.active and "203.0.113.9 is not allowed" in summary and live.watcher is None

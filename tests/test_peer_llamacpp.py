@@ -80,3 +80,21 @@ def test_llamacpp_decodes_the_f32_copy_token_for_token_as_the_engine():
     with lc.LlamaServer(FOLDER, f32, list(lc.NGRAM_K4), threads=2) as server:   # its n-gram speculation on
         for p in prompts:
             assert server.complete(p.ids, 24)["tokens"] == run_engine(Method("target"), models, p.ids, 24).tokens
+
+
+def test_tokens_are_compared_up_to_the_end_of_specplays_turn(builtin_pair):
+    """Past the end-of-turn token the two engines follow different rules (llama.cpp masks it, specplay emits it),
+    so the comparison stops there; a difference before it is reported with the logits' gap where it happens."""
+    from engine.bench.peer import Side, format_table
+
+    _, target = builtin_pair
+    eos = 99
+    mine = Side([30.0], None, None, [[5, 6, eos, 7], [5, 6, 7, 8]])
+    theirs = Side([50.0], None, None, [[5, 6, 8, 9], [5, 6, 9, 9]])
+    cuts = [2, 4]
+    cut_mine, cut_theirs = lc.through_end(mine, cuts), lc.through_end(theirs, cuts)
+    assert cut_mine.tokens == [[5, 6], [5, 6, 7, 8]] and cut_theirs.tokens == [[5, 6], [5, 6, 9, 9]]
+    table = format_table("t", [("target-only", cut_theirs, cut_mine)], cut_mine.tokens, peer="llama.cpp")
+    assert "no (1 prompts differ)" in table
+    [head, line] = lc.differences(target, [[1, 2, 3], [1, 2, 3]], cut_mine.tokens, cut_theirs.tokens)
+    assert head.startswith("target-only tokens") and line.startswith("prompt 1: first difference at token 2: ")

@@ -350,11 +350,16 @@ def llamacpp_main(a, argv, log) -> int:
                 mine.setdefault((dtype, method.label), []).append(specplay_side(runs, len(prompts)))
     rows = [(m.label, _merge(theirs.get(m.label, [])), _merge(mine.get((m.dtype, _bench_label(m.specplay)), [])))
             for m in methods]
+    cuts = [ids.index(eos) if eos in ids else len(ids) for ids in rows[0][2].tokens
+            for eos in [models["float32"].target.tokenizer.eos_token_id]]
+    rows = [(label, through_end(a, cuts), through_end(b, cuts)) for label, a, b in rows]
     reference = rows[0][2].tokens
     title = (f"SmolLM2-135M-Instruct: {len(prompts)} chat prompts, {a.new_tokens} new tokens, greedy, batch 1; "
              f"{machine_name()}, {threads} threads; llama.cpp build {LLAMACPP_BUILD} (llama-server, F32 copy of the "
              f"wheel's Q4_1 file, or the file itself); specplay fp32 (or int8), {a.rounds} rounds")
     print(format_table(title, rows, reference, peer="llama.cpp"))
+    print("tokens are compared up to specplay's first end-of-turn token: both decode past it (llama.cpp's "
+          "ignore_eos masks the token, specplay emits it and goes on), and what follows it differs by rule")
 
     def fastest(pick) -> tuple[str, float] | None:
         found = [(label, median(side.tokens_per_s)) for label, side, m in
@@ -370,6 +375,14 @@ def llamacpp_main(a, argv, log) -> int:
               f"llama.cpp {best_peer[0]} {best_peer[1]:.1f} tok/s: {best_mine[1] / best_peer[1]:.2f}x")
     print(f"command: python -m engine peer-bench {' '.join(argv if argv is not None else sys.argv[1:])}")
     return 0
+
+
+def through_end(side: Side | None, cuts: list[int]) -> Side | None:
+    """`side` with each prompt's tokens cut where specplay's target-only decode ended its turn (`cuts`)."""
+    if side is None:
+        return None
+    return Side(side.tokens_per_s, side.acceptance, side.tokens_per_round,
+                [t[:cut] for t, cut in zip(side.tokens, cuts)])
 
 
 def differences(target, prompts: list[list[int]], mine: list[list[int]], theirs: list[list[int]]) -> list[str]:

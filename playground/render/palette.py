@@ -101,6 +101,7 @@ def stylesheet() -> str:
     """The app's CSS: chips, legend, badges. Passed to `launch(css=...)` (Gradio 6 takes CSS there)."""
     rules = "".join(_chip_rule(o) for o in Outcome)
     return rules + """
+#pick-note, #pick-note * { font-size: 12px !important; line-height: 1.4 !important; color: var(--body-text-color-subdued) !important; }
 .stream { font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 15px; line-height: 2.1; }
 .stream .prompt { color: #666; white-space: pre-wrap; }
 .chip { display: inline-block; padding: 0 3px; margin: 1px 1px; border-radius: 4px; cursor: pointer;
