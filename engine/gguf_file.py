@@ -50,7 +50,8 @@ class _Cursor:
 
     def take(self, n: int, what: str) -> bytes:
         if self.at + n > len(self.data):
-            raise GGUFDamage(self.at, f"{what} needs {n:,} bytes, the file ends {len(self.data) - self.at:,} bytes later")
+            left = len(self.data) - self.at
+            raise GGUFDamage(self.at, f"{what} needs {n:,} bytes, the file ends {left:,} bytes later")
         out = bytes(self.data[self.at:self.at + n])
         self.at += n
         return out

@@ -7,10 +7,11 @@ step costs differently again. A default read off one machine's bench can lose on
 target-only decode of it, in a rotating order; the candidate with the most tokens per second of engine time
 over target-only is the default when it beats target-only (the project's bench default stays when it is within
 TIE of the fastest: a few prompts cannot tell such candidates apart), and when none beats target-only the pick
-says so and why, in α, c and r. The result is kept per CPU model, model and sampling under the cache, so a machine measures once.
+says so and why, in α, c and r. The result is kept per CPU model, model and sampling under the cache, so a
+machine measures once.
 
-The clock counts the engine's rounds (`RoundRecord.elapsed_s`, as `metrics.tokens_per_s`): a run may wait between rounds for a
-visitor's round (the compute gate), and that wait is not the candidate's.
+The clock counts the engine's rounds (`RoundRecord.elapsed_s`, as `metrics.tokens_per_s`): a run may wait
+between rounds for a visitor's round (the compute gate), and that wait is not the candidate's.
 """
 from __future__ import annotations
 

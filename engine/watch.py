@@ -4,7 +4,8 @@ Prometheus `/metrics` text and turned into the playground's figures, with `pytho
 vLLM (v1) exports counters per model (label `model_name`): drafts, draft tokens, accepted tokens,
 accepted tokens per draft position, generated tokens. llama.cpp's server (started with `--metrics`)
 exports the same counters under its own prefix, for its one model and without the label (named
-"llama.cpp" here); its drafts are its verify steps, its per-position count as vLLM's does. Over an interval, from their increases:
+"llama.cpp" here); its drafts are its verify steps, its per-position count as vLLM's does. Over an
+interval, from their increases:
 acceptance rate = Δaccepted / Δdraft_tokens, mean acceptance length = 1 + Δaccepted / Δdrafts, the
 rate at position i = Δper_position[i] / Δdrafts, and tokens/s from Δ / seconds. A counter that goes
 down means the server restarted: the interval then counts from zero (its new value is the increase).

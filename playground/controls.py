@@ -159,7 +159,8 @@ def _fastest_info(rec: Recommended) -> str | None:
     if rec.drafter is None:
         return None
     if rec.measured_here:
-        return f"Recommended for this pair: {rec.drafter.value}, K={rec.k} (measured on this machine's CPU: the line below says how)."
+        return (f"Recommended for this pair: {rec.drafter.value}, K={rec.k} (measured on this machine's CPU: the line "
+                "below says how).")
     return f"Recommended for this pair: {rec.drafter.value}, K={rec.k} (the fastest chain in this project's bench)."
 
 

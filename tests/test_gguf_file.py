@@ -109,5 +109,6 @@ def test_the_registry_sizes_a_gguf_from_its_header_and_refuses_a_damaged_one(tmp
     assert weight_bytes(str(path), "target", torch.device("cpu")) == (64 + 32) * 4
     path.write_bytes(b"GGUF" + path.read_bytes()[4:12])
     with pytest.raises(ModelLoadError, match=r"Could not load the target model: tiny.gguf is not a readable GGUF "
-                                             r"\(at byte offset 8: the tensor count needs 8 bytes, the file ends 4 bytes later\)"):
+                                             r"\(at byte offset 8: the tensor count needs 8 bytes, the file ends 4 "
+                                             r"bytes later\)"):
         weight_bytes(str(path), "target", torch.device("cpu"))

@@ -21,8 +21,9 @@ def test_verify_steps_come_from_the_servers_metrics():
     assert lc.drafts_of(no_speculation) == 0.0
 
 
-@pytest.mark.parametrize("line, fraction", [("[12/216] Building CXX object x.o", 12 / 216), ("[ 45%] Built target ggml", 0.45),
-                                            ("-- Configuring done", None), ("[a/b] odd", None)])
+@pytest.mark.parametrize("line, fraction", [("[12/216] Building CXX object x.o", 12 / 216),
+                                            ("[ 45%] Built target ggml", 0.45), ("-- Configuring done", None),
+                                            ("[a/b] odd", None)])
 def test_build_progress_is_read_from_ninja_and_make_lines(line, fraction):
     assert lc._ninja_fraction(line) == (pytest.approx(fraction) if fraction is not None else None)
 
@@ -40,7 +41,8 @@ def _program(path: Path, script: str) -> None:
 
 
 def test_a_server_that_dies_at_start_is_reported_with_its_last_words(tmp_path):
-    _program(lc.tool(tmp_path, "llama-server"), 'echo "loading model"\necho "error: failed to load model $2" >&2\nexit 1\n')
+    _program(lc.tool(tmp_path, "llama-server"),
+             'echo "loading model"\necho "error: failed to load model $2" >&2\nexit 1\n')
     with pytest.raises(PeerUnavailable, match=r"exited at start \(code 1\): loading model \| error: failed to load"):
         with lc.LlamaServer(tmp_path, tmp_path / "absent.gguf", [], threads=1):
             pass
@@ -66,7 +68,7 @@ FOLDER = Path(os.environ.get("SPECPLAY_LLAMACPP", lc.default_folder()))
 
 
 @pytest.mark.skipif(not all(lc._runs(lc.tool(FOLDER, t)) for t in lc.TOOLS) or smollm2_gguf() is None,
-                    reason="llama.cpp is not compiled here (python -m engine peer-bench --peer llama.cpp --install-only)")
+                    reason="llama.cpp is not compiled here (peer-bench --peer llama.cpp --install-only)")
 def test_llamacpp_decodes_the_f32_copy_token_for_token_as_the_engine():
     from engine.bench.methods import BenchSettings, Method
     from engine.bench.prompts import make_prompts

@@ -28,7 +28,7 @@ def pair(builtin_pair) -> ModelPair:
 
 def prompt_ids(pair: ModelPair) -> list[list[int]]:
     tok = pair.target.tokenizer
-    return [tok("def fibonacci(n):\n    if n < 2:\n")["input_ids"], tok("import os\n\n\ndef walk(path):\n")["input_ids"]]
+    return [tok(text)["input_ids"] for text in ("def fibonacci(n):\n    if n < 2:\n", "import os\n\n\ndef walk(path):\n")]
 
 
 def test_a_pick_reads_each_candidate_from_its_own_rounds(pair, cache):

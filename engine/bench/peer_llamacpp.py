@@ -204,7 +204,8 @@ class LlamaServer:
         with _opener().open(request, timeout=REQUEST_TIMEOUT_S) as answer:
             out = json.loads(answer.read())
         t = out.get("timings", {})
-        return {"tokens": list(out.get("tokens", [])), "ms": float(t.get("prompt_ms", 0)) + float(t.get("predicted_ms", 0)),
+        ms = float(t.get("prompt_ms", 0)) + float(t.get("predicted_ms", 0))
+        return {"tokens": list(out.get("tokens", [])), "ms": ms,
                 "drafted": int(t.get("draft_n", 0)), "accepted": int(t.get("draft_n_accepted", 0))}
 
     def metrics(self) -> str:
