@@ -376,3 +376,26 @@ def test_reset_lets_go_of_a_replayed_trace(ctx):
     controller.reset(ctx, s, request())
     assert held > 10                      # the replay held its records
     assert alive() == base
+
+
+def test_a_damaged_gguf_as_custom_target_is_one_sentence_and_the_old_run_stays(builtin_pair, tmp_path):
+    """A visitor (on a server that allows local paths) names a GGUF cut short: Reset says where the file breaks,
+    the file is neither loaded nor converted, and the run before it is still there to look at."""
+    from engine.sources import BUILTIN_DIR, cache_root
+    from tests.test_gguf_file import small_gguf
+
+    draft, target = builtin_pair
+    loads = []
+    registry = ModelRegistry(allow_custom=True, allow_local_paths=True,
+                             loader=lambda source, role, device: loads.append(source) or
+                             (draft if role == "draft" else target))
+    small = Context(registry, SessionPool(2, 64 * 2**20, 60.0, root=tmp_path), AppSettings(max_new_tokens=64))
+    s = small.pool.open("a")
+    controller.step(small, s, request(max_new_tokens=8.0))
+    gguf = small_gguf(tmp_path / "mine.gguf")
+    gguf.write_bytes(gguf.read_bytes()[:-40])
+    with pytest.raises(ModelLoadError, match=r"mine.gguf is cut short: tensor 'second.weight' ends at byte offset"):
+        controller.reset(small, s, request(preset=CUSTOM, custom_draft=str(BUILTIN_DIR / "draft"),
+                                           custom_target=str(gguf)))
+    assert str(gguf) not in loads and s.view().previous and len(s.view().rounds) == 1   # the target never loaded
+    assert not list((cache_root() / "models").glob("mine-*"))                              # nor was it converted
