@@ -456,9 +456,13 @@ class ModelRegistry:
             prompts = make_prompts(BenchSettings(prompt_set="chat-heldout" if preset.chat else "heldout",
                                                  num_prompts=PICK_PROMPTS, new_tokens=NEW_TOKENS), pair.target)
             pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, machine_name(),
-                                preferred=preferred, gate=self.gate, stop=stop, progress=progress)
+                                preferred=preferred, new_tokens=NEW_TOKENS, gate=self.gate, stop=stop,
+                                progress=progress)
             pick = replace(pick, model=preset.target, weights=preset.weights)   # kept by source: read before loading
-            save_pick(pick, sampling, candidates)
+            try:
+                save_pick(pick, sampling, candidates)
+            except OSError:   # a read-only cache: this process keeps it, the next start measures again
+                pass
         finally:
             with self._lock:
                 self.picking.discard(key)

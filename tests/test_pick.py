@@ -162,3 +162,19 @@ def test_a_kept_pick_is_read_by_source_before_any_model_loads(cache):
     save_pick(kept, sampling, candidates)
     assert ModelRegistry().kept_pick(key) == kept
     assert registry.kept_pick(key) == kept and registry.picks[key] == kept
+
+
+def test_a_pick_that_cannot_be_kept_is_still_used_by_this_process(cache, monkeypatch):
+    import engine.pick as pick_module
+    from playground.registry import ModelRegistry
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(pick_module, "save_pick", refuse)
+    monkeypatch.setattr(pick_module, "NEW_TOKENS", 8)
+    registry = ModelRegistry()
+    key = registry.presets[0].key
+    measured = registry.measure_pick(key, registry.pair(key))
+    assert registry.picks[key] == measured and key not in registry.picking
+    assert not (cache / "picks").exists()
