@@ -1,5 +1,5 @@
 """`python -m engine <command>`: generate, bench, peer-bench, cache-bench, train-builtin, eval-builtin, train-draft,
-draft-data, train-eagle3, eval-eagle3, sampled-bench, watch, audit, serve."""
+draft-data, train-eagle3, eval-eagle3, sampled-bench, calibrate, watch, audit, serve."""
 import sys
 
 
@@ -15,6 +15,7 @@ def main() -> int:
         "train-eagle3": "engine.train.eagle3",
         "eval-eagle3": "engine.train.eagle3_eval",
         "cache-bench": "engine.bench.cache_bench",
+        "calibrate": "engine.bench.formats",
         "sampled-bench": "engine.bench.sampled",
         "watch": "engine.watch",
         "audit": ("engine.audit.cli", "audit_main"),

@@ -172,7 +172,8 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
             c.free()
         if drafting is not None:
             drafting.close()
-    return curve_from_times(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""), context,
+    dtype = "int8" if loaded.weights == "int8" else str(loaded.dtype).replace("torch.", "")   # int8: the weights'
+    return curve_from_times(loaded.name, str(loaded.device), dtype, context,
                             times, repeats, batch)
 
 

@@ -137,7 +137,7 @@ PLOT_WIDTHS = """ids => ids.map(id => {
   return svg ? [id, svg.getBoundingClientRect().width, panel.getBoundingClientRect().width] : [id, null, null];
 })"""
 TABS = {"Charts": [f"chart-{c}" for c in ("acceptance", "per-position", "lengths", "tokens-time", "speedup")],
-        "Theory": ["theory-plot", "theory-r"], "KV cache": ["kv-target", "kv-draft"], "Round detail": ["detail-plot"]}
+        "Theory": ["theory-plot", "theory-r", "theory-formats"], "KV cache": ["kv-target", "kv-draft"], "Round detail": ["detail-plot"]}
 
 
 def wait_for_plots(page, ids: list[str]) -> None:

@@ -127,7 +127,46 @@ def test_the_theory_tab_renders_only_verified_rounds_of_a_session(builtin_pair, 
         session.cursor = Cursor(shown=3)
         assert len(controller.verified_view(session).rounds) == 3
         session.run.set_calibration(CURVE)
-        figure, r_figure, html = page_theory.render(controller.verified_view(session))
+        figure, r_figure, html, formats, formats_text = page_theory.render(controller.verified_view(session))
         assert "recommended K" in html and len(figure.data) >= 3 and len(r_figure.data) >= 3
+        # the shipped SmolLM2 study: this built-in run's α is not SmolLM2's, so an example α and c, said so
+        assert len(formats.data) == 3 and "this run does not decode smollm2" in formats_text
     finally:
         session.run.close()
+
+
+def _curve(dtype: str, r: list[float], model: str = "smollm2") -> RCurve:
+    ns = list(range(1, len(r) + 1))
+    return RCurve(model, "cpu", dtype, 128, ns, [10.0 * x for x in r], r, 10.0, 3)
+
+
+def test_a_format_whose_rows_cost_more_gets_a_smaller_best_k_and_the_tab_says_which_alpha_it_used():
+    from engine.bench.formats import FormatCurves
+    from playground.render.theory import EXAMPLE_ALPHA, EXAMPLE_C, formats_figure, formats_html
+
+    flat = _curve("float32", [1.0] * 9)                                   # memory-bound: rows are free
+    steep = _curve("int8", [1.0 + 0.15 * (n - 1) for n in range(1, 10)])  # each row costs 0.15 of a step
+    study = FormatCurves("Some CPU", "2026-12-06", "python -m engine calibrate", [flat, steep])
+    text = formats_html(study, None)
+    best = [metrics.best_k(EXAMPLE_ALPHA, EXAMPLE_C, c.at) for c in (flat, steep)]
+    assert best[1] < best[0]
+    assert f"float32 weights</th><td>best K = {best[0]}:" in text
+    assert f"int8 weights</th><td>best K = {best[1]}:" in text
+    assert "an example: no speculative round measured yet" in text
+    assert [t.name.split(" ")[0] for t in formats_figure(study).data[:2]] == ["float32", "int8"]
+    assert "No weight-format measurement" in formats_figure(None).layout.annotations[0].text
+
+
+def test_the_calibrate_command_measures_each_format_and_keeps_what_it_printed(tmp_path, capsys):
+    from engine.bench.formats import main, read_curves
+
+    out = tmp_path / "formats.json"
+    assert main(["--target", "builtin", "--context", "16", "--repeats", "1", "--json", str(out)]) == 0
+    study = read_curves(out)
+    assert [c.dtype for c in study.curves] == ["float32", "int8"] and all(c.r[0] == 1.0 for c in study.curves)
+    printed = capsys.readouterr().out
+    assert f"one-token step: float32 {study.curves[0].step_ms:.2f} ms, int8 {study.curves[1].step_ms:.2f} ms" in printed
+    out.write_text(out.read_text().replace('"curves"', '"kurves"'))
+    with pytest.raises(ValueError, match="is not a weight-format study"):
+        read_curves(out)
+    assert main(["--dtypes", "int4"]) == 2

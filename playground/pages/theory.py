@@ -4,12 +4,18 @@ Its refresh goes through the playground's handlers (playground.ui), like every o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import gradio as gr
 import plotly.graph_objects as go
 
-from playground.render.theory import r_figure, recommendation_html, theory_figure
+from engine.bench.formats import FormatCurves, read_curves
+from engine.sources import ASSETS
+from playground.render.theory import formats_figure, formats_html, r_figure, recommendation_html, theory_figure
 from playground.view import RunView
+
+# r(n) of SmolLM2 with fp32 and with int8 weights, measured one after the other (python -m engine calibrate)
+SHIPPED_FORMATS = ASSETS / "bench" / "rn-smollm2-formats-amd.json"
 
 
 @dataclass(frozen=True)
@@ -17,16 +23,29 @@ class TheoryPage:
     figure: gr.Plot
     r_curve: gr.Plot
     recommendation: gr.HTML
+    formats: gr.Plot
+    formats_text: gr.HTML
     refresh: gr.Button
     remeasure: gr.Button
 
     def outputs(self) -> list:
-        return [self.figure, self.r_curve, self.recommendation]
+        return [self.figure, self.r_curve, self.recommendation, self.formats, self.formats_text]
 
 
-def render(view: RunView | None) -> tuple[go.Figure, go.Figure, str]:
-    """The tab's three outputs for a run's verified rounds."""
-    return theory_figure(view), r_figure(view), recommendation_html(view)
+@cache
+def shipped_formats() -> FormatCurves | None:
+    """The shipped weight-format study, read once; None when it is missing or does not read."""
+    try:
+        return read_curves(SHIPPED_FORMATS)
+    except ValueError:
+        return None
+
+
+def render(view: RunView | None) -> tuple[go.Figure, go.Figure, str, go.Figure, str]:
+    """The tab's outputs for a run's verified rounds."""
+    study = shipped_formats()
+    return (theory_figure(view), r_figure(view), recommendation_html(view), formats_figure(study),
+            formats_html(study, view))
 
 
 def build() -> TheoryPage:
@@ -42,4 +61,9 @@ def build() -> TheoryPage:
     with gr.Row():
         refresh_button = gr.Button("↻ Update from the playground's run", size="sm", elem_id="theory-refresh")
         remeasure = gr.Button("⏱ Measure r(n) again", size="sm", elem_id="theory-remeasure")
-    return TheoryPage(figure, r_curve, recommendation, refresh_button, remeasure)
+    gr.Markdown("#### When a forward stops being memory-bound\nThe same model in two weight formats, its r(n) "
+                "measured one after the other on one machine (`python -m engine calibrate`; this copy ships one "
+                "such measurement): what a verify of K + 1 rows costs depends on what a row costs.")
+    formats = gr.Plot(show_label=False, elem_id="theory-formats")
+    formats_text = gr.HTML(elem_id="theory-formats-text")
+    return TheoryPage(figure, r_curve, recommendation, formats, formats_text, refresh_button, remeasure)

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine import metrics
+from engine.bench.formats import FormatCurves
 from engine.calibration import RCurve
 from engine.config import K_BOUND
 from engine.metrics import NotMeasured, Prediction
@@ -182,3 +183,54 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
     rows += tree_rows(view, pred)
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv-table">{body}</table>'
+
+
+# -- r(n) by weight format: a shipped measurement (engine.bench.formats) ---------------------------------------
+FORMAT_COLOURS = (SPEC_COLOUR, PREDICTED_COLOUR, BASELINE_COLOUR)
+EXAMPLE_ALPHA, EXAMPLE_C = 0.45, 0.05     # SmolLM2's EAGLE-3 head drafts about this well, at about this cost
+
+
+def formats_figure(study: FormatCurves | None) -> go.Figure:
+    """One target's r(n) in each weight format, measured one after the other on one machine."""
+    if study is None:
+        return empty_figure("No weight-format measurement ships with this copy (python -m engine calibrate).")
+    fig = styled_figure()
+    for curve, colour in zip(study.curves, FORMAT_COLOURS):
+        fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines+markers", line=dict(color=colour, width=3),
+                                 marker=dict(size=6), name=f"{curve.dtype} weights (one-token step "
+                                                           f"{curve.step_ms:.1f} ms)"))
+    last = max(c.ns[-1] for c in study.curves)
+    fig.add_trace(go.Scatter(x=[1, last], y=[1, 1], mode="lines", name="r = 1: memory-bound",
+                             line=dict(color=GREY, dash="dash")))
+    fig.update_layout(title=dict(text=f"r(n) of {study.curves[0].model} by weight format: {study.machine}, "
+                                      f"{study.date}", font=dict(size=13)),
+                      xaxis_title="n: tokens in one target forward (K + 1 for a verify)",
+                      yaxis_title="cost relative to n = 1", height=320, margin=dict(l=50, r=20, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.3), autosize=True)
+    return fig
+
+
+def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = K_BOUND) -> str:
+    """What each format's r(n) means for K: the best K and its predicted speed-up under each curve, at this run's
+    α and c when the run decodes the measured model, else at an example α and c (said so)."""
+    if study is None:
+        return ""
+    got = inputs(view)
+    model = study.curves[0].model
+    own = not isinstance(got, NotMeasured) and got[1].model == model
+    alpha, c = (got[0].alpha, got[0].c) if own else (EXAMPLE_ALPHA, EXAMPLE_C)
+    why = "no speculative round measured yet" if isinstance(got, NotMeasured) else f"this run does not decode {model}"
+    where = f"this run's α {alpha:.2f} and c {c:.3f}" if own else f"α {alpha:.2f} and c {c:.2f} (an example: {why})"
+    rows = []
+    for curve in study.curves:
+        best = metrics.best_k(alpha, c, curve.at, k_max)
+        rows.append((f"{curve.dtype} weights", f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, predicted "
+                     f"{metrics.predicted_speedup(alpha, best, c, curve.at(best + 1)):.2f}× over its own target-only"))
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+    lesson = ("A forward that only reads its weights costs about the same for a few rows as for one (r near 1): "
+              "the weights are read once either way. Weights that spend work on every row (int8 here: each input "
+              "row is rounded to int8 with its own scale, and the integer products cost more per row) make a "
+              "verify of K + 1 rows cost more target steps, so the best K falls and speculation gains less over a "
+              "target step that got cheaper.")
+    return (f'<p class="theory-note">At {html.escape(where)}, on the curves above:</p>'
+            f'<table class="kv-table">{body}</table><p class="theory-note">{html.escape(lesson)}</p>')
