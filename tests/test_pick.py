@@ -173,6 +173,8 @@ def test_a_pick_that_cannot_be_kept_is_still_used_by_this_process(cache, monkeyp
 
     monkeypatch.setattr(pick_module, "save_pick", refuse)
     monkeypatch.setattr(pick_module, "NEW_TOKENS", 8)
+    monkeypatch.setattr(pick_module, "candidates_for", lambda has_draft, has_eagle: (
+        Candidate(DrafterKind.NGRAM.value, 2),))
     registry = ModelRegistry()
     key = registry.presets[0].key
     measured = registry.measure_pick(key, registry.pair(key))
