@@ -298,3 +298,19 @@ def test_the_lesson_offers_the_real_model_first(smol):
             page_lesson.lesson_pair(registry, "qwen-0.5b-1.5b")
     finally:
         registry.close()
+
+
+def test_the_pays_step_says_what_the_weight_format_does_to_the_best_k(monkeypatch):
+    """Its reveal reads the shipped r(n) study: a verify of K + 1 tokens in each format, and the best K under each
+    curve at the run's α and c (a format whose rows cost more gets the smaller K); without a study, dashes."""
+    from engine.bench import formats
+    from playground.teach.lesson import format_facts
+    from tests.test_theory import _curve
+
+    flat, steep = _curve("float32", [1.0] * 9), _curve("int8", [1.0 + 0.15 * (n - 1) for n in range(1, 10)])
+    monkeypatch.setattr(formats, "shipped_study", lambda: formats.FormatCurves("Some CPU", "d", "c", [flat, steep]))
+    facts = format_facts(0.45, 0.05, 3)
+    assert (facts["formats_machine"], facts["k1"], facts["fp32_r"], facts["int8_r"]) == ("Some CPU", "4", "1.00", "1.45")
+    assert int(facts["best_int8"]) < int(facts["best_fp32"])
+    monkeypatch.setattr(formats, "shipped_study", lambda: None)
+    assert format_facts(0.45, 0.05, 3)["int8_r"] == "—"

@@ -13,11 +13,15 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 from engine.calibration import RCurve
+from engine.sources import ASSETS
 
 FORMATS = ("float32", "int8")
+# r(n) of SmolLM2 with fp32 and with int8 weights, measured one after the other on the AMD EPYC (2026-12-06)
+SHIPPED = ASSETS / "bench" / "rn-smollm2-formats-amd.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,19 @@ def read_curves(path: Path) -> FormatCurves:
         return decode(FormatCurves, json.loads(path.read_text()), str(path))
     except (OSError, ValueError, Invalid) as exc:
         raise ValueError(f"{path} is not a weight-format study: {exc}") from None
+
+
+@cache
+def shipped_study() -> FormatCurves | None:
+    """The shipped weight-format study, read once; None when it is missing or does not read."""
+    try:
+        return read_curves(SHIPPED)
+    except ValueError:
+        return None
+
+
+def curve_of(study: FormatCurves, dtype: str) -> RCurve | None:
+    return next((c for c in study.curves if c.dtype == dtype), None)
 
 
 def format_curves(study: FormatCurves) -> str:

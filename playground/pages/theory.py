@@ -4,18 +4,13 @@ Its refresh goes through the playground's handlers (playground.ui), like every o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import gradio as gr
 import plotly.graph_objects as go
 
-from engine.bench.formats import FormatCurves, read_curves
-from engine.sources import ASSETS
+from engine.bench.formats import shipped_study
 from playground.render.theory import formats_figure, formats_html, r_figure, recommendation_html, theory_figure
 from playground.view import RunView
-
-# r(n) of SmolLM2 with fp32 and with int8 weights, measured one after the other (python -m engine calibrate)
-SHIPPED_FORMATS = ASSETS / "bench" / "rn-smollm2-formats-amd.json"
 
 
 @dataclass(frozen=True)
@@ -32,18 +27,9 @@ class TheoryPage:
         return [self.figure, self.r_curve, self.recommendation, self.formats, self.formats_text]
 
 
-@cache
-def shipped_formats() -> FormatCurves | None:
-    """The shipped weight-format study, read once; None when it is missing or does not read."""
-    try:
-        return read_curves(SHIPPED_FORMATS)
-    except ValueError:
-        return None
-
-
 def render(view: RunView | None) -> tuple[go.Figure, go.Figure, str, go.Figure, str]:
     """The tab's outputs for a run's verified rounds."""
-    study = shipped_formats()
+    study = shipped_study()
     return (theory_figure(view), r_figure(view), recommendation_html(view), formats_figure(study),
             formats_html(study, view))
 

@@ -108,7 +108,8 @@ STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
     StepId.TREE: _spec(View.TREE, QuestionKind.NUMBER, "round nodes shape depth chain_round chain_tokens",
                        "tree_tokens path"),
     StepId.PAYS: _spec(View.THEORY, QuestionKind.YES_NO,
-                       "alpha draft_rate k k2 e_k tokens rounds tokens_per_round c r speedup", "e_2k"),
+                       "alpha draft_rate k k2 e_k tokens rounds tokens_per_round c r speedup k1 formats_machine "
+                       "fp32_r int8_r best_fp32 best_int8", "e_2k"),
 })
 
 UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started pair "
@@ -620,7 +621,8 @@ class LessonDriver:
         facts = dict(alpha=_num(alpha), draft_rate=_num(metrics.draft_acceptance(drafted)), k=str(self.k),
                      k2=str(2 * self.k), e_k=_num(e_k, 2), e_2k=_num(e_2k, 2), tokens=str(tokens),
                      rounds=str(len(drafted)), tokens_per_round=_num(metrics.tokens_per_round(drafted), 2), c=_num(c),
-                     r=_num(r, 2), speedup=_num(metrics.predicted_speedup(alpha, self.k, c, r), 2))
+                     r=_num(r, 2), speedup=_num(metrics.predicted_speedup(alpha, self.k, c, r), 2),
+                     **format_facts(alpha, c, self.k))
         return _Content(facts, rounds[-1].index, None, YES if e_2k >= 2 * e_k else NO)
 
 
@@ -748,6 +750,21 @@ def rule_output(q_draft: Tensor, p_target: Tensor, rule: Rule) -> RuleOutput:
     elif rule is Rule.BONUS_FROM_ROW_K_MINUS_1:
         dist[k] = p[k - 1]
     return RuleOutput(reach, dist)
+
+
+def format_facts(alpha: float, c: float, k: int) -> dict[str, str]:
+    """The pays step's words on weight formats, from the shipped r(n) study (engine.bench.formats): a verify of
+    K + 1 tokens with fp32 and with int8 weights, and the best K under each curve at this run's α and c."""
+    from engine.bench.formats import curve_of, shipped_study
+
+    study = shipped_study()
+    fp32, int8 = (curve_of(study, "float32"), curve_of(study, "int8")) if study is not None else (None, None)
+    if fp32 is None or int8 is None:
+        return dict(k1=str(k + 1), formats_machine="no machine (the measurement is missing)", fp32_r="—", int8_r="—",
+                    best_fp32="—", best_int8="—")
+    return dict(k1=str(k + 1), formats_machine=study.machine, fp32_r=_num(fp32.at(k + 1), 2),
+                int8_r=_num(int8.at(k + 1), 2), best_fp32=str(metrics.best_k(alpha, c, fp32.at)),
+                best_int8=str(metrics.best_k(alpha, c, int8.at)))
 
 
 def cost_claim(tokens: int, ratio: float) -> str:
