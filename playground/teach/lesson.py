@@ -760,8 +760,8 @@ def format_facts(alpha: float, c: float, k: int) -> dict[str, str]:
     study = shipped_study()
     fp32, int8 = (curve_of(study, "float32"), curve_of(study, "int8")) if study is not None else (None, None)
     if fp32 is None or int8 is None:
-        return dict(k1=str(k + 1), formats_machine="no machine (the measurement is missing)", fp32_r="—", int8_r="—",
-                    best_fp32="—", best_int8="—")
+        return dict(k1=str(k + 1), formats_machine="no machine (the measurement is missing)", fp32_r="—",
+                    int8_r="—", best_fp32="—", best_int8="—")
     return dict(k1=str(k + 1), formats_machine=study.machine, fp32_r=_num(fp32.at(k + 1), 2),
                 int8_r=_num(int8.at(k + 1), 2), best_fp32=str(metrics.best_k(alpha, c, fp32.at)),
                 best_int8=str(metrics.best_k(alpha, c, int8.at)))
