@@ -12,8 +12,8 @@ from engine.sources import BUILTIN, BUILTIN_DIR
 from engine.sources import BUILTIN_REBUILD as REBUILD_COMMAND
 from engine.train import corpus
 
-# Held-out loss (nats/token) the built-in target must stay under, on 16 windows of the stdlib's
-# test folders. A model that learned nothing sits near ln(4096) = 8.3; the shipped target measures
+# Held-out loss (nats/token) the built-in target must stay under, on 16 windows of 150 of the
+# stdlib's held-out test files (3.74 on 2026-12-06). A model that learned nothing sits near ln(4096) = 8.3; the shipped target measures
 # about 3.9 (see assets/builtin/MODEL_CARD.md).
 HELDOUT_LOSS_CEILING = 4.5
 
@@ -63,7 +63,7 @@ def test_heldout_loss_below_ceiling(builtin_pair):
     from engine.train.builtin_eval import heldout_loss, heldout_windows
 
     _, target = builtin_pair
-    loss = heldout_loss(target.model, heldout_windows(16, 257, seed=7))
+    loss = heldout_loss(target.model, heldout_windows(16, 257, seed=7, max_files=150))   # windows of 150 held-out files
     assert loss < HELDOUT_LOSS_CEILING
 
 

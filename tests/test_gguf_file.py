@@ -18,6 +18,19 @@ WHEEL = smollm2_gguf()
 needs_wheel = pytest.mark.skipif(WHEEL is None, reason="SmolLM2's wheel is not installed")
 
 
+@pytest.fixture(scope="module")
+def theirs():
+    """gguf-py's own reading of the wheel's file (read once: it parses 98 MB)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(WHEEL)
+
+
+def head_of(path: Path, size: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(size)
+
+
 def small_gguf(path: Path) -> Path:
     """A real GGUF written by gguf-py: two F32 tensors and a little metadata."""
     import gguf
@@ -40,10 +53,8 @@ def type_field_offset(data: bytes, name: str, dims: int) -> int:
 
 
 @needs_wheel
-def test_the_wheels_gguf_reads_as_gguf_pys_own_reader_reads_it():
-    from gguf import GGUFReader
-
-    header, theirs = read_header(WHEEL), GGUFReader(WHEEL)
+def test_the_wheels_gguf_reads_as_gguf_pys_own_reader_reads_it(theirs):
+    header = read_header(WHEEL)
     assert gguf_problem(WHEEL) is None
     assert [t.name for t in header.tensors] == [t.name for t in theirs.tensors]
     assert [header.data_start + t.offset for t in header.tensors] == [int(t.data_offset) for t in theirs.tensors]
@@ -54,7 +65,7 @@ def test_the_wheels_gguf_reads_as_gguf_pys_own_reader_reads_it():
 @pytest.mark.parametrize("keep", [3, 100, 5000])
 def test_a_gguf_cut_in_its_header_is_named_by_the_offset_where_it_ends(tmp_path, keep):
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(WHEEL.read_bytes()[:keep])
+    cut.write_bytes(head_of(WHEEL, keep))
     problem = gguf_problem(cut)
     assert problem.startswith("cut.gguf is not a readable GGUF (at byte offset ")
     offset = int(problem.split("offset ")[1].split(":")[0].replace(",", ""))
@@ -62,12 +73,10 @@ def test_a_gguf_cut_in_its_header_is_named_by_the_offset_where_it_ends(tmp_path,
 
 
 @needs_wheel
-def test_a_gguf_cut_in_its_data_names_the_first_tensor_past_the_end(tmp_path):
-    from gguf import GGUFReader
-
-    first = GGUFReader(WHEEL).tensors[0]
+def test_a_gguf_cut_in_its_data_names_the_first_tensor_past_the_end(tmp_path, theirs):
+    first = theirs.tensors[0]
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(WHEEL.read_bytes()[:2_000_000])
+    cut.write_bytes(head_of(WHEEL, 2_000_000))
     end = int(first.data_offset) + int(first.n_bytes)
     assert gguf_problem(cut) == (f"cut.gguf is cut short: tensor {first.name!r} ends at byte offset {end:,}, the "
                                  "file has 2,000,000 bytes")
