@@ -13,8 +13,8 @@ from engine.sources import BUILTIN_REBUILD as REBUILD_COMMAND
 from engine.train import corpus
 
 # Held-out loss (nats/token) the built-in target must stay under, on 16 windows of 150 of the
-# stdlib's held-out test files (3.74 on 2026-12-06). A model that learned nothing sits near ln(4096) = 8.3; the shipped target measures
-# about 3.9 (see assets/builtin/MODEL_CARD.md).
+# stdlib's held-out test files (3.74 on 2026-12-06). A model that learned nothing sits near
+# ln(4096) = 8.3; the shipped target measures about 3.9 (see assets/builtin/MODEL_CARD.md).
 HELDOUT_LOSS_CEILING = 4.5
 
 
