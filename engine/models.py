@@ -34,7 +34,7 @@ class LoadedModel:
     max_context: int
     fused: FusedLlama | None = field(default=None, compare=False, repr=False)
     weight_bytes: int = field(default=0, compare=False)   # the module's parameters, counted once at load
-    weights: str = "fp32"  # what its forward multiplies with: the module's own matrices, or "int8" copies
+    weights: str = "fp32"  # what its forward multiplies with: the module's own matrices, or "int8" / "int4" copies
 
     @staticmethod
     def of(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
@@ -64,13 +64,13 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' means fp32 on CPU (bf16 is slower there for multi-token forwards) and bf16 on CUDA; 'int8' loads
-    fp32 (the int8 copies are made from it)."""
+    """'auto' means fp32 on CPU (bf16 is slower there for multi-token forwards) and bf16 on CUDA; 'int8' and
+    'int4' load fp32 (the int8 or int4 copies are made from it)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "int8":
+    if dtype in ("int8", "int4"):
         if device.type != "cpu":
-            raise ValueError("int8 weights run on the CPU only")
+            raise ValueError(f"{dtype} weights run on the CPU only")
         return torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -117,7 +117,7 @@ def load_model(source: str, role: str = "target", *, device: torch.device | str 
         raise ModelLoadError(f"Could not load {role} model {where.name!r} from {where.path}: "
                              f"{type(exc).__name__}: {_first_line(exc)}.{missing_hint(source)}") from exc
     model.to(device).eval()
-    return LoadedModel.of(where.name, model, tokenizer, weights="int8" if dtype == "int8" else "fp32")
+    return LoadedModel.of(where.name, model, tokenizer, weights=dtype if dtype in ("int8", "int4") else "fp32")
 
 
 def _first_line(exc: BaseException) -> str:

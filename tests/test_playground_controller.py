@@ -321,9 +321,8 @@ def test_missing_model_and_two_gpu_preset_fail_clearly(tmp_path):
     if torch.cuda.device_count() < 2:
         with pytest.raises(ModelLoadError, match="needs 2 GPUs"):
             registry.pair("qwen-0.5b-7b-2gpu")
-    assert [k for _, k in ModelRegistry(allow_custom=False).choices()] == ["default", "smollm2-eagle3", "smollm2",
-                                                                           "smollm2-int8", "qwen-0.5b-1.5b",
-                                                                           "qwen-0.5b-7b-2gpu"]
+    assert [k for _, k in ModelRegistry(allow_custom=False).choices()] == [
+        "default", "smollm2-eagle3", "smollm2", "smollm2-int4", "smollm2-int8", "qwen-0.5b-1.5b", "qwen-0.5b-7b-2gpu"]
 
 
 def test_models_are_loaded_once_and_shared(builtin_pair):

@@ -130,7 +130,10 @@ def test_the_theory_tab_renders_only_verified_rounds_of_a_session(builtin_pair, 
         figure, r_figure, html, formats, formats_text = page_theory.render(controller.verified_view(session))
         assert "recommended K" in html and len(figure.data) >= 3 and len(r_figure.data) >= 3
         # the shipped SmolLM2 study: this built-in run's α is not SmolLM2's, so an example α and c, said so
-        assert len(formats.data) == 3 and "this run does not decode smollm2" in formats_text
+        from engine.bench.formats import shipped_study
+
+        assert len(formats.data) == len(shipped_study().curves) + 1 == 4     # fp32, int8, int4 and r = 1
+        assert "this run does not decode smollm2" in formats_text
     finally:
         session.run.close()
 
@@ -163,10 +166,11 @@ def test_the_calibrate_command_measures_each_format_and_keeps_what_it_printed(tm
     out = tmp_path / "formats.json"
     assert main(["--target", "builtin", "--context", "16", "--repeats", "1", "--json", str(out)]) == 0
     study = read_curves(out)
-    assert [c.dtype for c in study.curves] == ["float32", "int8"] and all(c.r[0] == 1.0 for c in study.curves)
+    assert [c.dtype for c in study.curves] == ["float32", "int8", "int4"] and all(c.r[0] == 1.0 for c in study.curves)
     printed = capsys.readouterr().out
-    assert f"one-token step: float32 {study.curves[0].step_ms:.2f} ms, int8 {study.curves[1].step_ms:.2f} ms" in printed
+    assert (f"one-token step: float32 {study.curves[0].step_ms:.2f} ms, int8 {study.curves[1].step_ms:.2f} ms, "
+            f"int4 {study.curves[2].step_ms:.2f} ms") in printed
     out.write_text(out.read_text().replace('"curves"', '"kurves"'))
     with pytest.raises(ValueError, match="is not a weight-format study"):
         read_curves(out)
-    assert main(["--dtypes", "int4"]) == 2
+    assert main(["--dtypes", "int2"]) == 2

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-device", default=None, help="default: cuda:1 with 2+ GPUs, cuda:0 with one, else cpu")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights dtype; auto = fp32 on CPU, bf16 on CUDA; int8: int8 copies of the matrices, "
-                        "products in integers (CPU)")
+                        "products in integers; int4: 4-bit groups (a Q4_1 GGUF's own), bf16 products (CPU)")
     p.add_argument("--prompts", choices=PROMPT_SETS, default="heldout",
                    help="heldout: windows of held-out stdlib test files; code: their first halves, to continue; "
                         "chat: the project's 32 chat questions; chat-heldout: the 16 kept from every training; "

@@ -2,9 +2,9 @@
 one process, printed side by side and kept as JSON (the Theory tab draws the shipped one).
 
 A format changes what a forward over more rows costs: fp32 weights are read once per forward whatever its rows
-(memory-bound, r stays near 1 while the rows are few), while int8 weights spend work on every row (each input
-row is rounded to int8 with its own scale, and the integer products are compute-heavier), so r(n) climbs sooner
-and the best K falls.
+(memory-bound, r stays near 1 while the rows are few), while int8 and int4 weights spend work on every row (int8:
+each input row is rounded to int8 with its own scale, and the integer products are compute-heavier; int4: every
+group of 32 codes is unpacked and scaled again for each row), so r(n) climbs sooner and the best K falls.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pathlib import Path
 from engine.calibration import RCurve
 from engine.sources import ASSETS
 
-FORMATS = ("float32", "int8")
-# r(n) of SmolLM2 with fp32 and with int8 weights, measured one after the other on the AMD EPYC (2026-12-06)
+FORMATS = ("float32", "int8", "int4")
+# r(n) of SmolLM2 with fp32, int8 and int4 weights, measured one after the other on the AMD EPYC (2026-12-06)
 SHIPPED = ASSETS / "bench" / "rn-smollm2-formats-amd.json"
 
 

@@ -149,9 +149,11 @@ def specplay_side(samples, prompts: int) -> Side:
 
 
 def format_table(title: str, rows: Sequence[tuple[str, Side | None, Side | None]], reference: list[list[int]],
-                 peer: str = "vLLM") -> str:
+                 peer: str = "vLLM", references: Sequence[list[list[int]]] | None = None,
+                 same_note: str = "specplay's target-only greedy tokens") -> str:
     """The side-by-side table: per method, each engine's median tokens/s (and the range over rounds), the
-    ratio, acceptance and tokens per round, and whether its tokens are the target-only greedy tokens."""
+    ratio, acceptance and tokens per round, and whether its tokens are the target-only greedy tokens
+    (`reference`, or per row `references`: each row's own weights' target-only tokens)."""
     def rate(s: Side | None) -> str:
         if s is None:
             return "-"
@@ -161,19 +163,20 @@ def format_table(title: str, rows: Sequence[tuple[str, Side | None, Side | None]
     def acc(s: Side | None) -> str:
         return "-" if s is None or s.acceptance is None else f"{s.acceptance:.2f} / {s.tokens_per_round:.2f}"
 
-    def same(s: Side | None) -> str:
+    def same(s: Side | None, reference: list[list[int]]) -> str:
         return "-" if s is None else ("yes" if s.tokens == reference else
                                       f"no ({sum(a != b for a, b in zip(s.tokens, reference))} prompts differ)")
 
     head = f"{'method':<26} {peer + ' tok/s':>20} {'specplay tok/s':>20} {'ratio':>6} {peer + ' acc/tpr':>17} " \
            f"{'specplay acc/tpr':>17} {peer + ' same':>15} {'specplay same':>15}"
     lines = [title, head, "-" * len(head)]
-    for label, theirs, mine in rows:
+    for i, (label, theirs, mine) in enumerate(rows):
         ratio = f"{median(mine.tokens_per_s) / median(theirs.tokens_per_s):.2f}" if theirs and mine else "-"
+        own = references[i] if references is not None else reference
         lines.append(f"{label:<26} {rate(theirs):>20} {rate(mine):>20} {ratio:>6} {acc(theirs):>17} {acc(mine):>17} "
-                     f"{same(theirs):>15} {same(mine):>15}")
+                     f"{same(theirs, own):>15} {same(mine, own):>15}")
     lines.append(f"ratio = specplay / {peer} (medians); acc/tpr = accepted/drafted and tokens per drafting round; "
-                 "same = identical to specplay's target-only greedy tokens on every prompt")
+                 f"same = identical to {same_note} on every prompt")
     return "\n".join(lines)
 
 

