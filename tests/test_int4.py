@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import DrafterKind, Mode, SpecConfig
+from engine.config import DrafterKind, Mode
 from engine.fused_llama import Int4Weights
 from engine.models import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from engine.pair import ModelPair
 from engine.sources import BUILTIN
-from engine.speculative import SpeculativeEngine
 from tests.conftest import tiny_model
-from tests.test_int8 import PROMPTS, decode
+from tests.test_int8 import assert_speculation_emits_target_only, decode
 from tests.test_losslessness import LEVEL, PROMPT, chi_square, exact_joint, run_counts
 
 
@@ -87,18 +86,7 @@ def int4_pair() -> ModelPair:
                          ids=["model", "ngram"])
 def test_speculative_decoding_on_an_int4_target_emits_target_only_tokens(int4_pair, config):
     assert int4_pair.target.weights == "int4" and int4_pair.target.fused.weights == "int4"
-    tok = int4_pair.target.tokenizer
-    accepted = 0
-    for text in PROMPTS:
-        prompt = tok.encode(text)
-        alone = decode(int4_pair, prompt, mode=Mode.TARGET)
-        engine = SpeculativeEngine(int4_pair, prompt, SpecConfig(max_new_tokens=40, stop_at_eos=False, record=False,
-                                                                 **config))
-        engine.run()
-        accepted += engine.summary().accepted
-        assert engine.generated == alone, text
-        engine.close()
-    assert accepted > 20      # drafts were accepted, so verify rows were emitted, not only corrections
+    assert_speculation_emits_target_only(int4_pair, config)
 
 
 def test_sampled_output_follows_an_int4_target(builtin_tokenizer):

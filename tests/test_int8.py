@@ -56,13 +56,17 @@ PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    de
                          ids=["model", "ngram", "hybrid", "tree"])
 def test_speculative_decoding_on_an_int8_target_emits_target_only_tokens(int8_pair, config):
     assert int8_pair.target.weights == "int8" and int8_pair.target.fused.weights == "int8"
-    tok = int8_pair.target.tokenizer
+    assert_speculation_emits_target_only(int8_pair, config)
+
+
+def assert_speculation_emits_target_only(pair: ModelPair, config: dict) -> None:
+    """On each of PROMPTS, 40 tokens under `config` equal target-only's, and drafts were accepted on the way."""
     accepted = 0
     for text in PROMPTS:
-        prompt = tok.encode(text)
-        alone = decode(int8_pair, prompt, mode=Mode.TARGET)
-        engine = SpeculativeEngine(int8_pair, prompt, SpecConfig(max_new_tokens=40, stop_at_eos=False, record=False,
-                                                                 **config))
+        prompt = pair.target.tokenizer.encode(text)
+        alone = decode(pair, prompt, mode=Mode.TARGET)
+        engine = SpeculativeEngine(pair, prompt, SpecConfig(max_new_tokens=40, stop_at_eos=False, record=False,
+                                                            **config))
         engine.run()
         accepted += engine.summary().accepted
         assert engine.generated == alone, text
