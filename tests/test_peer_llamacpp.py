@@ -99,4 +99,12 @@ def test_tokens_are_compared_up_to_the_end_of_specplays_turn(builtin_pair):
     table = format_table("t", [("target-only", cut_theirs, cut_mine)], cut_mine.tokens, peer="llama.cpp")
     assert "no (1 prompts differ)" in table
     [head, line] = lc.differences(target, [[1, 2, 3], [1, 2, 3]], cut_mine.tokens, cut_theirs.tokens)
-    assert head.startswith("target-only tokens") and line.startswith("prompt 1: first difference at token 2: ")
+    assert head.startswith("target-only tokens, F32 weights: 1 of 2 prompts identical")
+    assert line.startswith("prompt 1: first difference at token 2: ")
+    assert lc.differences(target, [[1, 2, 3]], [[5, 6]], [[5, 6]], "int4 against fp32") == \
+        ["int4 against fp32: all 1 prompts identical"]
+    # each row against target-only on its own weights: the int4 row against int4 target-only, not fp32's
+    int4 = Side([50.0], None, None, [[5, 7], [5, 6, 7, 8]])
+    table = format_table("t", [("target-only", cut_theirs, cut_mine), ("target-only, Q4_1 / int4", None, int4)],
+                         cut_mine.tokens, peer="llama.cpp", references=[cut_mine.tokens, int4.tokens])
+    assert table.splitlines()[-2].rstrip().endswith("yes")

@@ -155,7 +155,7 @@ def test_a_format_whose_rows_cost_more_gets_a_smaller_best_k_and_the_tab_says_wh
     assert best[1] < best[0]
     assert f"float32 weights</th><td>best K = {best[0]}:" in text
     assert f"int8 weights</th><td>best K = {best[1]}:" in text
-    assert "an example: no speculative round measured yet" in text
+    assert "an example: this run&#x27;s α, c and r(n) are not all measured yet" in text
     assert [t.name.split(" ")[0] for t in formats_figure(study).data[:2]] == ["float32", "int8"]
     assert "No weight-format measurement" in formats_figure(None).layout.annotations[0].text
 

@@ -219,7 +219,8 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
     model = study.curves[0].model
     own = not isinstance(got, NotMeasured) and got[1].model == model
     alpha, c = (got[0].alpha, got[0].c) if own else (EXAMPLE_ALPHA, EXAMPLE_C)
-    why = "no speculative round measured yet" if isinstance(got, NotMeasured) else f"this run does not decode {model}"
+    why = "this run's α, c and r(n) are not all measured yet" if isinstance(got, NotMeasured) else \
+        f"this run does not decode {model}"
     where = f"this run's α {alpha:.2f} and c {c:.3f}" if own else f"α {alpha:.2f} and c {c:.2f} (an example: {why})"
     rows = []
     for curve in study.curves:
