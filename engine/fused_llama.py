@@ -233,7 +233,7 @@ class Int4Weights:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             pairs = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
             self._int4[id(matrix)] = (packed, pairs, m.shape[0])
-        self.head, self.head_format = None, "fp32"
+        self.head, self.head_format, self._head = None, "fp32", head
         if head is not None and BlockedWeights.unsupported([head]) is None:
             self.head, self.head_format = BlockedWeights([head], bf16=True), "bf16"
             if not _rows_apart(self.linear, head):
@@ -268,7 +268,7 @@ class Int4Weights:
             if self.head is None:
                 return F.linear(x, weight, bias)
             out = self.head.linear(x, weight, bias)
-            if self.head_format == "bf16":   # the highest logits again in fp32, from the head's exact rows
+            if self.head_format == "bf16" and weight is self._head:   # its highest logits again in fp32
                 rows = x.reshape(-1, x.shape[-1])
                 flat = out.view(-1, out.shape[-1])
                 # every logit at or above the row's 64th highest (ties included, so no tie-break picks for us)

@@ -65,6 +65,8 @@ def test_the_head_runs_in_bf16_and_its_highest_logits_again_in_fp32_the_same_alo
         assert torch.equal(row[top], (head[top] * x_row).sum(dim=-1))     # fp32, from the head's own rows
         assert torch.equal(row[~top], low_row[~top])                      # the tail as the bf16 product left it
         assert len(set(row[top].tolist())) == int(top.sum())              # no ties among the refined logits
+    stranger = torch.randn(32, 128)
+    assert torch.equal(int4.linear(x, stranger), torch.nn.functional.linear(x, stranger))   # neither head nor layer
 
 
 def test_int4_needs_shapes_the_kernel_takes_the_fused_forward_and_the_cpu(builtin_pair):
