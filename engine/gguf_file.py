@@ -1,4 +1,5 @@
-"""Checking a GGUF file before transformers reads it, so that a wrong file gets a sentence, not a traceback.
+"""GGUF files: checking one before transformers reads it, so that a wrong file gets a sentence, not a traceback;
+and writing a Llama-family model as one that llama.cpp decodes (`write_llama`).
 
 A GGUF is a header (magic, version, counts, key-value metadata, one record per tensor: name, shape, type,
 offset) and then the tensors' data. `gguf_problem` walks the header itself, byte by byte, so a damaged or
@@ -181,3 +182,110 @@ def gguf_problem(path: Path) -> str | None:
             return (f"{path.name} is cut short: tensor {t.name!r} ends at byte offset {end:,}, the file has "
                     f"{size:,} bytes")
     return None
+
+
+# -- writing -------------------------------------------------------------------------------------------------
+class NotWritable(ValueError):
+    """A model `write_llama` cannot express as a llama.cpp "llama" GGUF."""
+
+
+def write_llama(model, tokenizer, out: Path, name: str) -> Path:
+    """Write a Llama-family transformers model (fp32, untied or tied head) with a byte-level BPE tokenizer as an
+    F32 GGUF of llama.cpp's "llama" architecture, so that llama.cpp decodes exactly these weights. The file is
+    written beside `out` and renamed into place when whole.
+
+    Two layouts differ from transformers': llama.cpp rotates each head's query and key dimensions in adjacent
+    pairs (0 with 1, 2 with 3, ...) where transformers pairs dimension i with i + head_dim / 2, so the rows of
+    every query and key matrix are reordered to match (the dot products of queries with keys are unchanged);
+    and a tied LM head is left out, as llama.cpp then reads the embedding matrix instead."""
+    import json
+
+    import numpy as np
+    from gguf import GGUFWriter, LlamaFileType, TokenType
+
+    config = model.config
+    if getattr(config, "model_type", None) != "llama":
+        raise NotWritable(f"model type {getattr(config, 'model_type', None)!r}: only llama models are written")
+    rope = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    if rope != "default" or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise NotWritable("rotary scaling or biases: only plain Llama layers are written")
+    spec = json.loads(tokenizer.backend_tokenizer.to_str()) if hasattr(tokenizer, "backend_tokenizer") else {}
+    bpe, pre = spec.get("model", {}), spec.get("pre_tokenizer") or {}
+    if bpe.get("type") != "BPE" or pre.get("type") != "ByteLevel":
+        raise NotWritable("only byte-level BPE tokenizers (GPT-2's kind) are written")
+    vocab = dict(bpe["vocab"])
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    size = int(model.get_output_embeddings().weight.shape[0])
+    by_id = {i: t for t, i in vocab.items()}
+    if sorted(by_id) != list(range(len(by_id))) or len(by_id) > size:
+        raise NotWritable(f"the tokenizer's ids are not 0..{len(by_id) - 1} within the head's {size} rows")
+    special = {a["id"] for a in spec.get("added_tokens", []) if a.get("special")}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
+    kinds = [TokenType.CONTROL if i in special else TokenType.NORMAL if i in by_id else TokenType.UNUSED
+             for i in range(size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])]
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    out = Path(out)
+    part = out.with_name(out.name + ".part")
+    writer = GGUFWriter(str(part), "llama")
+    writer.add_name(name)
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_block_count(int(config.num_hidden_layers))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    writer.add_head_count(int(heads))
+    writer.add_head_count_kv(int(kv_heads))
+    writer.add_key_length(int(head_dim))
+    writer.add_value_length(int(head_dim))
+    writer.add_rope_dimension_count(int(head_dim))
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(size)
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([int(k) for k in kinds])
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            add(value)
+    writer.add_add_bos_token(False)
+
+    def tensor(gguf_name: str, weight) -> None:
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weight.detach().float().cpu().numpy()))
+
+    def paired(weight, n: int):   # each head's rows i and i + head_dim / 2 next to each other
+        return weight.reshape(n, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+    inner = model.model
+    tensor("token_embd.weight", inner.embed_tokens.weight)
+    for i, layer in enumerate(inner.layers):
+        a, m = layer.self_attn, layer.mlp
+        tensor(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+        tensor(f"blk.{i}.attn_q.weight", paired(a.q_proj.weight, heads))
+        tensor(f"blk.{i}.attn_k.weight", paired(a.k_proj.weight, kv_heads))
+        tensor(f"blk.{i}.attn_v.weight", a.v_proj.weight)
+        tensor(f"blk.{i}.attn_output.weight", a.o_proj.weight)
+        tensor(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        tensor(f"blk.{i}.ffn_gate.weight", m.gate_proj.weight)
+        tensor(f"blk.{i}.ffn_up.weight", m.up_proj.weight)
+        tensor(f"blk.{i}.ffn_down.weight", m.down_proj.weight)
+    tensor("output_norm.weight", inner.norm.weight)
+    if model.get_output_embeddings().weight.data_ptr() != inner.embed_tokens.weight.data_ptr():
+        tensor("output.weight", model.get_output_embeddings().weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    part.rename(out)
+    return out
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))

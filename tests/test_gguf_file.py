@@ -121,3 +121,32 @@ def test_the_registry_sizes_a_gguf_from_its_header_and_refuses_a_damaged_one(tmp
                                              r"\(at byte offset 8: the tensor count needs 8 bytes, the file ends 4 "
                                              r"bytes later\)"):
         weight_bytes(str(path), "target", torch.device("cpu"))
+
+
+def test_a_model_written_as_gguf_reads_back_as_the_same_weights_and_tokenizer(builtin_pair, tmp_path):
+    """write_llama's file, read by transformers' GGUF loader (which undoes llama.cpp's pairing of query and key
+    rows as llama.cpp's own converter defines it): every parameter equal, and the tokenizer encodes alike."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.gguf_file import NotWritable, write_llama
+
+    _, target = builtin_pair
+    out = write_llama(target.model, target.tokenizer, tmp_path / "target.gguf", "built-in target")
+    assert gguf_problem(out) is None and not list(tmp_path.glob("*.part"))
+    header = read_header(out)
+    assert header.metadata["general.architecture"] == "llama" and header.metadata["tokenizer.ggml.pre"] == "gpt-2"
+    assert "output.weight" not in {t.name for t in header.tensors}     # tied: llama.cpp reads the embedding
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=out.name, dtype=torch.float32)
+    ours, read = dict(target.model.named_parameters()), dict(back.named_parameters())
+    assert ours.keys() == read.keys()
+    assert [name for name in ours if not torch.equal(ours[name], read[name])] == []
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # café ∑"
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=out.name)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == \
+        target.tokenizer(text, add_special_tokens=False)["input_ids"]
+    target.model.config.model_type, kept = "qwen2", target.model.config.model_type
+    try:
+        with pytest.raises(NotWritable, match="'qwen2': only llama models"):
+            write_llama(target.model, target.tokenizer, tmp_path / "other.gguf", "x")
+    finally:
+        target.model.config.model_type = kept

@@ -57,11 +57,9 @@ def test_a_server_that_never_answers_is_stopped_and_reported(tmp_path, monkeypat
     assert server._proc.poll() is not None       # not left running
 
 
-@pytest.mark.parametrize("args, words", [(["--target", "builtin"], "compares SmolLM2"),
-                                         (["--batch", "1,2"], "--batch compares with vLLM")])
-def test_what_llamacpp_does_not_compare_is_refused_before_building(args, words, tmp_path, capsys):
-    assert main(["--peer", "llama.cpp", "--llamacpp", str(tmp_path / "never"), *args]) == 2
-    assert words in capsys.readouterr().err and not (tmp_path / "never").exists()
+def test_what_llamacpp_does_not_compare_is_refused_before_building(tmp_path, capsys):
+    assert main(["--peer", "llama.cpp", "--llamacpp", str(tmp_path / "never"), "--batch", "1,2"]) == 2
+    assert "--batch compares with vLLM" in capsys.readouterr().err and not (tmp_path / "never").exists()
 
 
 FOLDER = Path(os.environ.get("SPECPLAY_LLAMACPP", lc.default_folder()))
@@ -82,6 +80,36 @@ def test_llamacpp_decodes_the_f32_copy_token_for_token_as_the_engine():
     with lc.LlamaServer(FOLDER, f32, list(lc.NGRAM_K4), threads=2) as server:   # its n-gram speculation on
         for p in prompts:
             assert server.complete(p.ids, 24)["tokens"] == run_engine(Method("target"), models, p.ids, 24).tokens
+
+
+@pytest.mark.skipif(not lc._runs(lc.tool(FOLDER, "llama-server")),
+                    reason="llama.cpp is not compiled here (peer-bench --peer llama.cpp --install-only)")
+def test_llamacpp_decodes_the_builtin_pairs_gguf_copies_as_the_engine_and_drafts_with_its_draft(builtin_pair,
+                                                                                              tmp_path):
+    """The built-in pair written as GGUF (engine.gguf_file.write_llama): llama.cpp's greedy tokens equal the
+    engine's, and its draft-model speculation accepts what the same draft model's drafts earn in the engine."""
+    from engine.config import SamplingParams, SpecConfig
+    from engine.pair import ModelPair
+    from engine.speculative import SpeculativeEngine
+
+    draft, target = builtin_pair
+    pair = ModelPair(target, draft)
+    folder = tmp_path / "peer"
+    for tool in lc.TOOLS:   # the compiled tools, the copies in a folder of the test's own
+        lc.tool(folder, tool).parent.mkdir(parents=True, exist_ok=True)
+        lc.tool(folder, tool).symlink_to(lc.tool(FOLDER, tool))
+    target_gguf, draft_gguf = lc.builtin_copies(folder, pair)
+    ids = target.tokenizer("def fibonacci(n):\n    ")["input_ids"]
+    engine = SpeculativeEngine(pair, ids, SpecConfig(k=4, sampling=SamplingParams(temperature=0.0), max_new_tokens=40))
+    while not engine.finished:
+        engine.step()
+    [method] = [m for m in lc.methods_for_builtin(draft_gguf) if m.specplay == "v2:4"]
+    with lc.LlamaServer(folder, target_gguf, list(method.server), threads=2) as server:
+        out = server.complete(ids, 40)
+    eos = target.tokenizer.eos_token_id
+    mine = engine.generated[:engine.generated.index(eos)] if eos in engine.generated else engine.generated
+    assert out["tokens"][:len(mine)] == mine and len(mine) >= 8
+    assert out["drafted"] > 0 and out["accepted"] > 0
 
 
 def test_tokens_are_compared_up_to_the_end_of_specplays_turn(builtin_pair):

