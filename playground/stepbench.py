@@ -193,6 +193,90 @@ def speedup_main(count: int, tokens: int) -> None:
         ctx.registry.close()
 
 
+# In the page: each Step click's time (a listener on the button, before Gradio's own), and when the status line
+# first shows each round and the round detail's plot first names it.
+WATCH_STEPS = """() => {
+  window.specplayClicks = []; window.specplayStatus = {}; window.specplayPlot = {};
+  document.querySelector('#step-btn').addEventListener('click', () => window.specplayClicks.push(performance.now()),
+                                                       true);
+  const seen = () => {
+    const now = performance.now(), status = document.querySelector('#status').innerText.match(/Round (\\d+) of/),
+          plot = (document.querySelector('#detail-plot') || {innerText: ''}).innerText.match(/round (\\d+),/);
+    if (status && !(status[1] in window.specplayStatus)) window.specplayStatus[status[1]] = now;
+    if (plot && !(plot[1] in window.specplayPlot)) window.specplayPlot[plot[1]] = now;
+  };
+  new MutationObserver(seen).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def browser_main(steps: int, tokens: int, chromium: str) -> int:
+    """`--browser N`: the app served in this process on a free loopback port, as `python app.py` serves it, and
+    headless Chromium on the same machine pressing Reset, then Step N times, a second apart as a reader would;
+    each Step timed in the page from the click to the status line showing the new round, and to the round
+    detail's plot naming it. What a local visitor waits for, the browser's drawing included."""
+    import socket
+    from pathlib import Path
+
+    from playground.serve import start
+    from playground.settings import AppSettings
+    from playground.ui import make_context
+
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        print("error: --browser needs Playwright: pip install -r requirements-dev.txt", file=sys.stderr)
+        return 2
+    if not Path(chromium).exists():
+        print(f"error: --browser drives Chromium at {chromium}, which is missing (Debian: apt-get install chromium; "
+              "or name another with --chromium)", file=sys.stderr)
+        return 2
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    served = start(make_context(AppSettings(port=port, max_new_tokens=tokens, max_sessions=2)), quiet=True)
+    print(f"{machine_name()} · python {platform.python_version()} · torch {torch.__version__} · {chromium}", flush=True)
+    try:
+        begun = time.perf_counter()
+        if served.warming is not None:   # as on a server up for a minute: the pair loaded, r(n) and the pick done
+            served.warming.join()
+        print(f"the server's warm-up took {time.perf_counter() - begun:.1f} s", flush=True)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.set_default_timeout(300_000)
+            page.goto(served.url)
+            page.wait_for_selector("#step-btn")
+            page.click("#reset-btn")
+            page.wait_for_function("document.querySelector('#status').innerText.includes('Round 0 of')")
+            page.evaluate(WATCH_STEPS)
+            done = 0
+            for n in range(1, steps + 1):
+                time.sleep(1.0)
+                page.click("#step-btn")
+                page.wait_for_function(f"(document.querySelector('#status').innerText.match(/Round (\\d+) of/) "
+                                       f"|| [0, 0])[1] >= {n} || document.querySelector('#status').innerText"
+                                       f".includes('finished')")
+                if f"Round {n} of" not in page.locator("#status").inner_text():
+                    break
+                done = n
+            time.sleep(0.5)
+            clicks, status, plot = page.evaluate("[window.specplayClicks, window.specplayStatus, window.specplayPlot]")
+            browser.close()
+    finally:
+        served.close()
+    shown = [(status[str(n)] - clicks[n - 1]) / 1000 for n in range(1, done + 1) if str(n) in status]
+    drawn = [(plot[str(n)] - clicks[n - 1]) / 1000 for n in range(1, done + 1) if str(n) in plot]
+    if not shown:
+        print("no Step showed its round", file=sys.stderr)
+        return 1
+    for what, xs in (("status line shows the round", shown), ("round detail plot names it", drawn)):
+        if xs:
+            later = xs[1:] or xs
+            print(f"{len(xs)} Steps, click to {what}: first {_ms(xs[0])} · after it: median "
+                  f"{_ms(statistics.median(later))}, p95 {_ms(p95(later))}, max {_ms(max(later))}", flush=True)
+    return 0
+
+
 def _x(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}×"
 
@@ -212,9 +296,15 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--speedup", type=int, default=0, metavar="N",
                     help="instead: the app's measured speed-up against the engine's sampled bench on N held-out "
                          "chat prompts (default settings, --tokens' first value)")
+    ap.add_argument("--browser", type=int, default=0, metavar="N",
+                    help="instead: N Steps in headless Chromium on this machine, each timed in the page from the "
+                         "click to the new round on screen (--tokens' first value)")
+    ap.add_argument("--chromium", default="/usr/bin/chromium", help="the Chromium --browser drives")
     a = ap.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
+    if a.browser:
+        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium))
     if a.speedup:
         speedup_main(a.speedup, a.tokens[0])
         return
