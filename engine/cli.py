@@ -23,7 +23,7 @@ from engine.pair import ModelPair, load_pair
 from engine.prompts import ChatPrompt, PromptError
 from engine.records import RunSummary
 from engine.sampling import SamplingParams
-from engine.sources import BUILTIN
+from engine.sources import BUILTIN, default_head
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "int8", "int4")
 
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="with --chat: a system prompt (default: the template's own)")
     p.add_argument("--eagle", default=None,
                    help="the EAGLE head for --drafter eagle or eagle-hybrid: a folder, or a source name whose head "
-                        "ships in assets/eagle/ (default: the target's source)")
+                        "ships in assets/eagle/ (default: the target's EAGLE-3 head where one ships, e.g. "
+                        "smollm2-eagle3, else the target's source)")
     p.add_argument("--target", default=BUILTIN, help="target model: 'builtin', a Hugging Face id or a local path "
                                                      "(default: builtin)")
     p.add_argument("--draft", default=BUILTIN, help="draft model for --drafter model or hybrid: 'builtin', a Hugging Face id "
@@ -114,6 +115,7 @@ class GenerateResult:
     metrics: RunSummary
     baseline: RunSummary | None
     identical_to_baseline: bool | None
+    eagle: str | None = None     # the EAGLE head that drafted, when one did
 
     @property
     def speedup(self) -> float | None:
@@ -153,7 +155,8 @@ def load_models(args: argparse.Namespace, config: SpecConfig) -> ModelPair:
         if spec is not None:
             check_device(spec)
     return load_pair(args.target, args.draft if config.uses_draft_model else None,
-                     (args.eagle or args.target) if config.uses_eagle else None, draft_device=args.draft_device,
+                     (args.eagle or default_head(args.target)) if config.uses_eagle else None,
+                     draft_device=args.draft_device,
                      target_device=args.target_device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
 
 
@@ -180,7 +183,8 @@ def generate(args: argparse.Namespace) -> GenerateResult:
         generated = list(run.spec.generated)
         return GenerateResult(text=target.tokenizer.decode(generated), token_ids=generated,
                               prompt_ids=list(run.spec.prompt), metrics=spec, baseline=base,
-                              identical_to_baseline=run.identical_to_baseline())
+                              identical_to_baseline=run.identical_to_baseline(),
+                              eagle=pair.eagle.name if pair.eagle is not None and config.uses_eagle else None)
     finally:
         run.close()
 
@@ -192,13 +196,14 @@ def to_json(result: GenerateResult) -> str:
         "text": result.text, "token_ids": result.token_ids, "prompt_ids": result.prompt_ids,
         "metrics": summary_to_dict(result.metrics),
         "baseline_metrics": summary_to_dict(result.baseline) if result.baseline else None,
-        "speedup": result.speedup, "identical_to_baseline": result.identical_to_baseline,
+        "speedup": result.speedup, "identical_to_baseline": result.identical_to_baseline, "eagle": result.eagle,
     }, allow_nan=False, ensure_ascii=False)
 
 
 def to_text(result: GenerateResult, args: argparse.Namespace) -> str:
     m = result.metrics
-    lines = [result.text, "", f"--- {describe(m.mode, m.drafter)}: {m.tokens} tokens in {m.rounds} rounds, "
+    head = f" (head {result.eagle.removeprefix('eagle:')})" if result.eagle else ""
+    lines = [result.text, "", f"--- {describe(m.mode, m.drafter)}{head}: {m.tokens} tokens in {m.rounds} rounds, "
                                f"{m.elapsed_s:.2f} s"]
     if m.drafted:
         lines.append(f"draft acceptance rate {m.draft_acceptance_rate:.1%} ({m.accepted}/{m.drafted} drafted), "

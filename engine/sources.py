@@ -112,6 +112,12 @@ def eagle_folder(source: str) -> Path:
     return EAGLE_DIR / source
 
 
+def default_head(source: str) -> str:
+    """The head a target source drafts with unless one is named: its EAGLE-3-style head where one ships
+    (assets/eagle/<source>-eagle3: it drafts better, and the app's first preset uses it), else its first head."""
+    return f"{source}-eagle3" if eagle_folder(f"{source}-eagle3").is_dir() else source
+
+
 def cache_root() -> Path:
     """$SPECPLAY_CACHE, else ~/.cache/specplay (created on first use)."""
     return Path(os.environ.get("SPECPLAY_CACHE") or Path.home() / ".cache" / "specplay")

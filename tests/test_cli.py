@@ -28,7 +28,8 @@ def test_json_output_greedy(capsys, builtin_pair) -> None:
     result = run_json(capsys, "--k", "3")
     tokenizer = builtin_pair[1].tokenizer
     assert set(result) == {"text", "token_ids", "prompt_ids", "metrics", "baseline_metrics", "speedup",
-                           "identical_to_baseline"}
+                           "identical_to_baseline", "eagle"}
+    assert result["eagle"] is None                     # the draft model drafted
     ids = result["token_ids"]
     assert 0 < len(ids) <= NEW and result["text"] == tokenizer.decode(ids)
     assert result["prompt_ids"] == tokenizer(PROMPT)["input_ids"]
@@ -56,6 +57,17 @@ def test_trace_file_is_loadable(capsys, tmp_path) -> None:
     assert (t.header.target, t.header.draft) == ("builtin:target", "builtin:draft")
     assert len(t.rounds) == result["metrics"]["rounds"]
     assert [tok for r in t.rounds for tok in r.emitted] == result["token_ids"]
+
+
+def test_an_eagle_run_names_its_head_and_a_target_drafts_with_its_eagle3_head_where_one_ships(capsys) -> None:
+    from engine.sources import default_head, eagle_folder
+
+    assert default_head("builtin") == "builtin" and not eagle_folder("builtin-eagle3").exists()
+    assert eagle_folder("smollm2-eagle3").is_dir() and default_head("smollm2") == "smollm2-eagle3"
+    result = run_json(capsys, "--drafter", "eagle", "--no-compare")
+    assert result["eagle"] == "eagle:builtin" and result["metrics"]["drafter"] == "eagle"
+    assert cli.main(["--prompt", PROMPT, "--max-new-tokens", str(NEW), "--drafter", "eagle", "--no-compare"]) == 0
+    assert "--- v2 / eagle (head builtin):" in capsys.readouterr().out
 
 
 def test_text_output(capsys) -> None:

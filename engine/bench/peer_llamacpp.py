@@ -313,7 +313,7 @@ def llamacpp_main(a, argv, log) -> int:
     from engine.metrics import median
     from engine.models import ModelLoadError
     from engine.pair import load_pair
-    from engine.sources import BUILTIN, SMOLLM2, SMOLLM2_PIP, eagle_folder, smollm2_gguf
+    from engine.sources import BUILTIN, SMOLLM2, SMOLLM2_PIP, default_head, smollm2_gguf
 
     if a.batch is not None:
         print("error: --batch compares with vLLM; drop --peer llama.cpp", file=sys.stderr)
@@ -338,7 +338,7 @@ def llamacpp_main(a, argv, log) -> int:
         with quiet_transformers():
             if smollm2:
                 methods = methods_for_smollm2()
-                head = f"{SMOLLM2}-eagle3" if eagle_folder(f"{SMOLLM2}-eagle3").is_dir() else SMOLLM2
+                head = default_head(SMOLLM2)
                 for dtype in dict.fromkeys(m.dtype for m in methods if m.specplay):   # float32 first
                     models[dtype] = BenchModels(load_pair(SMOLLM2, None, head, dtype=dtype))
             else:
