@@ -70,6 +70,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1", help="a loopback address (nothing else is allowed)")
     ap.add_argument("--session-lease", type=float, default=60.0,
                     help="the app's --session-lease: how long a bare caller's session outlives its last call")
+    ap.add_argument("--target", default=None,
+                    help="the app's --target: the default pair's target, e.g. smollm2 or builtin (default: the app's)")
     ap.add_argument("--hostile", action="store_true",
                     help="run the visitors calm, then beside a hung custom model, a bad trace and an upload flood")
     a = ap.parse_args(argv)
@@ -93,12 +95,13 @@ def free_port(host: str) -> int:
 
 
 def start_server(host: str, port: int, sessions: int, lease_s: float, tmp: Path,
-                 hung_hub: int | None = None) -> subprocess.Popen:
+                 hung_hub: int | None = None, target: str | None = None) -> subprocess.Popen:
     """`python app.py` on loopback, Hub access off; or, with `hung_hub` (a port), with custom models on and
-    the Hub pointed at that port (HUNG_HUB_TIMEOUT_S for a config read)."""
+    the Hub pointed at that port (HUNG_HUB_TIMEOUT_S for a config read). `target`: the app's --target."""
     env = {**os.environ, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     argv = [sys.executable, "app.py", "--host", host, "--port", str(port), "--max-sessions", str(sessions),
-            "--max-sessions-per-client", str(sessions), "--session-lease", str(lease_s), "--no-allow-custom-models"]
+            "--max-sessions-per-client", str(sessions), "--session-lease", str(lease_s),
+            *(["--target", target] if target else []), "--no-allow-custom-models"]
     if hung_hub is not None:
         env = {k: v for k, v in env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
         env["HF_ENDPOINT"] = f"http://127.0.0.1:{hung_hub}"
@@ -314,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         hung = HungEndpoint() if a.hostile else None
         # a hostile run opens every visitor's session twice (bare callers' outlive the calm run by a lease)
         sessions = (2 * (a.clients + a.api_callers) + 5) if a.hostile else a.clients + a.api_callers + 2
-        server = start_server(a.host, port, sessions, a.session_lease, tmp, hung.port if hung else None)
+        server = start_server(a.host, port, sessions, a.session_lease, tmp, hung.port if hung else None, a.target)
         try:
             return drive(a, url, server, tmp, new_tokens, deadline, hung)
         finally:

@@ -37,11 +37,11 @@ def test_the_isolation_check_catches_crosstalk_and_vacuous_runs():
 def test_a_small_run_passes_every_check(capsys):
     # a bare caller has no heartbeat: its lease (6 s) must outlast a queued Step on a busy machine
     rc = loadtest.main(["--clients", "2", "--api-callers", "1", "--steps", "1", "--session-lease", "6",
-                        "--time-limit", "300"])
+                        "--time-limit", "300", "--target", "builtin"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "errors: 0" in out and "isolation:" in out and ": OK" in out and "no session folder left: OK" in out
-    assert "p50" in out and "server RSS" in out
+    assert "p50" in out and "server RSS" in out and "pair 'builtin" in out
 
 
 def test_the_hostile_verdict_fails_on_any_answer_that_is_not_its_refusal(tmp_path):

@@ -41,7 +41,7 @@ def test_a_hung_hub_endpoint_freezes_nobody_and_refusals_are_one_line_each(tmp_p
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "GRADIO_ANALYTICS_ENABLED")}
     env.update(TMPDIR=str(tmp), HF_ENDPOINT=f"http://127.0.0.1:{hub.port}")
     server = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--allow-custom-models",
-                               "--hub-timeout", "3"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               "--hub-timeout", "3", "--target", "builtin"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/"
     try:
