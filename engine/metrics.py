@@ -346,6 +346,51 @@ def formula_terms(tokens_at: Callable[[int], float], rounds_k: Sequence[int], dr
     return _mix_terms(tokens_at, Counter(zip(rounds_k, depths)), sum(draft_forwards), c, r_of_n)
 
 
+@dataclass(frozen=True, slots=True)
+class PredictionGap:
+    """measured/predicted as a product of factors, each read from the same runs:
+    tokens × verify × rest. `tokens`: the tokens the rounds yielded over those E(alpha, k_i) expects (the
+    i.i.d. acceptance model); `verify`: the formula's cost in target steps with the calibrated r(K + 1) over
+    its cost with the r the rounds' own verify forwards measured; `rest`: what the formula leaves out (time
+    outside the forwards, against the target-only baseline's own)."""
+
+    tokens: float
+    verify: float
+    rest: float
+
+
+def gap_factors(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draft_forwards: Sequence[int], c: float,
+                r_of_n: Callable[[int], float], r_run: Callable[[int], float], depths: Sequence[int],
+                yielded: int) -> tuple[float, float]:
+    """PredictionGap's first two factors: the `yielded` tokens over those the formula expects of the rounds, and
+    the formula's cost with `r_of_n` (calibrated) over its cost with `r_run` (the rounds' own verify forwards)."""
+    tokens, cost = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_of_n, depths)
+    _, cost_run = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_run, depths)
+    return yielded / tokens, cost / cost_run
+
+
+def prediction_gap(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | None) -> PredictionGap | None:
+    """A run's measured / predicted speed-up (`measured_speedup` over Leviathan's, from the run's α, c and the
+    calibrated r(n)) taken apart as PredictionGap: whether the rounds yielded fewer tokens than E(α, K) expects,
+    whether their verify forwards cost more than the calibration said, or whether the time went outside the
+    forwards (sampling over the vocabulary, the drafters' bookkeeping, the prefill). None until all is measured."""
+    tally = Tally.of(rounds, baseline)
+    predicted, measured = tally.speedup_iid(r_of_n), measured_speedup(rounds, baseline)
+    step, a, c = target_step_ms(baseline), tally.alpha(), tally.cost_ratio()
+    decode = decode_rounds(rounds)
+    if not predicted or not measured or not step or a is None or c is None or not decode:
+        return None
+    verify_ms: dict[int, list[float]] = {}
+    for r in decode:
+        if r.k:
+            verify_ms.setdefault(r.k + 1, []).append(r.timings.target_forward_ms)
+    r_run = {n: median(ms) / step for n, ms in verify_ms.items()}
+    tokens, verify = gap_factors(lambda k: expected_tokens_per_round(a, k), [r.k for r in decode],
+                                 [r.draft_forwards for r in decode], c, r_of_n, lambda n: r_run.get(n, r_of_n(n)),
+                                 [r.depth for r in decode], sum(len(r.emitted) for r in decode))
+    return PredictionGap(tokens, verify, measured / predicted / (tokens * verify))
+
+
 def _over_mix(tokens_at: Callable[[int], float], rounds_by: Mapping[tuple[int, int], int], draft_forwards: int,
               c: float, r_of_n: Callable[[int], float]) -> float:
     tokens, cost = _mix_terms(tokens_at, rounds_by, draft_forwards, c, r_of_n)

@@ -281,3 +281,26 @@ def test_pairing_tells_a_small_steady_gain_from_chance_where_two_separate_interv
         better.append((min(v, accepted + max(1, round(0.04 * v))), v))
     assert metrics.alpha_interval(better, base)[1] > 0
     assert metrics.alpha_interval(better)[1] < metrics.alpha_interval(base)[2]    # apart, the two intervals overlap
+
+
+def test_measured_over_predicted_is_taken_apart_into_tokens_verify_and_the_rest():
+    """Hand-built rounds whose verify forwards cost 1.5 target steps where the calibration says 1.4, which yield
+    3 tokens a round where E(2/3, 4) expects 2.11, and whose wall time is given: the three factors are those
+    ratios, and their product is what the summary prints as measured / predicted."""
+    step, verify_ms, draft_ms = 10.0, 15.0, 1.0
+    baseline = [make_round(i, "", target_ms=step, mode=Mode.TARGET, elapsed_s=0.01 * (i + 1), tokens_total=i + 1)
+                for i in range(13)]
+    rounds = [make_round(0, "", target_ms=50.0, elapsed_s=0.05, tokens_total=1)] + [
+        make_round(i, "aaru", draft_ms=draft_ms, target_ms=verify_ms, elapsed_s=0.05 + 0.025 * i,
+                   tokens_total=1 + 3 * i) for i in range(1, 5)]
+    r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    gap = metrics.prediction_gap(rounds, baseline, r_of_n)
+    e = expected_tokens_per_round(2 / 3, 4)
+    assert gap.tokens == pytest.approx(3 / e)
+    assert gap.verify == pytest.approx((0.1 * 4 + 1.4) / (0.1 * 4 + verify_ms / step))
+    measured = metrics.measured_speedup(rounds, baseline)
+    predicted = metrics.predict(rounds, baseline, r_of_n).speedup_iid
+    assert gap.tokens * gap.verify * gap.rest == pytest.approx(measured / predicted)
+    assert gap.rest != pytest.approx(1.0)          # these rounds' wall time is not their forwards'
+    assert metrics.prediction_gap(rounds, baseline, None) is None and metrics.prediction_gap(rounds[:1], baseline,
+                                                                                           r_of_n) is None

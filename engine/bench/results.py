@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from engine import metrics
 from engine.bench.methods import REFERENCE, UNDRAFTED, Method
 from engine.bench.runs import Phases, RunSample
-from engine.metrics import median
+from engine.metrics import PredictionGap, median
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,19 +107,6 @@ def phases_per_token(samples: Sequence[RunSample]) -> Phases:
 
 
 @dataclass(frozen=True, slots=True)
-class PredictionGap:
-    """measured/predicted as a product of factors, each read from the same runs:
-    tokens × verify × rest. `tokens`: the tokens the rounds yielded over those E(alpha, k_i) expects (the
-    i.i.d. acceptance model); `verify`: the formula's cost in target steps with the calibrated r(K + 1) over
-    its cost with the r the rounds' own verify forwards measured; `rest`: what the formula leaves out (time
-    outside the forwards, against the target-only baseline's own)."""
-
-    tokens: float
-    verify: float
-    rest: float
-
-
-@dataclass(frozen=True, slots=True)
 class Prediction:
     iid: float
     rates: float
@@ -153,9 +140,9 @@ def predict_runs(method: Method, first: Sequence[RunSample], c: float, r_of_n: C
                                              forwards, c, r_of_n, depths) if rates else math.nan
     tokens_factor = verify_factor = math.nan
     if r_run:
-        _, cost_run = metrics.formula_terms(e_iid, rounds_k, forwards, c, lambda n: r_at(r_run, n - 1), depths)
-        tokens_factor = sum(len(s.tokens) for s in first) / tokens
-        verify_factor = cost / cost_run
+        tokens_factor, verify_factor = metrics.gap_factors(e_iid, rounds_k, forwards, c, r_of_n,
+                                                           lambda n: r_at(r_run, n - 1), depths,
+                                                           sum(len(s.tokens) for s in first))
     return Prediction(iid, by_rates, alpha, rates, tokens_factor, verify_factor)
 
 

@@ -142,6 +142,7 @@ def summary_html(view: RunView | None) -> str:
         ("r(K+1), calibrated", "—" if isinstance(pred, NotMeasured) else f"{pred.r:.2f} at mean K = {pred.k}"),
         ("speed-up: measured / predicted", f"{_fmt(metrics.measured_speedup(view.rounds, view.baseline), suffix='×')} / "
                                            + ("—" if isinstance(pred, NotMeasured) else f"{pred.speedup_iid:.2f}×")),
+        ("measured / predicted, taken apart", _gap_text(view)),
         ("on this machine, for this drafter and sampling", "—" if isinstance(pred, NotMeasured) else
                                                            verdict(pred, view.calibration.at)),
         ("tokens/s: speculative / target-only", f"{_fmt(metrics.tokens_per_s(view.rounds), '.1f')} / "
@@ -163,6 +164,17 @@ def verdict(pred: Prediction, r_of_n: Callable[[int], float], k_max: int = K_BOU
     return (f"not predicted to pay: even the best K ({best}) gives {tokens / cost:.2f}×, since a round yields "
             f"{tokens:.2f} tokens for the time of {cost:.2f} target steps (α {pred.alpha:.2f}, c {pred.c:.3f}, "
             f"r({best + 1}) {r_of_n(best + 1):.2f} on this machine)")
+
+
+def _gap_text(view: RunView) -> str:
+    """measured / predicted as tokens × verify × rest (metrics.PredictionGap): which of the formula's inputs the
+    run departed from, or that the time went outside the forwards, which the formula does not count."""
+    gap = metrics.prediction_gap(view.rounds, view.baseline, view.calibration.at if view.calibration else None)
+    if gap is None:
+        return "—"
+    return (f"{gap.tokens * gap.verify * gap.rest:.2f} = {gap.tokens:.2f} tokens (yielded / E(α, K) expects) × "
+            f"{gap.verify:.2f} verify (calibrated r / the rounds' own) × {gap.rest:.2f} the rest (time outside the "
+            f"forwards: sampling, drafting's bookkeeping, the prefill)")
 
 
 def _cost_text(view: RunView) -> str:
