@@ -209,7 +209,7 @@ WATCH_STEPS = """() => {
 }"""
 
 
-def browser_main(steps: int, tokens: int, chromium: str) -> int:
+def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto") -> int:
     """`--browser N`: the app served in this process on a free loopback port, as `python app.py` serves it, and
     headless Chromium on the same machine pressing Reset, then Step N times, a second apart as a reader would;
     each Step timed in the page from the click to the status line showing the new round, and to the round
@@ -233,7 +233,8 @@ def browser_main(steps: int, tokens: int, chromium: str) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    served = start(make_context(AppSettings(port=port, max_new_tokens=tokens, max_sessions=2)), quiet=True)
+    served = start(make_context(AppSettings(port=port, max_new_tokens=tokens, max_sessions=2, target=target)),
+                   quiet=True)
     print(f"{machine_name()} · python {platform.python_version()} · torch {torch.__version__} · {chromium}", flush=True)
     try:
         begun = time.perf_counter()
@@ -300,11 +301,13 @@ def main(argv: list[str]) -> None:
                     help="instead: N Steps in headless Chromium on this machine, each timed in the page from the "
                          "click to the new round on screen (--tokens' first value)")
     ap.add_argument("--chromium", default="/usr/bin/chromium", help="the Chromium --browser drives")
+    ap.add_argument("--target", default="auto", help="the default pair's target with --browser, e.g. builtin "
+                                                     "(default: the app's, SmolLM2 where its wheel is installed)")
     a = ap.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     if a.browser:
-        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium))
+        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium, a.target))
     if a.speedup:
         speedup_main(a.speedup, a.tokens[0])
         return
