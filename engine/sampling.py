@@ -98,7 +98,7 @@ def one_hot_rows(ids: Tensor, v: int) -> Tensor:
 
 
 # Top-p looks for its nucleus among each row's 64 largest logits, then 1024 (top-k among its k); a row
-# whose nucleus is wider still, or whose candidates end inside a tie, takes the full sort.
+# whose nucleus is wider still, or whose set reaches a tie across its candidates' edge, takes the full sort.
 NUCLEUS_CANDIDATES = (64, 1024)
 
 
@@ -150,8 +150,10 @@ def _mask_among_largest(scaled: Tensor, c: int, params: SamplingParams,
         probs = torch.exp(values - total)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         keep = mass_before < params.top_p
-        if not use_k:  # the nucleus must close inside the candidates
-            found &= (mass_before[:, -1] + probs[:, -1]) >= params.top_p
+        if not use_k:  # the nucleus must close inside the candidates; then a tie across their edge matters
+            # only if it is kept: a nucleus of logits all above the first one left out is ordered among them
+            lowest_kept = values.masked_fill(~keep, math.inf).amin(dim=-1)
+            found = (found | (lowest_kept > top.values[:, c])) & ((mass_before[:, -1] + probs[:, -1]) >= params.top_p)
     return found, keep, ids
 
 

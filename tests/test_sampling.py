@@ -253,3 +253,22 @@ def test_the_partial_sort_keeps_the_full_sorts_set(params):
         assert _boundary_only(fast, full, scaled, params), (trial, v)
         if 0 < params.top_k and params.top_p == 1.0:
             assert torch.equal(fast, full)  # top-k alone sums nothing: the sets are identical
+
+
+def test_a_tie_past_a_small_nucleus_takes_no_full_sort(monkeypatch):
+    """bf16-rounded logits (a drafter's, with bf16 weights) tie often, also across the 64 candidates' edge; at
+    T = 0.2 the nucleus is a few tokens far above that edge, so the partial sort decides it, as the full sort does."""
+    from engine import sampling
+
+    params = SamplingParams(0.2, 0, 0.9)
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 8192, generator=gen) * 2).to(torch.bfloat16).float()
+    logits[:, :3] = torch.tensor([14.0, 13.5, 13.0])
+    scaled = logits / params.temperature
+    top = torch.topk(scaled, 65, dim=-1).values
+    assert (top[:, 63] == top[:, 64]).any()              # some row's candidates end inside a tie
+    by_sorting, sorts = sampling._mask_by_sorting, []
+    monkeypatch.setattr(sampling, "_mask_by_sorting", lambda *a: sorts.append(a) or by_sorting(*a))
+    assert torch.equal(sampling._top_k_top_p_mask(scaled, params), by_sorting(scaled, params)) and sorts == []
+    scaled[:, 3:] = 13.0 / params.temperature            # now the tie is inside the nucleus: the full sort decides
+    assert torch.equal(sampling._top_k_top_p_mask(scaled, params), by_sorting(scaled, params)) and sorts
