@@ -37,6 +37,7 @@ after 21-24 s of compilation per row count.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -166,9 +167,9 @@ class Int8Weights:
     stream stay fp32. An integer sum does not depend on its order or on the other rows in the product, so a
     row's result is the same alone or inside a verify of K + 1 rows. Attention is the one product whose kernel
     and summation order change with the rows fed (one row, or K + 1 under a mask); with int8 products a
-    difference of one fp32 rounding there can move a value across an int8 step, so this forward computes
-    attention in float64 and rounds it back to fp32: the two orders then round to the same fp32 values but
-    for differences below 1e-16 that fall on a rounding edge. Speculative decoding on this target emits what
+    difference of one fp32 rounding there can move a value across an int8 step, so this forward attends one
+    query row at a time over the keys that row sees (`rows_apart`), as a one-row forward does: the same sums in
+    the same order, bit for bit. Speculative decoding on this target emits what
     target-only decoding on it emits (tested token for token). It is not the fp32 model: each product is off by about 1%
     (relative), and greedy text drifts from the fp32 model's after a while (docs/performance.md measures both).
     CPU only; 4x less weight memory to read per token than fp32."""
@@ -215,7 +216,7 @@ class Int4Weights:
     16 would tie the top two tokens often, so each row's 64 highest logits are computed again in fp32 from the
     head's own rows: what greedy picks and top-p keeps is decided at fp32 precision. Where that head would give a
     row another result among more rows, it stays fp32 (`head_format`). As with `Int8Weights`, attention
-    runs in float64, and a row's product is the same alone or among K + 1 rows (tested), so speculative decoding
+    runs row by row, and a row's product is the same alone or among K + 1 rows (tested), so speculative decoding
     on this target emits what target-only decoding on it emits. CPU only; about 7x less to read per token."""
 
     GROUP = 32
@@ -564,8 +565,8 @@ def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tens
     the gated MLP, each with its pre-norm and residual. `keys_values(ks, vs)` stores this step's K/V
     ([b, kv_heads, q, head_dim]) and returns every K/V the queries attend to; `mask` ([q, keys], or
     [b, 1, q, keys] for a batch) says which (None: all); `cos`/`sin` broadcast against [b, heads, q,
-    head_dim]; `linear(x, weight, bias)` multiplies by a matrix. `exact_attention`: attention in float64, rounded
-    back (see Int8Weights). Shared by the fused forward (one sequence, or a batch:
+    head_dim]; `linear(x, weight, bias)` multiplies by a matrix. `exact_attention`: attention one query row at a
+    time (`rows_apart`; see Int8Weights). Shared by the fused forward (one sequence, or a batch:
     `BatchForward`) and the EAGLE-style drafter's layer."""
     return decoder_layer(x, layer, attend_with(keys_values, mask, layer.scaling, exact_attention), cos, sin, heads,
                          kv_heads, head_dim, linear)
@@ -653,12 +654,54 @@ def segmented_attend(caches: list[PagedCache], masks: list[torch.Tensor | None],
 
 def attention(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
               scaling: float, exact: bool = False) -> torch.Tensor:
-    """Scaled dot-product attention with GQA ([b, heads, q, head_dim] out); `exact`: in float64, rounded back."""
+    """Scaled dot-product attention with GQA ([b, heads, q, head_dim] out); `exact`: row by row (`rows_apart`)."""
     gqa = keys.shape[1] != qs.shape[1]
     if exact:
-        return F.scaled_dot_product_attention(qs.double(), keys.double(), values.double(), attn_mask=mask,
-                                              scale=scaling, enable_gqa=gqa).to(qs.dtype)
+        return rows_apart(qs, keys, values, mask, scaling, gqa)
     return F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def rows_apart(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float, gqa: bool) -> torch.Tensor:
+    """Attention one query row at a time, each over the keys its mask row lets it see ([q, keys], or [b, 1, q,
+    keys] for a batch; None: all): a chain's row reads a prefix of the cached keys, as a one-row forward at its
+    position reads its whole cache, and a tree's node the keys of its path, gathered. Every row then computes
+    what a one-row forward computes, bit for bit, whatever else the forward holds (a verify's K + 1 rows, a
+    tree's nodes, a batch's sequences), where SDPA over several rows under a mask sums in another order."""
+    b, q = qs.shape[0], qs.shape[2]
+    if b == 1 and q == 1 and mask is None:     # a one-row forward: itself
+        return F.scaled_dot_product_attention(qs, keys, values, scale=scaling, enable_gqa=gqa)
+    seen = _rows_seen(mask, b, q) if mask is not None else None
+    out = torch.empty_like(qs)
+    for s in range(b):
+        for i in range(q):
+            k, v = keys[s:s + 1], values[s:s + 1]
+            if seen is not None:
+                row = seen[s * q + i]
+                k, v = (k[:, :, :row], v[:, :, :row]) if isinstance(row, int) else \
+                    (k.index_select(2, row), v.index_select(2, row))
+            out[s:s + 1, :, i:i + 1] = F.scaled_dot_product_attention(qs[s:s + 1, :, i:i + 1], k, v, scale=scaling,
+                                                                      enable_gqa=gqa)
+    return out
+
+
+_SEEN: dict[int, tuple[weakref.ref, list]] = {}
+
+
+def _rows_seen(mask: torch.Tensor, b: int, q: int) -> list:
+    """Per row of `mask` (b * q of them), the keys it sees: a count where they are a prefix, else their indices.
+    Worked out once per mask (a forward's layers share it) and kept while the mask lives."""
+    kept = _SEEN.get(id(mask))
+    if kept is not None and kept[0]() is mask:
+        return kept[1]
+    rows = mask.reshape(-1, mask.shape[-1]) if mask.dim() == 2 else mask[:, 0].reshape(b * q, mask.shape[-1])
+    counts = rows.sum(-1)
+    prefix = (torch.arange(rows.shape[-1], device=rows.device) < counts[:, None]).eq(rows).all(-1).tolist()
+    seen = [int(n) if p else r.nonzero().squeeze(1) for n, p, r in zip(counts.tolist(), prefix, rows)]
+    for key in [k for k, (ref, _) in _SEEN.items() if ref() is None]:
+        del _SEEN[key]
+    _SEEN[id(mask)] = (weakref.ref(mask), seen)
+    return seen
 
 
 def decoder_layer(x: torch.Tensor, layer: "_Layer", attend, cos: torch.Tensor, sin: torch.Tensor, heads: int,

@@ -91,6 +91,49 @@ def test_speculative_decoding_on_an_int4_target_emits_target_only_tokens(int4_pa
     assert_speculation_emits_target_only(int4_pair, config)
 
 
+def test_every_row_of_a_verify_a_tree_and_a_batch_is_what_a_one_row_forward_computes(int4_pair):
+    """Attention row by row (engine.fused_llama.rows_apart): a chain's rows, a tree's nodes (each along its own
+    path) and a batch's sequences (one pool, one product) give, bit for bit, the logits of one-row forwards."""
+    from engine.runner import ForwardRequest, ModelRunner, forward_many
+
+    target = int4_pair.target
+    runner = ModelRunner(target, capacity=160, sequences=3)
+    # 120 cached tokens: from about 100, SDPA over several rows sums otherwise than over one (checked: 0.06 apart)
+    prompt = torch.randint(10, 4000, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    a, b, c, d = 41, 42, 43, 44
+
+    def one_by_one(tokens: list[int]) -> list[torch.Tensor]:
+        cache = runner.new_sequence()
+        runner.forward(cache, prompt)
+        rows = [runner.forward(cache, [t])[0] for t in tokens]
+        cache.free()
+        return rows
+
+    alone = one_by_one([a, b, c, d])
+    cache = runner.new_sequence()
+    runner.forward(cache, prompt)
+    assert all(torch.equal(x, y) for x, y in zip(runner.forward(cache, [a, b, c, d]), alone))    # a chain
+    cache.free()
+    cache = runner.new_sequence()                  # a tree: a and c as siblings, b below a, d below b
+    runner.forward(cache, prompt)
+    n = len(prompt)
+    seen = torch.zeros(4, n + 4, dtype=torch.bool)
+    seen[:, :n] = True
+    for row, path in enumerate([[0], [0, 1], [2], [0, 1, 3]]):
+        seen[row, [n + p for p in path]] = True
+    logits, _ = runner.forward_features(cache, [a, b, c, d], positions=[n, n + 1, n, n + 2], attn_mask=seen)
+    along = {0: alone[0], 1: alone[1], 2: one_by_one([c])[0], 3: one_by_one([a, b, d])[2]}
+    assert all(torch.equal(logits[row], want) for row, want in along.items())
+    cache.free()
+    first, second = runner.new_sequence(), runner.new_sequence()      # a batch: two sequences, one pool
+    runner.forward(first, prompt)
+    runner.forward(second, prompt)
+    runner.forward(second, [a])
+    (l1, _), (l2, _) = forward_many([ForwardRequest(runner, first, [a, b]), ForwardRequest(runner, second, [b, c, d])])
+    assert torch.equal(l1[0], alone[0]) and torch.equal(l1[1], alone[1])
+    assert all(torch.equal(x, y) for x, y in zip(l2, alone[1:]))
+
+
 def test_sampled_output_follows_an_int4_target(builtin_tokenizer):
     target = tiny_model(builtin_tokenizer, layers=2, seed=11, weights="int4")
     draft = tiny_model(builtin_tokenizer, layers=1, seed=12)
