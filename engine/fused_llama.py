@@ -37,6 +37,7 @@ after 21-24 s of compilation per row count.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -686,21 +687,24 @@ def rows_apart(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 
 _SEEN: dict[int, tuple[weakref.ref, list]] = {}
+_SEEN_LOCK = threading.Lock()     # sessions' forwards may run on several threads
 
 
 def _rows_seen(mask: torch.Tensor, b: int, q: int) -> list:
     """Per row of `mask` (b * q of them), the keys it sees: a count where they are a prefix, else their indices.
     Worked out once per mask (a forward's layers share it) and kept while the mask lives."""
-    kept = _SEEN.get(id(mask))
+    with _SEEN_LOCK:
+        kept = _SEEN.get(id(mask))
     if kept is not None and kept[0]() is mask:
         return kept[1]
     rows = mask.reshape(-1, mask.shape[-1]) if mask.dim() == 2 else mask[:, 0].reshape(b * q, mask.shape[-1])
     counts = rows.sum(-1)
     prefix = (torch.arange(rows.shape[-1], device=rows.device) < counts[:, None]).eq(rows).all(-1).tolist()
     seen = [int(n) if p else r.nonzero().squeeze(1) for n, p, r in zip(counts.tolist(), prefix, rows)]
-    for key in [k for k, (ref, _) in _SEEN.items() if ref() is None]:
-        del _SEEN[key]
-    _SEEN[id(mask)] = (weakref.ref(mask), seen)
+    with _SEEN_LOCK:
+        for key in [k for k, (ref, _) in _SEEN.items() if ref() is None]:
+            del _SEEN[key]
+        _SEEN[id(mask)] = (weakref.ref(mask), seen)
     return seen
 
 
