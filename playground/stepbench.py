@@ -209,9 +209,10 @@ WATCH_STEPS = """() => {
 }"""
 
 
-def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto") -> int:
+def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", pause: float = 1.0) -> int:
     """`--browser N`: the app served in this process on a free loopback port, as `python app.py` serves it, and
-    headless Chromium on the same machine pressing Reset, then Step N times, a second apart as a reader would;
+    headless Chromium on the same machine pressing Reset, then Step N times, `pause` seconds apart (a second: as
+    a reader would);
     each Step timed in the page from the click to the status line showing the new round, and to the round
     detail's plot naming it. What a local visitor waits for, the browser's drawing included."""
     import socket
@@ -252,7 +253,7 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto") -
             page.evaluate(WATCH_STEPS)
             done = 0
             for n in range(1, steps + 1):
-                time.sleep(1.0)
+                time.sleep(pause)
                 page.click("#step-btn")
                 page.wait_for_function(f"(document.querySelector('#status').innerText.match(/Round (\\d+) of/) "
                                        f"|| [0, 0])[1] >= {n} || document.querySelector('#status').innerText"
@@ -301,17 +302,18 @@ def main(argv: list[str]) -> None:
                     help="instead: N Steps in headless Chromium on this machine, each timed in the page from the "
                          "click to the new round on screen (--tokens' first value)")
     ap.add_argument("--chromium", default="/usr/bin/chromium", help="the Chromium --browser drives")
-    ap.add_argument("--target", default="auto", help="the default pair's target with --browser, e.g. builtin "
-                                                     "(default: the app's, SmolLM2 where its wheel is installed)")
+    ap.add_argument("--pause", type=float, default=1.0, help="seconds between Steps with --browser (default 1)")
+    ap.add_argument("--target", default="auto", help="the default pair's target, e.g. builtin (default: the app's, "
+                                                     "SmolLM2 where its wheel is installed; --speedup runs SmolLM2's)")
     a = ap.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     if a.browser:
-        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium, a.target))
+        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium, a.target, a.pause))
     if a.speedup:
         speedup_main(a.speedup, a.tokens[0])
         return
-    ctx = make_context(AppSettings(max_new_tokens=max(a.tokens), max_sessions=1))
+    ctx = make_context(AppSettings(max_new_tokens=max(a.tokens), max_sessions=1, target=a.target))
     demo = build_app(ctx)
     print(f"{machine_name()} · python {platform.python_version()} · "
           f"torch {torch.__version__}", flush=True)

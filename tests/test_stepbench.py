@@ -28,7 +28,8 @@ def test_a_line_reports_the_step_the_engine_and_the_rest():
 def test_the_browser_mode_times_every_step_from_the_click_to_the_round_on_screen(capsys):
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     with pytest.raises(SystemExit) as done:
-        stepbench.main(["--browser", "3", "--tokens", "16", "--target", "builtin", "--chromium", CHROMIUM])
+        stepbench.main(["--browser", "3", "--tokens", "16", "--target", "builtin", "--chromium", CHROMIUM,
+                        "--pause", "0.2"])
     out = capsys.readouterr().out
     assert done.value.code == 0, out
     for what in ("status line shows the round", "round detail plot names it"):
