@@ -209,6 +209,9 @@ WATCH_STEPS = """() => {
 }"""
 
 
+PAGE_WAIT_S = 300   # the longest the page may take to show a round (a first Step on a cold, slow machine)
+
+
 def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", pause: float = 1.0) -> int:
     """`--browser N`: the app served in this process on a free loopback port, as `python app.py` serves it, and
     headless Chromium on the same machine pressing Reset, then Step N times, `pause` seconds apart (a second: as
@@ -223,6 +226,7 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
     from playground.ui import make_context
 
     try:
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
         from playwright.sync_api import sync_playwright
     except ImportError:
         print("error: --browser needs Playwright: pip install -r requirements-dev.txt", file=sys.stderr)
@@ -245,27 +249,35 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.set_default_timeout(300_000)
+            page.set_default_timeout(PAGE_WAIT_S * 1000)
             page.goto(served.url)
             page.wait_for_selector("#step-btn")
-            page.click("#reset-btn")
-            page.wait_for_function("document.querySelector('#status').innerText.includes('Round 0 of')")
+            page.click("#reset-btn")   # the page opens on a recorded example run: wait for this visitor's own
+            page.wait_for_function("(s => s.includes('Round 0 of') && !s.includes('recorded in advance'))"
+                                   "(document.querySelector('#status').innerText)")
             page.evaluate(WATCH_STEPS)
             done = 0
             for n in range(1, steps + 1):
                 time.sleep(pause)
                 page.click("#step-btn")
-                page.wait_for_function(f"(document.querySelector('#status').innerText.match(/Round (\\d+) of/) "
-                                       f"|| [0, 0])[1] >= {n} || document.querySelector('#status').innerText"
-                                       f".includes('finished')")
+                page.wait_for_function(f"(s => (s.match(/Round (\\d+) of/) || [0, 0])[1] >= {n} || "
+                                       f"s.includes('finished') || s.includes('refused'))"
+                                       f"(document.querySelector('#status').innerText)")
                 if f"Round {n} of" not in page.locator("#status").inner_text():
                     break
                 done = n
             time.sleep(0.5)
             clicks, status, plot = page.evaluate("[window.specplayClicks, window.specplayStatus, window.specplayPlot]")
+            said = page.locator("#status").inner_text()
             browser.close()
+    except PlaywrightTimeout:
+        print(f"error: the page did not show the next round within {PAGE_WAIT_S} s", file=sys.stderr)
+        return 1
     finally:
         served.close()
+    if done < steps and "finished" not in said:
+        print(f"error: Step {done + 1} did not show its round; the status line reads: {said[:300]}", file=sys.stderr)
+        return 1
     shown = [(status[str(n)] - clicks[n - 1]) / 1000 for n in range(1, done + 1) if str(n) in status]
     drawn = [(plot[str(n)] - clicks[n - 1]) / 1000 for n in range(1, done + 1) if str(n) in plot]
     if not shown:
