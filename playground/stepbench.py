@@ -245,6 +245,7 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
         begun = time.perf_counter()
         if served.warming is not None:   # as on a server up for a minute: the pair loaded, r(n) and the pick done
             served.warming.join()
+        served.ctx.registry.settle()
         print(f"the server's warm-up took {time.perf_counter() - begun:.1f} s", flush=True)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
@@ -330,6 +331,7 @@ def main(argv: list[str]) -> None:
     print(f"{machine_name()} · python {platform.python_version()} · "
           f"torch {torch.__version__}", flush=True)
     asyncio.run(measure(demo, ctx.pool, min(a.tokens), a.tab[0]))  # warm-up: loads the pair
+    ctx.registry.settle()   # r(n), measured in the background from the load on, takes turns with Steps until done
     try:
         for tokens in a.tokens:
             for tab in a.tab:

@@ -202,6 +202,27 @@ def test_hung_loads_cannot_pile_up(slow):
 PATHS = ("/etc", "/no/such/folder", "../../../../etc/shadow", "../nope", "~/models", "C:\\models", "a/b/c")
 
 
+def test_settle_waits_for_the_calibration_under_way_and_only_for_it(builtin_pair):
+    """A measurement of the app's own Steps waits here first, so that no calibration takes turns with them."""
+    release, started = threading.Event(), threading.Event()
+    curve = object()
+
+    def calibrate(target):
+        started.set()
+        assert release.wait(WAIT), "the test never let the calibration finish"
+        return curve
+
+    registry = ModelRegistry(loader=lambda source, role, device: builtin_pair[1], calibrate_fn=calibrate)
+    assert registry.settle(timeout=0.0)                    # nothing measured yet: nothing to wait for
+    target = registry.pair("default").target
+    assert registry.calibration(target) is None and started.wait(WAIT)
+    assert not registry.settle(timeout=0.05)               # still measuring: says so when the time is up
+    release.set()
+    assert registry.settle(timeout=WAIT)
+    assert registry.calibration(target) is curve
+    registry.close()
+
+
 def test_custom_paths_get_one_sentence_whether_or_not_they_exist(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
