@@ -62,6 +62,51 @@ def test_what_llamacpp_does_not_compare_is_refused_before_building(tmp_path, cap
     assert "--batch compares with vLLM" in capsys.readouterr().err and not (tmp_path / "never").exists()
 
 
+BENCH = Path(__file__).resolve().parent / "data" / "llamabench-b11434-q4_1-rn.json"
+
+
+def test_llamas_r_of_n_is_read_from_its_benchs_report_as_the_engines_is_made():
+    import json
+    import statistics
+
+    report = json.loads(BENCH.read_text())    # llama-bench -p 1,2,3,5,9 -n 0 -d 16 -r 3 on the wheel's Q4_1 file
+    curve = lc.rn_from_bench(BENCH.read_text(), "smollm2", "llama.cpp Q4_1", 16)
+    medians = [statistics.median(t["samples_ns"]) / 1e6 for t in report]
+    assert curve.ns == [1, 2, 3, 5, 9] and curve.ms == pytest.approx(medians) and curve.repeats == 3
+    assert curve.r[0] == 1.0 and curve.r == pytest.approx([m / medians[0] for m in medians])
+    # a forward of 5 timed faster than one of 3 (a noisy repetition) is smoothed, as specplay's own curve is
+    report[3]["samples_ns"] = [int(medians[2] * 1e6 * 0.9)] * 3
+    dipped = lc.rn_from_bench(json.dumps(report), "smollm2", "llama.cpp Q4_1", 16)
+    assert dipped.r == sorted(dipped.r) and dipped.r[2] == dipped.r[3] < curve.r[3]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: "not json", "is not JSON"),
+    (lambda r: [], "holds no test"),
+    (lambda r: r[1:], "has no test of 1 token"),
+    (lambda r: [dict(t, n_gen=16) for t in r], "expected prompt tests"),
+    (lambda r: [dict(t, n_depth=128) for t in r], "after 16 cached ones, got n_prompt 1, n_gen 0, n_depth 128"),
+    (lambda r: [dict(t, samples_ns=[]) for t in r], "has no timed repetition"),
+    (lambda r: [{k: v for k, v in t.items() if k != "samples_ns"} for t in r], "lacks n_prompt"),
+])
+def test_a_bench_report_that_does_not_fit_is_one_sentence(edit, message):
+    import json
+
+    edited = edit(json.loads(BENCH.read_text()))
+    with pytest.raises(ValueError, match=message):
+        lc.rn_from_bench(edited if isinstance(edited, str) else json.dumps(edited), "smollm2", "llama.cpp Q4_1", 16)
+
+
+def test_a_bench_that_fails_is_reported_with_its_last_words(tmp_path):
+    _program(lc.tool(tmp_path, "llama-bench"), 'echo "error: failed to load model" >&2\nexit 1\n')
+    with pytest.raises(PeerUnavailable, match="llama-bench on m.gguf failed here: error: failed to load model"):
+        lc.measure_rn(tmp_path, tmp_path / "m.gguf", "smollm2", "llama.cpp F32", 16, (1, 2), 1, 1)
+    _program(lc.tool(tmp_path, "llama-bench"), f'cat {BENCH}\n')       # a bench that answers: its own report
+    assert lc.measure_rn(tmp_path, tmp_path / "m.gguf", "smollm2", "llama.cpp Q4_1", 16, (1, 2), 1, 1).ns[-1] == 9
+    with pytest.raises(PeerUnavailable, match="llama-bench on m.gguf: expected prompt tests of n >= 1 tokens after 32"):
+        lc.measure_rn(tmp_path, tmp_path / "m.gguf", "smollm2", "llama.cpp Q4_1", 32, (1, 2), 1, 1)
+
+
 FOLDER = Path(os.environ.get("SPECPLAY_LLAMACPP", lc.default_folder()))
 
 

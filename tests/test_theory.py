@@ -132,7 +132,8 @@ def test_the_theory_tab_renders_only_verified_rounds_of_a_session(builtin_pair, 
         # the shipped SmolLM2 study: this built-in run's α is not SmolLM2's, so an example α and c, said so
         from engine.bench.formats import shipped_study
 
-        assert len(formats.data) == len(shipped_study().curves) + 1 == 4     # fp32, int8, int4 and r = 1
+        study = shipped_study()   # fp32, int8, int4, r = 1, and llama.cpp's F32 and Q4_1 files dotted
+        assert len(formats.data) == len(study.curves) + 1 + len(study.peer) == 6
         assert "this run does not decode smollm2" in formats_text
     finally:
         session.run.close()
@@ -158,6 +159,39 @@ def test_a_format_whose_rows_cost_more_gets_a_smaller_best_k_and_the_tab_says_wh
     assert "an example: this run&#x27;s α, c and r(n) are not all measured yet" in text
     assert [t.name.split(" ")[0] for t in formats_figure(study).data[:2]] == ["float32", "int8"]
     assert "No weight-format measurement" in formats_figure(None).layout.annotations[0].text
+
+
+def test_llamacpps_own_curves_are_drawn_dotted_in_their_formats_colour_and_compared_in_words(tmp_path):
+    from engine.bench.formats import FormatCurves, format_curves, read_curves, write_curves
+    from playground.render.theory import formats_figure, formats_html
+
+    flat, steep = _curve("float32", [1.0] * 9), _curve("int4", [1.0 + 0.2 * (n - 1) for n in range(1, 10)])
+    f32 = RCurve("smollm2", "cpu", "llama.cpp F32", 128, [1, 3, 9], [5.0, 6.5, 9.0], [1.0, 1.3, 1.8], 5.0, 3)
+    q4 = RCurve("smollm2", "cpu", "llama.cpp Q4_1", 128, [1, 3, 9], [2.0, 4.0, 9.0], [1.0, 2.0, 4.5], 2.0, 3)
+    study = FormatCurves("Some CPU", "2026-12-06", "python -m engine calibrate --llamacpp", [flat, steep], [f32, q4])
+    traces = formats_figure(study).data
+    ours = {t.name.split(" ")[0]: t.line.color for t in traces[:2]}
+    dotted = [t for t in traces if t.line.dash == "dot"]
+    assert [t.name for t in dotted] == ["llama.cpp F32 (step 5.0 ms)", "llama.cpp Q4_1 (step 2.0 ms)"]
+    assert [t.line.color for t in dotted] == [ours["float32"], ours["int4"]]
+    text = formats_html(study, None)
+    assert "llama.cpp Q4_1 (its own forward)</th><td>best K = 1:" in text
+    assert "on the F32 file its step 5.0 ms against specplay&#x27;s 10.0 ms (float32), r(3) 1.30 against 1.00" in text
+    assert "on the Q4_1 file its step 2.0 ms against specplay&#x27;s 10.0 ms (int4), r(3) 2.00 against 1.40" in text
+    assert "llama.cpp" not in formats_html(FormatCurves("Some CPU", "d", "c", [flat, steep]), None)
+    printed = format_curves(study)
+    assert "llama.cpp Q4_1 r(n)" in printed and "llama.cpp Q4_1 2.00 ms" in printed and "a lower bound" in printed
+    path = tmp_path / "study.json"   # a study kept before llama.cpp's curves were measured beside still reads
+    write_curves(FormatCurves("Some CPU", "d", "c", [flat]), path)
+    path.write_text(path.read_text().replace(',\n "peer": []', ""))
+    assert '"peer"' not in path.read_text() and read_curves(path).peer == []
+
+
+def test_llamacpps_curves_are_only_for_smollm2s_files_and_refused_before_measuring(capsys):
+    from engine.bench.formats import main
+
+    assert main(["--target", "builtin", "--llamacpp"]) == 2
+    assert "--llamacpp times llama.cpp on SmolLM2's GGUF: use --target smollm2" in capsys.readouterr().err
 
 
 def test_the_calibrate_command_measures_each_format_and_keeps_what_it_printed(tmp_path, capsys):

