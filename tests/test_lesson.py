@@ -315,6 +315,14 @@ def test_the_pays_step_says_what_the_weight_format_does_to_the_best_k(monkeypatc
     assert (facts["formats_machine"], facts["k1"]) == ("Some CPU", "4")
     assert (facts["fp32_r"], facts["int8_r"], facts["int4_r"]) == ("1.00", "1.45", "1.90")   # r(4) on each curve
     assert int(facts["best_int4"]) <= int(facts["best_int8"]) < int(facts["best_fp32"])
+    assert (facts["llamacpp_q4_r"], facts["llamacpp_q4_step"]) == ("—", "—")   # a study without llama.cpp's curves
+    llama = _curve("llama.cpp Q4_1", [1.0 + 0.5 * (n - 1) for n in range(1, 10)])
+    llama = formats.RCurve(llama.model, "cpu", llama.dtype, 128, llama.ns, llama.ms, llama.r, 6.5, 3)
+    monkeypatch.setattr(formats, "shipped_study",
+                        lambda: formats.FormatCurves("Some CPU", "d", "c", [flat, steep, steeper], [llama]))
+    facts = format_facts(0.45, 0.05, 3)
+    assert (facts["llamacpp_q4_r"], facts["llamacpp_q4_step"], facts["int4_step"]) == ("2.50", "6.5", "10.0")
+    assert int(facts["best_llamacpp_q4"]) <= int(facts["best_int4"])
     monkeypatch.setattr(formats, "shipped_study", lambda: formats.FormatCurves("Some CPU", "d", "c", [flat, steep]))
     assert format_facts(0.45, 0.05, 3)["int4_r"] == "—"                    # an older study without int4
     monkeypatch.setattr(formats, "shipped_study", lambda: None)

@@ -109,7 +109,8 @@ STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
                        "tree_tokens path"),
     StepId.PAYS: _spec(View.THEORY, QuestionKind.YES_NO,
                        "alpha draft_rate k k2 e_k tokens rounds tokens_per_round c r speedup k1 formats_machine "
-                       "fp32_r int8_r int4_r best_fp32 best_int8 best_int4", "e_2k"),
+                       "fp32_r int8_r int4_r best_fp32 best_int8 best_int4 int4_step llamacpp_q4_step llamacpp_q4_r "
+                       "best_llamacpp_q4", "e_2k"),
 })
 
 UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started pair "
@@ -754,16 +755,22 @@ def rule_output(q_draft: Tensor, p_target: Tensor, rule: Rule) -> RuleOutput:
 
 def format_facts(alpha: float, c: float, k: int) -> dict[str, str]:
     """The pays step's words on weight formats, from the shipped r(n) study (engine.bench.formats): a verify of
-    K + 1 tokens with fp32, int8 and int4 weights, and the best K under each curve at this run's α and c."""
+    K + 1 tokens with fp32, int8 and int4 weights, and the best K under each curve at this run's α and c; and the
+    same for llama.cpp's own forward on the Q4_1 file where the study has it, beside int4's one-token step."""
     from engine.bench.formats import curve_of, shipped_study
 
     study = shipped_study()
     facts = dict(k1=str(k + 1), formats_machine=study.machine if study is not None else
                  "no machine (the measurement is missing)")
-    for name, dtype in (("fp32", "float32"), ("int8", "int8"), ("int4", "int4")):
-        curve = curve_of(study, dtype) if study is not None else None
+    peer = next((p for p in study.peer if p.dtype == "llama.cpp Q4_1"), None) if study is not None else None
+    for name, curve in (("fp32", curve_of(study, "float32") if study is not None else None),
+                        ("int8", curve_of(study, "int8") if study is not None else None),
+                        ("int4", curve_of(study, "int4") if study is not None else None),
+                        ("llamacpp_q4", peer)):
         facts[f"{name}_r"] = _num(curve.at(k + 1), 2) if curve is not None else "—"
         facts[f"best_{name}"] = str(metrics.best_k(alpha, c, curve.at)) if curve is not None else "—"
+        if name in ("int4", "llamacpp_q4"):
+            facts[f"{name}_step"] = _num(curve.step_ms, 1) if curve is not None else "—"
     return facts
 
 
