@@ -34,8 +34,11 @@ def test_the_isolation_check_catches_crosstalk_and_vacuous_runs():
     assert "api saw a different stream" in isolation(good, [v("api", 0, "z1")])[0]
 
 
-def test_a_small_run_passes_every_check(capsys):
-    # a bare caller has no heartbeat: its lease (6 s) must outlast a queued Step on a busy machine
+def test_a_small_run_passes_every_check(capsys, monkeypatch):
+    # a bare caller has no heartbeat: its lease (6 s) must outlast a queued Step on a busy machine; a visitor's
+    # session ends when its heartbeat stops, which the server notices within Gradio's heartbeat interval (15 s by
+    # default, the test's longest wait: 2 s in the server it starts)
+    monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "2")
     rc = loadtest.main(["--clients", "2", "--api-callers", "1", "--steps", "1", "--session-lease", "6",
                         "--time-limit", "300", "--target", "builtin"])
     out = capsys.readouterr().out
