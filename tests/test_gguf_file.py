@@ -150,3 +150,32 @@ def test_a_model_written_as_gguf_reads_back_as_the_same_weights_and_tokenizer(bu
             write_llama(target.model, target.tokenizer, tmp_path / "other.gguf", "x")
     finally:
         target.model.config.model_type = kept
+
+
+def test_a_conversion_reads_its_gguf_once_and_leaves_gguf_as_it_was(builtin_pair, tmp_path, monkeypatch):
+    """transformers reads a GGUF three times to load one model (config, tokenizer, weights); inside
+    engine.sources.gguf_read_once the file is parsed once and what loads from it is unchanged."""
+    import gguf as gguf_package
+    from transformers import AutoModelForCausalLM
+
+    from engine.gguf_file import write_llama
+    from engine.sources import gguf_read_once
+
+    _, target = builtin_pair
+    out = write_llama(target.model, target.tokenizer, tmp_path / "target.gguf", "built-in target")
+    parsed, reader = [], gguf_package.GGUFReader
+
+    class Counted(reader):
+        def __init__(self, path, mode="r"):
+            parsed.append(path)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", Counted)
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=out.name, dtype=torch.float32)
+    assert len(parsed) >= 2               # transformers on its own: config and weights read apart
+    parsed.clear()
+    with gguf_read_once():
+        once = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=out.name, dtype=torch.float32)
+    assert len(parsed) == 1
+    assert gguf_package.GGUFReader is Counted          # put back as it was found
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), once.state_dict().values()))
