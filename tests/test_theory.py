@@ -174,6 +174,8 @@ def test_llamacpps_own_curves_are_drawn_dotted_in_their_formats_colour_and_compa
     dotted = [t for t in traces if t.line.dash == "dot"]
     assert [t.name for t in dotted] == ["llama.cpp F32 (step 5.0 ms)", "llama.cpp Q4_1 (step 2.0 ms)"]
     assert [t.line.color for t in dotted] == [ours["float32"], ours["int4"]]
+    layout = formats_figure(study).layout     # opens on n = 1..9 here (all these curves have), y up to Q4_1's r(9)
+    assert tuple(layout.xaxis.range) == (0.5, 9.5) and layout.yaxis.range[1] == pytest.approx(4.5 * 1.08)
     text = formats_html(study, None)
     assert "llama.cpp Q4_1 (its own forward)</th><td>best K = 1:" in text
     assert "on the F32 file its step 5.0 ms against specplay&#x27;s 10.0 ms (float32), r(3) 1.30 against 1.00" in text

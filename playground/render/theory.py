@@ -187,6 +187,7 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
 
 # -- r(n) by weight format: a shipped measurement (engine.bench.formats) ---------------------------------------
 FORMAT_COLOURS = (SPEC_COLOUR, PREDICTED_COLOUR, BASELINE_COLOUR)
+FORMATS_SHOWN = 17   # the widest forward the formats plot opens on (its data go on; zoom out for them)
 PEER_FORMATS = {"F32": "float32", "Q4_1": "int4"}   # a llama.cpp file's type, and specplay's format of those weights
 EXAMPLE_ALPHA, EXAMPLE_C = 0.45, 0.05     # SmolLM2's EAGLE-3 head drafts about this well, at about this cost
 
@@ -206,9 +207,15 @@ def formats_figure(study: FormatCurves | None) -> go.Figure:
         colour = colours.get(PEER_FORMATS.get(curve.dtype.rsplit(" ", 1)[-1], ""), GREY)
         fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines", line=dict(color=colour, width=2, dash="dot"),
                                  name=f"{curve.dtype} (step {curve.step_ms:.1f} ms)"))
-    last = max(c.ns[-1] for c in study.curves + study.peer)
+    every = study.curves + study.peer
+    last = max(c.ns[-1] for c in every)
     fig.add_trace(go.Scatter(x=[1, last], y=[1, 1], mode="lines", name="r = 1: memory-bound",
                              line=dict(color=GREY, dash="dash")))
+    # opened on the verifies a chain or a small tree makes (K + 1 up to FORMATS_SHOWN); the rest is a zoom away
+    shown = min(last, FORMATS_SHOWN)
+    top = max(c.at(n) for c in every for n in range(1, shown + 1))
+    fig.update_xaxes(range=[0.5, shown + 0.5])
+    fig.update_yaxes(range=[0.8, top * 1.08])
     fig.update_layout(title=dict(text=f"r(n) of {study.curves[0].model} by weight format: {study.machine}, "
                                       f"{study.date}", font=dict(size=13)),
                       xaxis_title="n: tokens in one target forward (K + 1 for a verify)",
