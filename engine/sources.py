@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -256,21 +257,25 @@ def gguf_read_once() -> Iterator[None]:
 
     import gguf as gguf_package
 
-    table, reader = gguf_package.get_tensor_name_map, gguf_package.GGUFReader
-    read: dict[tuple[str, str], object] = {}
+    with _GGUF_PATCHED:   # conversions take turns: one's exit never puts back what another put in
+        table, reader = gguf_package.get_tensor_name_map, gguf_package.GGUFReader
+        read: dict[tuple[str, str], object] = {}
 
-    def read_once(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in read:
-            read[key] = reader(path, mode)
-        return read[key]
+        def read_once(path, mode="r"):
+            key = (str(Path(path).resolve()), mode)
+            if key not in read:
+                read[key] = reader(path, mode)
+            return read[key]
 
-    gguf_package.get_tensor_name_map = functools.lru_cache(maxsize=None)(table)
-    gguf_package.GGUFReader = read_once
-    try:
-        yield
-    finally:
-        gguf_package.get_tensor_name_map, gguf_package.GGUFReader = table, reader
+        gguf_package.get_tensor_name_map = functools.lru_cache(maxsize=None)(table)
+        gguf_package.GGUFReader = read_once
+        try:
+            yield
+        finally:
+            gguf_package.get_tensor_name_map, gguf_package.GGUFReader = table, reader
+
+
+_GGUF_PATCHED = threading.Lock()
 
 
 def end_of_turn_as_eos(tokenizer, eos_id: int | None) -> None:
