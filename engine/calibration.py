@@ -172,10 +172,7 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
             c.free()
         if drafting is not None:
             drafting.close()
-    # int8 / int4: the weights' format; else the module's dtype
-    dtype = loaded.weights if loaded.weights != "fp32" else str(loaded.dtype).replace("torch.", "")
-    return curve_from_times(loaded.name, str(loaded.device), dtype, context,
-                            times, repeats, batch)
+    return curve_from_times(loaded.name, str(loaded.device), loaded.format, context, times, repeats, batch)
 
 
 class _Drafting:

@@ -62,6 +62,12 @@ class LoadedModel:
     def kv_shape(self) -> KVShape:
         return KVShape.of(self.model.config)
 
+    @property
+    def format(self) -> str:
+        """What its forward multiplies with, as calibrations and traces name it: "int8" or "int4" for those
+        copies, else the module's dtype ("float32", "bfloat16")."""
+        return self.weights if self.weights != "fp32" else str(self.dtype).replace("torch.", "")
+
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' means fp32 on CPU (bf16 is slower there for multi-token forwards) and bf16 on CUDA; 'int8' and

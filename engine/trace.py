@@ -138,8 +138,7 @@ def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: 
         prompt=prompt, prompt_ids=[int(t) for t in prompt_ids], config=config_to_dict(config),
         target=target.name, draft=used.name if used is not None else None,
         devices={role: str(m.device) for role, m in roles.items()},
-        dtypes={role: m.weights if m.weights != "fp32" else str(m.dtype).replace("torch.", "")
-                for role, m in roles.items()},
+        dtypes={role: m.format for role, m in roles.items()},
         versions={"python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "specplay": _specplay_version()},
         seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None)

@@ -178,6 +178,10 @@ def test_llamacpps_own_curves_are_drawn_dotted_in_their_formats_colour_and_compa
     assert tuple(layout.xaxis.range) == (0.5, 9.5) and layout.yaxis.range[1] == pytest.approx(4.5 * 1.08)
     text = formats_html(study, None)
     assert "llama.cpp Q4_1 (its own forward)</th><td>best K = 1:" in text
+    # the example's draft costs the same milliseconds on every curve: its c is a share of each curve's own step
+    assert "float32 weights</th><td>best K = " in text and ", c 0.050, predicted" in text        # 10 ms: the fp32 step
+    assert "llama.cpp F32 (its own forward)</th><td>best K = 1: r(2) 1.15, c 0.100," in text     # a 5 ms step
+    assert "llama.cpp Q4_1 (its own forward)</th><td>best K = 1: r(2) 1.50, c 0.250," in text    # a 2 ms step
     assert "on the F32 file its step 5.0 ms against specplay&#x27;s 10.0 ms (float32), r(3) 1.30 against 1.00" in text
     assert "on the Q4_1 file its step 2.0 ms against specplay&#x27;s 10.0 ms (int4), r(3) 2.00 against 1.40" in text
     assert "llama.cpp" not in formats_html(FormatCurves("Some CPU", "d", "c", [flat, steep]), None)
@@ -187,6 +191,20 @@ def test_llamacpps_own_curves_are_drawn_dotted_in_their_formats_colour_and_compa
     write_curves(FormatCurves("Some CPU", "d", "c", [flat]), path)
     path.write_text(path.read_text().replace(',\n "peer": []', ""))
     assert '"peer"' not in path.read_text() and read_curves(path).peer == []
+
+
+def test_a_draft_weighs_more_against_a_cheaper_step():
+    """c is a draft's milliseconds over the target's step: carried from the format it was measured on to another
+    curve by the ratio of their steps, as read from the one study."""
+    from engine.bench.formats import FormatCurves, draft_share
+
+    fp32 = RCurve("smollm2", "cpu", "float32", 128, [1, 2], [30.0, 31.0], [1.0, 1.03], 30.0, 3)
+    int4 = RCurve("smollm2", "cpu", "int4", 128, [1, 2], [15.0, 18.0], [1.0, 1.2], 15.0, 3)
+    study = FormatCurves("Some CPU", "d", "c", [fp32, int4])
+    assert draft_share(study, 0.05, "float32", int4) == pytest.approx(0.10)
+    assert draft_share(study, 0.10, "int4", fp32) == pytest.approx(0.05)
+    assert draft_share(study, 0.05, "float32", fp32) == 0.05
+    assert draft_share(study, 0.05, "bfloat16", int4) == 0.05        # no step to carry it from: c as measured
 
 
 def test_llamacpps_curves_are_only_for_smollm2s_files_and_refused_before_measuring(capsys):

@@ -73,6 +73,15 @@ def curve_of(study: FormatCurves, dtype: str) -> RCurve | None:
     return next((c for c in study.curves + study.peer if c.dtype == dtype), None)
 
 
+def draft_share(study: FormatCurves, c: float, measured_on: str, curve: RCurve) -> float:
+    """c under `curve`: a draft's cost over that curve's one-token step. `c` was measured against a step in format
+    `measured_on` ("float32", "int4"); the draft costs the same milliseconds whatever the target multiplies with,
+    so a cheaper step makes it weigh more: c x step(measured_on) / step(curve), both steps read from the study (one
+    machine, one sitting). `c` itself where the study has no curve for `measured_on`."""
+    base = curve_of(study, measured_on)
+    return c if base is None else c * base.step_ms / curve.step_ms
+
+
 def format_curves(study: FormatCurves) -> str:
     every = study.curves + study.peer
     ns = sorted(set.intersection(*(set(c.ns) for c in every)))

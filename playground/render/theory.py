@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine import metrics
-from engine.bench.formats import PEER_FORMATS, FormatCurves, curve_of
+from engine.bench.formats import PEER_FORMATS, FormatCurves, curve_of, draft_share
 from engine.calibration import RCurve
 from engine.config import K_BOUND
 from engine.metrics import NotMeasured, Prediction
@@ -241,25 +241,30 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
     model = study.curves[0].model
     own = not isinstance(got, NotMeasured) and got[1].model == model
     alpha, c = (got[0].alpha, got[0].c) if own else (EXAMPLE_ALPHA, EXAMPLE_C)
+    measured_on = got[1].dtype if own else "float32"     # the example's c is a share of an fp32 step
     why = "this run's α, c and r(n) are not all measured yet" if isinstance(got, NotMeasured) else \
         f"this run does not decode {model}"
-    where = f"this run's α {alpha:.2f} and c {c:.3f}" if own else f"α {alpha:.2f} and c {c:.2f} (an example: {why})"
+    where = f"this run's α {alpha:.2f} and c {c:.3f} (of its {measured_on} step)" if own else \
+        f"α {alpha:.2f} and c {c:.2f} of a float32 step (an example: {why})"
     rows = []
-    for curve, name in [(c, f"{c.dtype} weights") for c in study.curves] + \
-            [(c, f"{c.dtype} (its own forward)") for c in study.peer]:
-        best = metrics.best_k(alpha, c, curve.at, k_max)
-        rows.append((name, f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, predicted "
-                     f"{metrics.predicted_speedup(alpha, best, c, curve.at(best + 1)):.2f}× over its own target-only"))
+    for curve, name in [(x, f"{x.dtype} weights") for x in study.curves] + \
+            [(x, f"{x.dtype} (its own forward)") for x in study.peer]:
+        share = draft_share(study, c, measured_on, curve)
+        best = metrics.best_k(alpha, share, curve.at, k_max)
+        rows.append((name, f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, c {share:.3f}, predicted "
+                     f"{metrics.predicted_speedup(alpha, best, share, curve.at(best + 1)):.2f}× over its own "
+                     "target-only"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     lesson = ("A forward that only reads its weights costs about the same for a few rows as for one (r near 1): "
               "the weights are read once either way. Weights that spend work on every row (int8: each input row "
               "is rounded to int8 with its own scale, and integer products cost more per row; int4: each group of "
               "32 codes is unpacked and scaled again for every row) make a "
               "verify of K + 1 rows cost more target steps, so the best K falls and speculation gains less over a "
-              "target step that got cheaper.")
+              "target step that got cheaper. c is the same draft's milliseconds over each curve's own step: the "
+              "cheaper the step, the more a draft weighs.")
     if study.peer:
         lesson += (" Dotted: llama.cpp's own forward on the same files, timed by its llama-bench in the same sitting "
-                   "(its logits for the last row only, so its verify costs at least this; c taken as the same share "
-                   "of its step)" + "".join(_beside(p, study) for p in study.peer) + ".")
+                   "(its logits for the last row only, so its verify costs at least this)"
+                   + "".join(_beside(p, study) for p in study.peer) + ".")
     return (f'<p class="theory-note">At {html.escape(where)}, on the curves above:</p>'
             f'<table class="kv-table">{body}</table><p class="theory-note">{html.escape(lesson)}</p>')

@@ -623,7 +623,7 @@ class LessonDriver:
                      k2=str(2 * self.k), e_k=_num(e_k, 2), e_2k=_num(e_2k, 2), tokens=str(tokens),
                      rounds=str(len(drafted)), tokens_per_round=_num(metrics.tokens_per_round(drafted), 2), c=_num(c),
                      r=_num(r, 2), speedup=_num(metrics.predicted_speedup(alpha, self.k, c, r), 2),
-                     **format_facts(alpha, c, self.k))
+                     **format_facts(alpha, c, self.k, self.run.pair.target.format))
         return _Content(facts, rounds[-1].index, None, YES if e_2k >= 2 * e_k else NO)
 
 
@@ -753,11 +753,12 @@ def rule_output(q_draft: Tensor, p_target: Tensor, rule: Rule) -> RuleOutput:
     return RuleOutput(reach, dist)
 
 
-def format_facts(alpha: float, c: float, k: int) -> dict[str, str]:
+def format_facts(alpha: float, c: float, k: int, measured_on: str = "float32") -> dict[str, str]:
     """The pays step's words on weight formats, from the shipped r(n) study (engine.bench.formats): a verify of
-    K + 1 tokens with fp32, int8 and int4 weights, and the best K under each curve at this run's α and c; and the
-    same for llama.cpp's own forward on the Q4_1 file where the study has it, beside int4's one-token step."""
-    from engine.bench.formats import curve_of, shipped_study
+    K + 1 tokens with fp32, int8 and int4 weights, and the best K under each curve at this run's α and c (c measured
+    against a step in format `measured_on`, carried to each curve's own step: `draft_share`); and the same for
+    llama.cpp's own forward on the Q4_1 file where the study has it, beside int4's one-token step."""
+    from engine.bench.formats import curve_of, draft_share, shipped_study
 
     study = shipped_study()
     facts = dict(k1=str(k + 1), formats_machine=study.machine if study is not None else
@@ -765,7 +766,8 @@ def format_facts(alpha: float, c: float, k: int) -> dict[str, str]:
     for name, dtype in (("fp32", "float32"), ("int8", "int8"), ("int4", "int4"), ("llamacpp_q4", "llama.cpp Q4_1")):
         curve = curve_of(study, dtype) if study is not None else None
         facts[f"{name}_r"] = _num(curve.at(k + 1), 2) if curve is not None else "—"
-        facts[f"best_{name}"] = str(metrics.best_k(alpha, c, curve.at)) if curve is not None else "—"
+        facts[f"best_{name}"] = str(metrics.best_k(alpha, draft_share(study, c, measured_on, curve), curve.at)) \
+            if curve is not None else "—"
         if name in ("int4", "llamacpp_q4"):
             facts[f"{name}_step"] = _num(curve.step_ms, 1) if curve is not None else "—"
     return facts
