@@ -236,6 +236,7 @@ def test_acceptance_chart_matches_the_records(sampled):
     assert sum(lengths.data[0].y) == len([r for r in view.rounds if r.k]) < len(view.rounds)  # the prefill drafts nothing
     per_pos = charts.per_position_figure(view)
     assert len(per_pos.data[0].y) == 4 and per_pos.data[0].y[0] == pytest.approx(metrics.position_rates(view.rounds)[0])
+    assert per_pos.layout.xaxis.dtick == lengths.layout.xaxis.dtick == 1   # positions are whole numbers, ticked so
 
 
 def test_time_and_speedup_charts_use_both_measured_streams(sampled):
@@ -282,10 +283,23 @@ def test_identity_badge(greedy, sampled):
     assert "not expected" in charts.identity_badge(sampled[0])
 
 
+def test_a_speculative_runs_charts_before_its_first_draft_say_why_there_is_none(sampled):
+    from dataclasses import replace
+
+    view, _ = sampled
+    assert view.rounds[0].k == 0 and view.rounds[1].k > 0        # the first round is the prompt's prefill
+    first = charts.per_position_figure(replace(view, rounds=view.rounds[:1])).layout.annotations[0].text
+    assert "the first round reads the prompt" in first
+    unmatched = replace(view, rounds=(view.rounds[0], replace(view.rounds[1], k=0, positions=())))
+    assert metrics.drafted_rounds(unmatched.rounds) == [] and \
+        "once the text repeats" in charts.accepted_length_figure(unmatched).layout.annotations[0].text
+    assert charts.acceptance_figure(view).layout.annotations == ()               # drafts: a chart, no message
+
+
 def test_target_only_charts_say_nothing_was_drafted(builtin_pair, tmp_path_factory):
     view, _ = _run(builtin_pair, tmp_path_factory, Mode.TARGET, 1.0, max_new=6, stop_at_eos=False)
     assert all(r.k == 0 and r.final.outcome is Outcome.BONUS for r in view.rounds)
-    assert "Nothing drafted" in charts.acceptance_figure(view).layout.annotations[0].text
+    assert "nothing is drafted" in charts.acceptance_figure(view).layout.annotations[0].text
     assert stream_html(view, Cursor(shown=len(view.rounds))).count(chip_class(Outcome.BONUS)) == 6
 
 

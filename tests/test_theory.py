@@ -144,6 +144,32 @@ def _curve(dtype: str, r: list[float], model: str = "smollm2") -> RCurve:
     return RCurve(model, "cpu", dtype, 128, ns, [10.0 * x for x in r], r, 10.0, 3)
 
 
+def test_the_study_drawn_is_the_one_from_a_cpu_of_this_machines_make_and_another_makes_is_flagged(tmp_path):
+    """A verify's cost depends on the CPU, so each kind's study ships as its own file; the page draws the one
+    measured on this machine's make where there is one, else the first shipped, and says when that is another
+    make's (with the command that measures this one)."""
+    from engine.bench import formats
+    from playground.render.theory import formats_html
+
+    amd = formats.FormatCurves("Linux AMD EPYC, 2 torch threads", "d", "c", [_curve("float32", [1.0] * 9)])
+    intel = formats.FormatCurves("Linux Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz, 2 torch threads", "d", "c",
+                                 [_curve("float32", [1.0 + 0.1 * (n - 1) for n in range(1, 10)])])
+    for name, study in (("rn-smollm2-formats-amd.json", amd), ("rn-smollm2-formats-intel.json", intel)):
+        formats.write_curves(study, tmp_path / name)
+    (tmp_path / "rn-smollm2-formats-broken.json").write_text("{")          # a study that does not read is passed by
+    shipped = formats._shipped(tmp_path)
+    assert [s.machine for s in shipped] == [amd.machine, intel.machine]
+    assert formats.study_for("Linux Intel(R) Xeon(R) CPU @ 2.20GHz, 2 torch threads", shipped) == intel
+    assert formats.study_for("Linux AMD EPYC 9B14, 2 torch threads", shipped) == amd
+    assert formats.study_for("Darwin arm, 8 torch threads", shipped) == amd       # no maker named: the first
+    assert formats.study_for("Linux AMD EPYC", ()) is None
+    assert formats.study_for("Linux Intel(R) Xeon(R)", (amd,)) == amd
+    away = formats_html(amd, None, machine="Linux Intel(R) Xeon(R) CPU, 2 torch threads")
+    assert 'class="theory-note warn"' in away and "rn-smollm2-formats-intel.json" in away
+    assert "warn" not in formats_html(amd, None, machine="Linux AMD EPYC 7B13, 2 torch threads")
+    assert "warn" not in formats_html(amd, None)
+
+
 def test_a_format_whose_rows_cost_more_gets_a_smaller_best_k_and_the_tab_says_which_alpha_it_used():
     from engine.bench.formats import FormatCurves
     from playground.render.theory import EXAMPLE_ALPHA, EXAMPLE_C, formats_figure, formats_html

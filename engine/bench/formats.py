@@ -25,8 +25,11 @@ from engine.calibration import RCurve
 from engine.sources import ASSETS
 
 FORMATS = ("float32", "int8", "int4")
-# r(n) of SmolLM2 with fp32, int8 and int4 weights, measured one after the other on the AMD EPYC (2026-12-06)
+# r(n) of SmolLM2 with fp32, int8 and int4 weights, measured one after the other, one study per kind of CPU
+# (rn-smollm2-formats-<kind>.json; the AMD EPYC's, 2026-12-06, is shipped)
 SHIPPED = ASSETS / "bench" / "rn-smollm2-formats-amd.json"
+SHIPPED_PATTERN = "rn-smollm2-formats-*.json"
+CPU_VENDORS = ("AMD", "Intel")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +58,38 @@ def read_curves(path: Path) -> FormatCurves:
         raise ValueError(f"{path} is not a weight-format study: {exc}") from None
 
 
-@cache
 def shipped_study() -> FormatCurves | None:
-    """The shipped weight-format study, read once; None when it is missing or does not read."""
-    try:
-        return read_curves(SHIPPED)
-    except ValueError:
-        return None
+    """The shipped weight-format study for this machine's kind of CPU (`study_for`), read once; None when none
+    reads."""
+    from engine.clock import machine_name
+
+    return study_for(machine_name())
+
+
+@cache
+def _shipped(folder: Path = SHIPPED.parent) -> tuple[FormatCurves, ...]:
+    """Every shipped study that reads, the AMD EPYC's first."""
+    studies = []
+    for path in sorted(folder.glob(SHIPPED_PATTERN), key=lambda p: (p != SHIPPED, p.name)):
+        try:
+            studies.append(read_curves(path))
+        except ValueError:
+            continue
+    return tuple(studies)
+
+
+def vendor(machine: str) -> str | None:
+    """The CPU maker a machine's name (`engine.clock.machine_name`) says, from CPU_VENDORS, or None."""
+    return next((v for v in CPU_VENDORS if v.lower() in machine.lower()), None)
+
+
+def study_for(machine: str, studies: tuple[FormatCurves, ...] | None = None) -> FormatCurves | None:
+    """The study measured on a CPU of `machine`'s maker where one is shipped (a verify's cost depends on the CPU:
+    r(5) 1.13 for fp32 on the AMD EPYC, 1.26-1.37 on the Intel Xeon), else the first shipped; None when none is.
+    The page that draws it names the machine it was measured on."""
+    studies = _shipped() if studies is None else studies
+    mine = vendor(machine)
+    return next((s for s in studies if mine is not None and vendor(s.machine) == mine), studies[0] if studies else None)
 
 
 # llama.cpp's curves are named by the file they time; each reads the weights of one of specplay's formats

@@ -9,6 +9,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from engine.bench.formats import shipped_study
+from engine.clock import machine_name
 from playground.render.theory import formats_figure, formats_html, r_figure, recommendation_html, theory_figure
 from playground.view import RunView
 
@@ -31,7 +32,7 @@ def render(view: RunView | None) -> tuple[go.Figure, go.Figure, str, go.Figure, 
     """The tab's outputs for a run's verified rounds."""
     study = shipped_study()
     return (theory_figure(view), r_figure(view), recommendation_html(view), formats_figure(study),
-            formats_html(study, view))
+            formats_html(study, view, machine=machine_name()))
 
 
 def build() -> TheoryPage:
@@ -49,8 +50,9 @@ def build() -> TheoryPage:
         remeasure = gr.Button("⏱ Measure r(n) again", size="sm", elem_id="theory-remeasure")
     gr.Markdown("#### When a forward stops being memory-bound\nThe same model in each of its weight formats, its "
                 "r(n) measured one after the other on one machine, and dotted, llama.cpp's own forward on the same "
-                "weights' files (`python -m engine calibrate --llamacpp`; this copy ships one such measurement): "
-                "what a verify of K + 1 rows costs depends on what a row costs.")
+                "weights' files (`python -m engine calibrate --llamacpp`; this copy ships such measurements and draws "
+                "the one from a CPU of this machine's make where it has one): what a verify of K + 1 rows costs "
+                "depends on what a row costs.")
     formats = gr.Plot(show_label=False, elem_id="theory-formats")
     formats_text = gr.HTML(elem_id="theory-formats-text")
     return TheoryPage(figure, r_curve, recommendation, formats, formats_text, refresh_button, remeasure)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import plotly.graph_objects as go
 
 from engine import metrics
-from engine.config import K_BOUND
+from engine.config import K_BOUND, Mode
 from engine.metrics import NotMeasured, Prediction
 from playground.render.palette import BASELINE_COLOUR, GREEN, GREY, PREDICTED_COLOUR, SPEC_COLOUR, styled_figure
 from playground.view import RunView
@@ -31,8 +31,12 @@ def empty_figure(message: str) -> go.Figure:
 def _no_drafts(view: RunView) -> str | None:
     if not view.rounds:
         return "No rounds yet."
-    if not metrics.drafted_rounds(view.rounds):
-        return "Nothing drafted (target-only, or no n-gram match yet)."
+    if not metrics.drafted_rounds(view.rounds):   # short lines: the message sits in a third of the row
+        if view.info.config.mode is Mode.TARGET:
+            return "Target-only decoding:<br>nothing is drafted."
+        if len(view.rounds) == 1:
+            return "Nothing drafted yet:<br>the first round reads the prompt."
+        return "Nothing drafted yet:<br>prompt lookup drafts<br>once the text repeats."
     return None
 
 
@@ -60,7 +64,7 @@ def per_position_figure(view: RunView) -> go.Figure:
     ys = [None if math.isnan(r) else r for r in rates]
     return chart_figure([go.Bar(x=list(range(1, len(rates) + 1)), y=ys, name="acceptance", marker_color=SPEC_COLOUR)],
                    "Per-position acceptance (a tree: per depth)", "draft position or tree depth",
-                   "accepted / verified", yaxis_range=[0, 1.05])
+                   "accepted / verified", yaxis_range=[0, 1.05], xaxis_dtick=1)
 
 
 def accepted_length_figure(view: RunView) -> go.Figure:

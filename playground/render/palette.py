@@ -124,6 +124,7 @@ def stylesheet() -> str:
 .badge.ok { background: #009E7333; border: 2px solid #009E73; }
 .badge.bad { background: #D55E0033; border: 2px solid #D55E00; }
 .badge.na { background: #99999933; border: 2px dotted #999999; }
+.theory-note.warn { border-left: 4px solid #D55E00; padding-left: 8px; }
 .kv-table { border-collapse: collapse; font-size: 13px; }
 .kv-table td, .kv-table th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 """

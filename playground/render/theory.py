@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine import metrics
-from engine.bench.formats import PEER_FORMATS, FormatCurves, curve_of, draft_share
+from engine.bench.formats import PEER_FORMATS, FormatCurves, curve_of, draft_share, vendor
 from engine.calibration import RCurve
 from engine.config import K_BOUND
 from engine.metrics import NotMeasured, Prediction
@@ -232,9 +232,11 @@ def _beside(peer: RCurve, study: FormatCurves) -> str:
             f"specplay's {own.step_ms:.1f} ms ({own.dtype}), r(3) {peer.at(3):.2f} against {own.at(3):.2f}")
 
 
-def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = K_BOUND) -> str:
+def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = K_BOUND,
+                 machine: str | None = None) -> str:
     """What each format's r(n) means for K: the best K and its predicted speed-up under each curve, at this run's
-    α and c when the run decodes the measured model, else at an example α and c (said so)."""
+    α and c when the run decodes the measured model, else at an example α and c (said so). `machine`: the one
+    serving the page (`engine.clock.machine_name`); a study from another maker's CPU says so."""
     if study is None:
         return ""
     got = inputs(view)
@@ -266,5 +268,18 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
         lesson += (" Dotted: llama.cpp's own forward on the same files, timed by its llama-bench in the same sitting "
                    "(its logits for the last row only, so its verify costs at least this)"
                    + "".join(_beside(p, study) for p in study.peer) + ".")
-    return (f'<p class="theory-note">At {html.escape(where)}, on the curves above:</p>'
+    return (_elsewhere(study, machine) + f'<p class="theory-note">At {html.escape(where)}, on the curves above:</p>'
             f'<table class="kv-table">{body}</table><p class="theory-note">{html.escape(lesson)}</p>')
+
+
+def _elsewhere(study: FormatCurves, machine: str | None) -> str:
+    """A warning where the study was measured on another maker's CPU than the one serving the page."""
+    mine, theirs = (vendor(machine) if machine else None), vendor(study.machine)
+    if mine is None or mine == theirs:
+        return ""
+    command = f"python -m engine calibrate --json assets/bench/rn-smollm2-formats-{mine.lower()}.json"
+    text = html.escape(f"These curves were measured on {study.machine}, and this machine is {machine}: no study "
+                       f"from an {mine} CPU ships with this copy, and a verify's cost depends on the CPU. ")
+    return (f'<p class="theory-note warn">{text}<code>{html.escape(command)}</code> measures this one (a few '
+            "minutes), and the page draws it from the next start.</p>")
+
