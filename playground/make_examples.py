@@ -21,7 +21,7 @@ from engine.prompts import ChatPrompt
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN, SMOLLM2, smollm2_gguf
 from playground.pages.traces import EXAMPLES_DIR
-from playground.registry import CODE_EXAMPLES, SMOLLM2_RECOMMENDED, local_presets
+from playground.registry import CODE_EXAMPLES, SMOLLM2_RECOMMENDED, app_calibration, local_presets
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +54,15 @@ def welcome_config() -> SpecConfig:
 
 
 def record_welcome(out: Path) -> Path:
-    """The welcome run on the first offline pair (SmolLM2 with the head it lists first)."""
+    """The welcome run on the first offline pair (SmolLM2 with the head it lists first), with the target's r(n)
+    measured first so that the page shows the prediction beside the measurement. Record it alone on the machine."""
     first = local_presets()[0]
     target = load_model(SMOLLM2)
     path = out / f"{WELCOME}.jsonl"
-    run = ComparedRun(ModelPair(target, eagle=load_eagle(first.eagle, target)), ChatPrompt(WELCOME_QUESTION),
-                      welcome_config(), trace_path=path)
+    pair = ModelPair(target, eagle=load_eagle(first.eagle, target))
+    curve = app_calibration(target)       # measured before the run, as the app's is when a pair loads
+    run = ComparedRun(pair, ChatPrompt(WELCOME_QUESTION), welcome_config(), trace_path=path)
+    run.set_calibration(curve)           # traced: the welcome run shows its prediction beside its measurement
     run.run_to_end()
     run.close()
     return path
@@ -69,8 +72,15 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=EXAMPLES_DIR)
     ap.add_argument("--prompt", default=CODE_EXAMPLES[0])
+    ap.add_argument("--welcome-only", action="store_true", help="record SmolLM2's welcome run only")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.welcome_only:
+        if smollm2_gguf() is None:
+            print("SmolLM2's wheel is not installed: the welcome run needs it (see the README)", file=sys.stderr)
+            return 1
+        print(f"{record_welcome(args.out).name}: SmolLM2's welcome run")
+        return 0
     draft, target = load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
     for ex in EXAMPLES:
         path = args.out / f"{ex.name}.jsonl"

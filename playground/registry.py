@@ -273,6 +273,12 @@ def _key(source: str, role: str, device: torch.device, weights: str = "fp32") ->
     return source, role if source == BUILTIN else "", str(device), weights
 
 
+def app_calibration(target: LoadedModel, stop: threading.Event | None = None, gate: ComputeGate | None = None) -> RCurve:
+    """The target's r(n) as the app measures it when a pair loads (128 tokens of context; 3 repeats of each
+    forward for a target over 256 MiB, 5 below): the welcome run's recording (playground.make_examples) too."""
+    return calibrate(target, context=128, repeats=3 if target.weight_bytes > 2**28 else 5, stop=stop, gate=gate)
+
+
 _OPEN: weakref.WeakSet = weakref.WeakSet()   # every registry, so that exit stops their calibrations
 
 
@@ -497,8 +503,7 @@ class ModelRegistry:
 
     def _measure(self, target: LoadedModel, future: Future) -> None:
         try:
-            measure = self._calibrate or (lambda t: calibrate(t, context=128, repeats=3 if t.weight_bytes > 2**28 else 5,
-                                                              stop=self._stop, gate=self.gate))
+            measure = self._calibrate or (lambda t: app_calibration(t, stop=self._stop, gate=self.gate))
             curve = measure(target)
             if self._calibrate is None:
                 _MEASURED[target.model] = curve

@@ -237,6 +237,7 @@ def test_acceptance_chart_matches_the_records(sampled):
     per_pos = charts.per_position_figure(view)
     assert len(per_pos.data[0].y) == 4 and per_pos.data[0].y[0] == pytest.approx(metrics.position_rates(view.rounds)[0])
     assert per_pos.layout.xaxis.dtick == lengths.layout.xaxis.dtick == 1   # positions are whole numbers, ticked so
+    assert lengths.layout.yaxis.dtick == (1 if max(lengths.data[0].y) <= 10 else None)    # and so are round counts
 
 
 def test_time_and_speedup_charts_use_both_measured_streams(sampled):

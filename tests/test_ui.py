@@ -140,10 +140,14 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
 
     trace = load_trace(EXAMPLES_DIR / f"{WELCOME}.jsonl")
     assert trace.complete and trace.config == welcome_config()   # recorded as the pair recommends
+    assert trace.calibration is not None and trace.calibration.model == "smollm2"   # so its prediction shows
     handlers.welcome = view_from_trace(trace, "welcome")
     shown = welcome_cursor(handlers.welcome).shown
     assert trace.rounds[shown - 1].accepted == trace.rounds[shown - 1].k > 0      # up to a fully accepted round
     assert not any(r.k and r.accepted == r.k for r in trace.rounds[: shown - 1])
+    from engine.metrics import Prediction
+
+    assert isinstance(handlers.welcome.prediction(), Prediction)
     out = handlers.on_load(None)
     assert out[0].startswith(WELCOME_NOTE) and f"Round {shown} of {len(trace.rounds)}" in out[0]
     assert isinstance(out[DETAIL - 1], go.Figure) and out[STREAM - 1].count('class="round-sep"') == shown

@@ -74,8 +74,10 @@ def accepted_length_figure(view: RunView) -> go.Figure:
     drafted = metrics.drafted_rounds(view.rounds)
     counts = Counter(r.accepted for r in drafted)
     xs = list(range(0, max(r.k for r in drafted) + 1))
-    return chart_figure([go.Bar(x=xs, y=[counts.get(x, 0) for x in xs], name="rounds", marker_color=SPEC_COLOUR)],
-                   "Accepted drafts per round", "accepted drafts", "rounds", xaxis_dtick=1)
+    ys = [counts.get(x, 0) for x in xs]
+    return chart_figure([go.Bar(x=xs, y=ys, name="rounds", marker_color=SPEC_COLOUR)],
+                   "Accepted drafts per round", "accepted drafts", "rounds", xaxis_dtick=1,
+                   yaxis_dtick=1 if max(ys) <= 10 else None)    # a count of rounds: no half-rounds on its axis
 
 
 def tokens_time_figure(view: RunView) -> go.Figure:
