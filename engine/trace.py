@@ -29,14 +29,15 @@ from typing import IO, Any
 
 from engine import typed_json
 from engine.calibration import RCurve
+from engine.clock import machine_name
 from engine.config import K_BOUND, SpecConfig, TreeSpec
 from engine.models import LoadedModel
 from engine.prompts import ChatPrompt
 from engine.records import Outcome, RoundRecord, RunSummary
 from engine.sampling import SamplingParams
 
-TRACE_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)   # older traces are upgraded as they are read (see `_upgrade_round`)
+TRACE_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)   # older traces are upgraded as they are read (see `_upgrade_round`)
 # A maximal trace must load and replay in a few seconds on a small CPU (see tests/test_trace.py):
 # about 16 MiB is some 2,500 rounds with candidates recorded, far more than a visitor's run.
 MAX_TRACE_BYTES = 16 * 2**20
@@ -67,6 +68,7 @@ class TraceHeader:
     seed: int
     chat: ChatPrompt | None = None   # the chat turn the prompt ids were templated from (None: raw text)
     eagle: str | None = None     # the EAGLE head the run drafted with, when it used one
+    machine: str | None = None   # what it ran on (engine.clock.machine_name); None in traces before version 4
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: 
         dtypes={role: m.format for role, m in roles.items()},
         versions={"python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "specplay": _specplay_version()},
-        seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None)
+        seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None, machine=machine_name())
 
 
 # ---------------------------------------------------------------------------- records <-> dicts
@@ -332,6 +334,8 @@ def header_from_dict(data: dict) -> TraceHeader:
                          f"versions {', '.join(map(str, READABLE_VERSIONS))})")
     if isinstance(data, dict) and data.get("version") == 1:
         data = {"chat": None, "eagle": None, **data}   # version 1 had neither chat prompts nor EAGLE heads
+    if isinstance(data, dict) and data.get("version") in (1, 2, 3):
+        data = {"machine": None, **data}               # nor, before version 4, the machine's name
     header = _decode(TraceHeader, data, "header")
     negative = next((i for i, t in enumerate(header.prompt_ids) if t < 0), None)
     if negative is not None:

@@ -446,3 +446,18 @@ def test_wilson_interval_covers_the_proportion_and_narrows_with_trials():
     assert (lo, hi) == pytest.approx((0.1078, 0.6032), abs=1e-4)      # Wilson 1927, z = 1.96
     assert metrics.wilson_interval(30, 100)[1] - metrics.wilson_interval(30, 100)[0] < hi - lo
     assert metrics.wilson_interval(0, 0) == (0.0, 1.0) and metrics.wilson_interval(5, 5)[1] == 1.0
+
+
+def test_the_compare_table_names_each_traces_machine_where_it_was_recorded():
+    """Timings differ between machines, so two traces compared side by side say what each ran on (traces from
+    version 4 on record it; older ones say it was not recorded)."""
+    from engine.trace import load_trace
+    from playground.pages.traces import EXAMPLES_DIR
+    from playground.render.compare import ROW_NAMES, compare_table_html
+    from playground.view import view_from_trace
+
+    welcome, older = (load_trace(EXAMPLES_DIR / name) for name in ("welcome_smollm2.jsonl", "v2_k4_greedy.jsonl"))
+    assert welcome.header.machine and older.header.version < 4 and older.header.machine is None
+    table = compare_table_html(view_from_trace(welcome, "a"), view_from_trace(older, "b"))
+    assert len(ROW_NAMES) + 1 == table.count("<tr>")     # a heading row, then one per name
+    assert f"<tr><th>machine</th><td>{welcome.header.machine}</td><td>— (not recorded)</td></tr>" in table

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from engine import trace as trace_mod
+from engine.clock import machine_name
 from engine.compared import ComparedRun
 from engine.config import SpecConfig
 from engine.pair import ModelPair
@@ -80,6 +81,7 @@ def test_load_trace_round_trips_exactly(traced, tiny_pair) -> None:
     assert (h.target, h.draft) == (tiny_pair[1].name, tiny_pair[0].name)
     assert h.devices == {"target": "cpu", "draft": "cpu"} and h.dtypes["draft"] == "float32"
     assert set(h.versions) == {"python", "torch", "transformers", "specplay"}
+    assert h.machine == machine_name() and "torch threads" in h.machine     # figures name the machine they ran on
     assert t.config == CONFIG == config_from_dict(h.config)         # parsed once, by the reader
     assert load_trace(path.read_bytes()) == t
 
@@ -282,6 +284,18 @@ def test_csv_has_one_row_per_round(traced, tmp_path) -> None:
     assert df["final_outcome"].tolist() == [r.final.outcome.value for r in rounds]
     assert df["tokens_total"].iloc[-1] == CONFIG.max_new_tokens
     assert list(rounds_dataframe([]).columns) == list(ROUND_COLUMNS)
+
+
+def test_a_trace_from_before_version_4_names_no_machine_and_a_version_4_header_must(traced, tmp_path) -> None:
+    path, _ = traced
+    objs = lines_of(path)
+    del objs[0]["data"]["machine"]
+    objs[0]["data"]["version"] = 3
+    old = load_trace(write_lines(tmp_path / "v3.jsonl", objs))
+    assert old.header.version == 3 and old.header.machine is None and old.rounds == load_trace(path).rounds
+    objs[0]["data"]["version"] = TRACE_VERSION
+    with pytest.raises(TraceError, match="missing key.*machine"):
+        load_trace(write_lines(tmp_path / "v4.jsonl", objs))
 
 
 def test_version_1_traces_are_upgraded_as_they_are_read() -> None:

@@ -150,6 +150,7 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
     assert isinstance(handlers.welcome.prediction(), Prediction)
     out = handlers.on_load(None)
     assert out[0].startswith(WELCOME_NOTE) and f"Round {shown} of {len(trace.rounds)}" in out[0]
+    assert f"recorded on {trace.header.machine}" in out[0] and trace.header.machine   # the figures' machine, named
     assert isinstance(out[DETAIL - 1], go.Figure) and out[STREAM - 1].count('class="round-sep"') == shown
     assert handlers.on_show(Panel.DETAIL)(None, None)[STATUS].startswith(WELCOME_NOTE)   # fired as a page loads
     assert len(handlers.ctx.pool) == 0

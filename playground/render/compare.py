@@ -24,7 +24,8 @@ def _row(view: RunView) -> list[str]:
     tokens = last.tokens_total if last else 0
     pred = view.prediction()
     return [view.source, view.info.label(), view.info.target, view.info.draft or "—",
-            ", ".join(f"{k}: {v}" for k, v in view.info.devices.items()), str(len(view.rounds)), str(tokens),
+            ", ".join(f"{k}: {v}" for k, v in view.info.devices.items()), view.info.machine or "— (not recorded)",
+            str(len(view.rounds)), str(tokens),
             _fmt(metrics.draft_acceptance(view.rounds)), _fmt(metrics.alpha(view.rounds)),
             _fmt(metrics.tokens_per_round(view.rounds), ".2f"),
             _fmt(metrics.cost_ratio(view.rounds, view.baseline)),
@@ -34,7 +35,7 @@ def _row(view: RunView) -> list[str]:
             str(sum(r.target_forwards for r in view.rounds))]
 
 
-ROW_NAMES = ("trace", "settings", "target", "draft", "devices", "rounds", "tokens",
+ROW_NAMES = ("trace", "settings", "target", "draft", "devices", "machine", "rounds", "tokens",
              "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per drafted round (τ)", "c (measured)",
              "r(K+1) (calibrated)", "speed-up measured ×", "speed-up predicted ×", "target forwards")
 

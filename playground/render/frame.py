@@ -88,7 +88,8 @@ def _where(view: RunView | None, cursor: Cursor) -> str:
     if view is None:
         return "No run yet: press **Step** (or **Reset**) to start one with these settings."
     total = len(view.rounds)
-    where = "live" if view.source == "live" else f"replaying {view.source}"
+    where = "live" if view.source == "live" else f"replaying {view.source}" + \
+        (f", recorded on {view.info.machine}" if view.info.machine else "")
     state = "finished" if view.complete and cursor.shown >= total else "running" if view.source == "live" else "replay"
     pending = " — drafts pending: **Step** reveals the verification" if not cursor.revealed else ""
     models = f"target `{view.info.target}` ({weights_words(view.info.dtypes.get('target'))})" + \
