@@ -125,6 +125,9 @@ def stylesheet() -> str:
 .badge.bad { background: #D55E0033; border: 2px solid #D55E00; }
 .badge.na { background: #99999933; border: 2px dotted #999999; }
 .theory-note.warn { border-left: 4px solid #D55E00; padding-left: 8px; }
+/* the lesson's step titles sit centred under their dots; the first and last would spill past the page's edge */
+#lesson-walkthrough .step-item:first-child .step-label { left: 0; width: max-content; max-width: none; text-align: left; }
+#lesson-walkthrough .step-item:last-child .step-label { left: auto; right: 0; width: max-content; max-width: none; text-align: right; }
 .kv-table { border-collapse: collapse; font-size: 13px; }
 .kv-table td, .kv-table th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 """
