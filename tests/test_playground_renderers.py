@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
@@ -341,15 +342,19 @@ def test_the_speedup_series_in_one_pass_equals_reading_every_prefix(fixture, req
         if not isinstance(pred, metrics.NotMeasured):  # by hand, as Leviathan writes it
             steps = sub.rounds[1:]
             e = lambda k: sum(pred.alpha**i for i in range(k + 1)) if k else 1.0  # noqa: E731
-            cost = sum(pred.c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0) for r in steps)
-            assert predicted[n - 1] == pytest.approx(sum(e(r.k) for r in steps) / cost)
+            e_at = lambda a, k: sum(a**i for i in range(k + 1)) if k else 1.0  # noqa: E731
+
+            def cost(a: float) -> float:   # v1 commits each round's E tokens in a second forward (commit_rows)
+                return sum(pred.c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0)
+                           + (curve.at(max(1, round(e_at(a, r.k)))) if r.mode is Mode.V1 else 0.0) for r in steps)
+
+            assert predicted[n - 1] == pytest.approx(sum(e(r.k) for r in steps) / cost(pred.alpha))
             lo, hi = band[n - 1]          # the same formula at the ends of α's Wilson interval
             a_lo, a_hi = metrics.wilson_interval(sum(r.accepted for r in steps if r.k),
                                                  sum(r.verified for r in steps if r.k))
             assert a_lo <= pred.alpha <= a_hi and lo <= predicted[n - 1] <= hi
-            e_at = lambda a, k: sum(a**i for i in range(k + 1)) if k else 1.0  # noqa: E731
-            assert (lo, hi) == pytest.approx((sum(e_at(a_lo, r.k) for r in steps) / cost,
-                                              sum(e_at(a_hi, r.k) for r in steps) / cost))
+            assert (lo, hi) == pytest.approx((sum(e_at(a_lo, r.k) for r in steps) / cost(a_lo),
+                                              sum(e_at(a_hi, r.k) for r in steps) / cost(a_hi)))
         else:
             assert band[n - 1] is None
     assert sum(p is not None for p in predicted) >= len(xs) - 2   # the prediction appears once c is measured
@@ -432,13 +437,15 @@ def test_the_verdict_says_whether_speculation_pays_here_and_if_not_why():
 
     flat = lambda n: 1.0                         # noqa: E731  a memory-bound verify: r(n) = 1
     steep = lambda n: 1.0 + 0.2 * (n - 1)        # noqa: E731  a CPU whose verify of n rows costs more
-    assert charts.verdict(SimpleNamespace(alpha=0.8, c=0.05), flat).startswith("predicted to pay: ")
-    low = charts.verdict(SimpleNamespace(alpha=0.3, c=0.067), steep)
+    assert charts.verdict(SimpleNamespace(alpha=0.8, c=0.05, commit=False), flat).startswith("predicted to pay: ")
+    low = charts.verdict(SimpleNamespace(alpha=0.3, c=0.067, commit=False), steep)
     # at α 0.3 the best K is 1: E = 1.3 tokens for c + r(2) = 0.067 + 1.2 steps, 1.03×; at c = 0.2 it cannot pay
     assert low.startswith("predicted to pay: 1.03× at K = 1")
-    worse = charts.verdict(SimpleNamespace(alpha=0.3, c=0.2), steep)
+    worse = charts.verdict(SimpleNamespace(alpha=0.3, c=0.2, commit=False), steep)
     assert worse.startswith("not predicted to pay: even the best K (1) gives 0.93×")
     assert "1.30 tokens for the time of 1.40 target steps (α 0.30, c 0.200, r(2) 1.20" in worse
+    v1 = charts.verdict(SimpleNamespace(alpha=0.3, c=0.067, commit=True), steep)   # v1 pays r(1) = 1 more a round
+    assert v1.startswith("not predicted to pay: even the best K (1) gives 0.57×") and "v1's commit forward 1.00" in v1
 
 
 def test_wilson_interval_covers_the_proportion_and_narrows_with_trials():
@@ -456,7 +463,8 @@ def test_the_compare_table_names_each_traces_machine_where_it_was_recorded():
     from playground.render.compare import ROW_NAMES, compare_table_html
     from playground.view import view_from_trace
 
-    welcome, older = (load_trace(EXAMPLES_DIR / name) for name in ("welcome_smollm2.jsonl", "v2_k4_greedy.jsonl"))
+    data = Path(__file__).parent / "data"
+    welcome, older = load_trace(EXAMPLES_DIR / "welcome_smollm2.jsonl"), load_trace(data / "trace_v1.jsonl")
     assert welcome.header.machine and older.header.version < 4 and older.header.machine is None
     table = compare_table_html(view_from_trace(welcome, "a"), view_from_trace(older, "b"))
     assert len(ROW_NAMES) + 1 == table.count("<tr>")     # a heading row, then one per name

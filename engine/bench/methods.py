@@ -94,10 +94,14 @@ class Method:
             return "none"
         return "heuristic" if self.name.endswith("-heuristic") else "constant"
 
+    @property
+    def mode(self) -> Mode:
+        base = self.name.removesuffix("-heuristic")
+        return {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1}.get(base, Mode.V2)
+
     def spec_config(self, new_tokens: int) -> SpecConfig:
         """The engine config of an engine method: greedy, no EOS stop (exact token counts), no UI records."""
-        base = self.name.removesuffix("-heuristic")
-        mode = {"target": Mode.TARGET, "target-transformers": Mode.TARGET, "v1": Mode.V1}.get(base, Mode.V2)
+        base, mode = self.name.removesuffix("-heuristic"), self.mode
         drafter = DrafterKind(self.drafter) if self.drafter != "none" else DrafterKind.MODEL
         schedule = KSchedule.HEURISTIC if self.schedule == "heuristic" else KSchedule.CONSTANT
         extra = {"ngram_min": 2} if base == "ngram-min2" else {}

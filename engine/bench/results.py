@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from engine import metrics
 from engine.bench.methods import REFERENCE, UNDRAFTED, Method
 from engine.bench.runs import Phases, RunSample
+from engine.config import Mode
 from engine.metrics import PredictionGap, median
 
 
@@ -134,15 +135,16 @@ def predict_runs(method: Method, first: Sequence[RunSample], c: float, r_of_n: C
     checks = [c for s in first for c in s.checks]
     rates = metrics.per_position_acceptance(checks, max(depths)) if checks else []
     e_iid = lambda k: metrics.expected_tokens_per_round(alpha, k)  # noqa: E731
-    tokens, cost = metrics.formula_terms(e_iid, rounds_k, forwards, c, r_of_n, depths)
+    commit = method.mode is Mode.V1          # v1's rounds each run a commit forward too
+    tokens, cost = metrics.formula_terms(e_iid, rounds_k, forwards, c, r_of_n, depths, commit)
     iid = tokens / cost if cost > 0 else math.nan
     by_rates = metrics.predicted_over_rounds(lambda k: metrics.expected_tokens_from_rates(rates, k), rounds_k,
-                                             forwards, c, r_of_n, depths) if rates else math.nan
+                                             forwards, c, r_of_n, depths, commit) if rates else math.nan
     tokens_factor = verify_factor = math.nan
     if r_run:
         tokens_factor, verify_factor = metrics.gap_factors(e_iid, rounds_k, forwards, c, r_of_n,
                                                            lambda n: r_at(r_run, n - 1), depths,
-                                                           sum(len(s.tokens) for s in first))
+                                                           sum(len(s.tokens) for s in first), commit)
     return Prediction(iid, by_rates, alpha, rates, tokens_factor, verify_factor)
 
 

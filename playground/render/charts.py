@@ -99,6 +99,7 @@ def speedup_figure(view: RunView) -> go.Figure:
     if not view.rounds or not view.baseline:
         return empty_figure("Needs a target-only baseline (not recorded in target-only mode).")
     xs, measured, predicted, band = speedup_series(view)
+    v1 = view.info.config.mode is Mode.V1
     parity = dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=1.0, y1=1.0, line=dict(color=GREY, width=1))
     lows, highs = [b[0] if b else None for b in band], [b[1] if b else None for b in band]
     # the prediction's band: α's 95% interval over the positions verified so far (wide after a few rounds)
@@ -107,7 +108,7 @@ def speedup_figure(view: RunView) -> go.Figure:
                 go.Scatter(x=xs, y=lows, mode="lines", line=dict(width=0, color=PREDICTED_COLOUR), fill="tonexty",
                            fillcolor="rgba(230, 159, 0, 0.18)", name="predicted with α's 95% interval")]
     return chart_figure([go.Scatter(x=xs, y=measured, name="measured", mode="lines+markers", line=dict(color=SPEC_COLOUR)),
-                         go.Scatter(x=xs, y=predicted, name="predicted: E(α, K) / (cK + r(K+1)), all measured",
+                         go.Scatter(x=xs, y=predicted, name=f"predicted: {metrics.formula_text(v1)}, all measured",
                                     mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot")),
                          *interval],
                         "Speed-up over target-only", "round", "× target-only", shapes=[parity])
@@ -163,13 +164,16 @@ def summary_html(view: RunView | None) -> str:
 def verdict(pred: Prediction, r_of_n: Callable[[int], float], k_max: int = K_BOUND) -> str:
     """Whether speculation is predicted to pay at its best K for this run's α, c and r(n), and when it is not, why:
     what a round at that K yields against what it costs, in target steps."""
-    best = metrics.best_k(pred.alpha, pred.c, r_of_n, k_max)
-    tokens, cost = metrics.expected_tokens_per_round(pred.alpha, best), pred.c * best + r_of_n(best + 1)
+    best = metrics.best_k(pred.alpha, pred.c, r_of_n, k_max, pred.commit)
+    tokens = metrics.expected_tokens_per_round(pred.alpha, best)
+    commit = r_of_n(metrics.commit_rows(tokens)) if pred.commit else 0.0
+    cost = pred.c * best + r_of_n(best + 1) + commit
+    second = f", and v1's commit forward {commit:.2f}" if pred.commit else ""
     if tokens / cost > 1.0:
         return f"predicted to pay: {tokens / cost:.2f}× at K = {best}"
     return (f"not predicted to pay: even the best K ({best}) gives {tokens / cost:.2f}×, since a round yields "
             f"{tokens:.2f} tokens for the time of {cost:.2f} target steps (α {pred.alpha:.2f}, c {pred.c:.3f}, "
-            f"r({best + 1}) {r_of_n(best + 1):.2f} on this machine)")
+            f"r({best + 1}) {r_of_n(best + 1):.2f} on this machine{second})")
 
 
 def _gap_text(view: RunView) -> str:

@@ -38,7 +38,7 @@ class TheoryCurves:
     expected: tuple[float, ...]        # E(alpha, K) = sum_{i<=K} alpha^i
     expected_rates: tuple[float, ...]  # E from the measured per-position rates
     r: tuple[float, ...]               # r(K + 1), calibrated
-    speedup: tuple[float, ...]         # E(alpha, K) / (cK + r(K + 1))
+    speedup: tuple[float, ...]         # E(alpha, K) / (cK + r(K + 1)), + r(E) for v1 (`metrics.formula_text`)
     best_k: int                        # metrics.best_k
 
     @property
@@ -46,13 +46,18 @@ class TheoryCurves:
         return self.speedup[self.ks.index(self.best_k)]
 
 
+V1_NOTE = ("; v1 verifies without writing, then commits the round's E tokens in a second forward, r(E) of a "
+           "step more")
+
+
 def theory_curves(pred: Prediction, curve: RCurve, k_max: int = K_BOUND) -> TheoryCurves:
     ks = tuple(range(1, k_max + 1))
     return TheoryCurves(
         ks, tuple(metrics.expected_tokens_per_round(pred.alpha, k) for k in ks),
         tuple(metrics.expected_tokens_from_rates(pred.rates, k) for k in ks),
-        tuple(curve.at(k + 1) for k in ks), tuple(metrics.speedup_curve(pred.alpha, pred.c, curve.at, k_max)),
-        metrics.best_k(pred.alpha, pred.c, curve.at, k_max))
+        tuple(curve.at(k + 1) for k in ks),
+        tuple(metrics.speedup_curve(pred.alpha, pred.c, curve.at, k_max, pred.commit)),
+        metrics.best_k(pred.alpha, pred.c, curve.at, k_max, pred.commit))
 
 
 def measured_points(view: RunView) -> tuple[MeasuredPoint, ...]:
@@ -91,7 +96,7 @@ def theory_figure(view: RunView | None, k_max: int = K_BOUND) -> go.Figure:
     fig.add_trace(go.Scatter(x=[p.k for p in points], y=[p.tokens_per_round for p in points], mode="markers",
                              name="measured tokens per round", marker=dict(color=SPEC_COLOUR, size=12, symbol="diamond"),
                              text=[f"{p.rounds} rounds at K={p.k}" for p in points]), row=1, col=1)
-    fig.add_trace(go.Scatter(x=ks, y=list(curves.speedup), mode="lines+markers", name="E(α, K) / (cK + r(K+1))",
+    fig.add_trace(go.Scatter(x=ks, y=list(curves.speedup), mode="lines+markers", name=metrics.formula_text(pred.commit),
                              line=dict(color=PREDICTED_COLOUR, dash="dot")), row=1, col=2)
     measured = metrics.measured_speedup(view.rounds, view.baseline)
     if measured is not None:
@@ -170,7 +175,8 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
     pred, curve = got
     curves = theory_curves(pred, curve, k_max)
     measured = metrics.measured_speedup(view.rounds, view.baseline)
-    rows = [("recommended K", f"{curves.best_k} (the maximum of E(α, K) / (cK + r(K+1)) over K = 1..{k_max})"),
+    rows = [("recommended K", f"{curves.best_k} (the maximum of {metrics.formula_text(pred.commit)} over K = "
+                              f"1..{k_max}{V1_NOTE if pred.commit else ''})"),
             ("verdict", verdict(pred, curve.at, k_max)),
             ("α: accepted / verified positions (the formula's input)", f"{pred.alpha:.3f}"),
             ("draft acceptance rate: accepted / drafted (for comparison)", f"{pred.draft_acceptance:.3f}"),
