@@ -164,6 +164,9 @@ def test_the_study_drawn_is_the_one_from_a_cpu_of_this_machines_make_and_another
     assert formats.study_for("Darwin arm, 8 torch threads", shipped) == amd       # no maker named: the first
     assert formats.study_for("Linux AMD EPYC", ()) is None
     assert formats.study_for("Linux Intel(R) Xeon(R)", (amd,)) == amd
+    genoa = formats.FormatCurves("Linux AMD EPYC 9B14, 2 torch threads", "d", "c", amd.curves)
+    assert formats.study_for(genoa.machine, (amd, genoa)) == genoa                  # this very machine first
+    assert formats.study_for("Linux AMD EPYC 7B13, 2 torch threads", (amd, genoa)) == amd   # else its maker's first
     away = formats_html(amd, None, machine="Linux Intel(R) Xeon(R) CPU, 2 torch threads")
     assert 'class="theory-note warn"' in away and "rn-smollm2-formats-intel.json" in away
     assert "warn" not in formats_html(amd, None, machine="Linux AMD EPYC 7B13, 2 torch threads")

@@ -84,12 +84,14 @@ def vendor(machine: str) -> str | None:
 
 
 def study_for(machine: str, studies: tuple[FormatCurves, ...] | None = None) -> FormatCurves | None:
-    """The study measured on a CPU of `machine`'s maker where one is shipped (a verify's cost depends on the CPU:
-    r(5) 1.13 for fp32 on the AMD EPYC, 1.26-1.37 on the Intel Xeon), else the first shipped; None when none is.
-    The page that draws it names the machine it was measured on."""
+    """The study measured on this very machine (its name and thread count) where one is shipped, else on a CPU of
+    `machine`'s maker (a verify's cost depends on the CPU: r(5) 1.13 for fp32 on the AMD EPYC, 1.26-1.37 on the
+    Intel Xeon), else the first shipped; None when none is. The page that draws it names the machine it was
+    measured on."""
     studies = _shipped() if studies is None else studies
     mine = vendor(machine)
-    return next((s for s in studies if mine is not None and vendor(s.machine) == mine), studies[0] if studies else None)
+    return next((s for s in studies if s.machine == machine), None) or \
+        next((s for s in studies if mine is not None and vendor(s.machine) == mine), studies[0] if studies else None)
 
 
 # llama.cpp's curves are named by the file they time; each reads the weights of one of specplay's formats
