@@ -257,3 +257,25 @@ def test_the_calibrate_command_measures_each_format_and_keeps_what_it_printed(tm
     with pytest.raises(ValueError, match="is not a weight-format study"):
         read_curves(out)
     assert main(["--dtypes", "int2"]) == 2
+
+
+def test_a_v1_run_is_priced_with_its_commit_forward_on_every_format_curve():
+    """The formats table prices the run's own α and c on each curve; a v1 run's rounds also pay their commit
+    forward there, as in the run's own prediction (metrics.commit_rows)."""
+    import re
+    from dataclasses import replace
+
+    from engine.bench.formats import FormatCurves
+    from engine.config import Mode
+    from engine.trace import load_trace
+    from playground.pages.traces import EXAMPLES_DIR
+    from playground.render.theory import formats_html
+    from playground.view import view_from_trace
+
+    v1 = view_from_trace(load_trace(EXAMPLES_DIR / "v1_k4_sampled.jsonl"), "v1")
+    model = v1.calibration.model
+    study = FormatCurves("Some CPU", "d", "c", [_curve("float32", [1.0 + 0.05 * (n - 1) for n in range(1, 34)], model)])
+    as_v2 = replace(v1, rounds=tuple(replace(r, mode=Mode.V2) for r in v1.rounds))
+    assert v1.prediction().commit and not as_v2.prediction().commit
+    speedups = [float(re.search(r"predicted ([0-9.]+)×", formats_html(study, v)).group(1)) for v in (v1, as_v2)]
+    assert "this run&#x27;s α" in formats_html(study, v1) and speedups[0] < speedups[1]

@@ -249,6 +249,7 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
     model = study.curves[0].model
     own = not isinstance(got, NotMeasured) and got[1].model == model
     alpha, c = (got[0].alpha, got[0].c) if own else (EXAMPLE_ALPHA, EXAMPLE_C)
+    commit = own and got[0].commit        # a v1 run's rounds pay their commit forward on every curve too
     measured_on = got[1].dtype if own else "float32"     # the example's c is a share of an fp32 step
     why = "this run's α, c and r(n) are not all measured yet" if isinstance(got, NotMeasured) else \
         f"this run does not decode {model}"
@@ -258,10 +259,11 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
     for curve, name in [(x, f"{x.dtype} weights") for x in study.curves] + \
             [(x, f"{x.dtype} (its own forward)") for x in study.peer]:
         share = draft_share(study, c, measured_on, curve)
-        best = metrics.best_k(alpha, share, curve.at, k_max)
+        best = metrics.best_k(alpha, share, curve.at, k_max, commit)
+        r_commit = curve.at(metrics.commit_rows(metrics.expected_tokens_per_round(alpha, best))) if commit else 0.0
         rows.append((name, f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, c {share:.3f}, predicted "
-                     f"{metrics.predicted_speedup(alpha, best, share, curve.at(best + 1)):.2f}× over its own "
-                     "target-only"))
+                     f"{metrics.predicted_speedup(alpha, best, share, curve.at(best + 1), r_commit):.2f}× over its "
+                     "own target-only"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     lesson = ("A forward that only reads its weights costs about the same for a few rows as for one (r near 1): "
               "the weights are read once either way. Weights that spend work on every row (int8: each input row "
