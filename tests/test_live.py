@@ -3,6 +3,8 @@ figures against the counters' own increases, restarts, the allow-list, the page'
 switch that keeps it off on a Space, and specplay's run of the same K beside it."""
 from __future__ import annotations
 
+import json
+
 from types import SimpleNamespace
 
 import gradio as gr
@@ -65,6 +67,14 @@ def test_the_page_is_off_on_a_space_unless_its_operator_turns_it_on():
     ctx = SimpleNamespace(settings=AppSettings(live_engine=False))
     with gr.Blocks():
         assert page_live.build(ctx) is None
+
+
+def test_before_a_watch_each_chart_says_what_it_will_show(handlers):
+    with gr.Blocks():
+        page = page_live.build(handlers.ctx)
+    figures = [page.acceptance, page.per_position, page.throughput, page.prediction]
+    texts = [plot.value and json.loads(plot.value["plot"])["layout"]["annotations"][0]["text"] for plot in figures]
+    assert all(t and t.endswith("press Watch.") for t in texts) and len(set(texts)) == 4, texts
 
 
 def test_the_pages_figures_are_the_counters_own(handlers, served):

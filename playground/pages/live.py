@@ -261,12 +261,13 @@ def build(ctx: Context) -> LivePage | None:
         c = gr.Number(None, label="c: a draft forward / a target step", minimum=0, scale=1, elem_id="live-c")
         r = gr.Number(None, label="r: the verify forward / a target step", minimum=0, scale=1, elem_id="live-r")
     summary = gr.Markdown(render.summary_markdown(None, None, None), elem_id="live-summary")
+    idle = render.idle_figures()
     with gr.Row():
-        acceptance = gr.Plot(show_label=False, elem_id="live-acceptance")
-        per_position = gr.Plot(show_label=False, elem_id="live-per-position")
+        acceptance = gr.Plot(idle[0], show_label=False, elem_id="live-acceptance")
+        per_position = gr.Plot(idle[1], show_label=False, elem_id="live-per-position")
     with gr.Row():
-        throughput = gr.Plot(show_label=False, elem_id="live-throughput")
-        prediction = gr.Plot(show_label=False, elem_id="live-prediction")
+        throughput = gr.Plot(idle[2], show_label=False, elem_id="live-throughput")
+        prediction = gr.Plot(idle[3], show_label=False, elem_id="live-prediction")
     gr.Markdown(f"#### specplay beside it\nRuns this server's default pair here, greedy, {SIDE_TOKENS} tokens, with "
                 "the watched model's K, and draws its per-position rates beside the server's (both counted as vLLM "
                 "counts them: accepted at position i over drafts). Its measured c and r fill the prediction.")

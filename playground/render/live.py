@@ -43,6 +43,14 @@ def _series(points: list[Point], value) -> tuple[list[float], list[float | None]
     return xs, ys
 
 
+def idle_figures() -> tuple[go.Figure, go.Figure, go.Figure, go.Figure]:
+    """The four charts before a watch: what each will show (acceptance over time, per position, throughput, the
+    prediction), in the place of an empty frame."""
+    return tuple(empty_figure(f"{what} will show here: enter the metrics URL and press Watch.")
+                 for what in ("Acceptance over time", "Per-position acceptance", "Throughput",
+                              "The predicted speed-up"))
+
+
 def acceptance_over_time(points: list[Point]) -> go.Figure:
     """Acceptance rate and each position's rate (left axis) and mean acceptance length (right axis), one point
     per interval."""
