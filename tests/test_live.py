@@ -4,7 +4,6 @@ switch that keeps it off on a Space, and specplay's run of the same K beside it.
 from __future__ import annotations
 
 import json
-
 from types import SimpleNamespace
 
 import gradio as gr
