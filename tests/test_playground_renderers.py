@@ -249,6 +249,7 @@ def test_time_and_speedup_charts_use_both_measured_streams(sampled):
     assert list(fig.data[1].x[1:]) == [b.elapsed_s for b in view.baseline]
     speed = charts.speedup_figure(view)
     assert [t.name for t in speed.data][0] == "measured" and speed.data[1].name.startswith("predicted")
+    assert speed.layout.xaxis.dtick == (1 if len(view.rounds) <= 12 else None)
     assert speed.data[3].fill == "tonexty" and all(lo <= p <= hi for lo, p, hi in zip(speed.data[3].y, speed.data[1].y,
                                                                                       speed.data[2].y) if p is not None)
     spec_tps = view.rounds[-1].tokens_total / view.rounds[-1].elapsed_s

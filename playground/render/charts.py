@@ -111,7 +111,8 @@ def speedup_figure(view: RunView) -> go.Figure:
                          go.Scatter(x=xs, y=predicted, name=f"predicted: {metrics.formula_text(v1)}, all measured",
                                     mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot")),
                          *interval],
-                        "Speed-up over target-only", "round", "× target-only", shapes=[parity])
+                        "Speed-up over target-only", "round", "× target-only", shapes=[parity],
+                        xaxis_dtick=1 if len(xs) <= 12 else None)        # rounds are whole: no round 1.5
 
 
 def identity_badge(view: RunView | None) -> str:
