@@ -262,6 +262,11 @@ def commit_rows(tokens: float) -> int:
     return max(1, round(tokens))
 
 
+def commit_cost(alpha: float, k: int, r_of_n: Callable[[int], float], commit: bool) -> float:
+    """A round's commit forward in target steps at K drafts and `alpha` with `commit` (v1), else 0 (v2)."""
+    return r_of_n(commit_rows(expected_tokens_per_round(alpha, k))) if commit else 0.0
+
+
 def _speedup(tokens: float, draft_forwards: float, c: float, r: float) -> float:
     if not (math.isfinite(c) and c >= 0):
         raise ValueError(f"c (draft/target cost ratio) must be finite and >= 0, got {c}")
@@ -274,8 +279,7 @@ def speedup_curve(alpha: float, c: float, r_of_n: Callable[[int], float], k_max:
                   commit: bool = False) -> list[float]:
     """predicted_speedup for K = 1..k_max, the verify cost at K being r_of_n(K + 1); with `commit` (v1), each
     round's second forward too, over `commit_rows` of its expected tokens."""
-    return [predicted_speedup(alpha, k, c, r_of_n(k + 1),
-                              r_of_n(commit_rows(expected_tokens_per_round(alpha, k))) if commit else 0.0)
+    return [predicted_speedup(alpha, k, c, r_of_n(k + 1), commit_cost(alpha, k, r_of_n, commit))
             for k in range(1, k_max + 1)]
 
 
@@ -571,14 +575,15 @@ def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | N
     iid = lambda k: expected_tokens_per_round(a, k)  # noqa: E731
     by_rates = lambda k: expected_tokens_from_rates(rates, k)  # noqa: E731
     best = best_k(a, c, r_of_n, k_max, tally.commit)
-    r_commit = r_of_n(commit_rows(expected_tokens_per_round(a, best))) if tally.commit else 0.0
     return Prediction(
         draft_acceptance=draft_acceptance(drafted), alpha=a, rates=rates, c=c, k=mean_k(drafted),
         r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(iid(r.depth) for r in drafted) / len(drafted),
         tokens_rates=sum(by_rates(r.depth) for r in drafted) / len(drafted),
         tokens_measured=tokens_per_round(drafted),
         speedup_iid=tally.speedup_iid(r_of_n), speedup_rates=tally.predicted_speedup(by_rates, c, r_of_n),
-        best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1), r_commit), commit=tally.commit)
+        best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1),
+                                                     commit_cost(a, best, r_of_n, tally.commit)),
+        commit=tally.commit)
 
 
 # -- the run summary ----------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def verdict(pred: Prediction, r_of_n: Callable[[int], float], k_max: int = K_BOU
     what a round at that K yields against what it costs, in target steps."""
     best = metrics.best_k(pred.alpha, pred.c, r_of_n, k_max, pred.commit)
     tokens = metrics.expected_tokens_per_round(pred.alpha, best)
-    commit = r_of_n(metrics.commit_rows(tokens)) if pred.commit else 0.0
+    commit = metrics.commit_cost(pred.alpha, best, r_of_n, pred.commit)
     cost = pred.c * best + r_of_n(best + 1) + commit
     second = f", and v1's commit forward {commit:.2f}" if pred.commit else ""
     if tokens / cost > 1.0:

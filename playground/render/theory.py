@@ -260,10 +260,10 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
             [(x, f"{x.dtype} (its own forward)") for x in study.peer]:
         share = draft_share(study, c, measured_on, curve)
         best = metrics.best_k(alpha, share, curve.at, k_max, commit)
-        r_commit = curve.at(metrics.commit_rows(metrics.expected_tokens_per_round(alpha, best))) if commit else 0.0
+        speedup = metrics.predicted_speedup(alpha, best, share, curve.at(best + 1),
+                                            metrics.commit_cost(alpha, best, curve.at, commit))
         rows.append((name, f"best K = {best}: r({best + 1}) {curve.at(best + 1):.2f}, c {share:.3f}, predicted "
-                     f"{metrics.predicted_speedup(alpha, best, share, curve.at(best + 1), r_commit):.2f}× over its "
-                     "own target-only"))
+                     f"{speedup:.2f}× over its own target-only"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     lesson = ("A forward that only reads its weights costs about the same for a few rows as for one (r near 1): "
               "the weights are read once either way. Weights that spend work on every row (int8: each input row "
