@@ -46,7 +46,7 @@ def test_a_device_that_is_not_there_gets_a_sentence_before_the_target_loads(devi
 
 
 def tiny_plan(**overrides) -> Eagle3DataPlan:
-    base = dict(magpie_prompts=6, prompt_batch=8, prompt_max_tokens=40, answer_batch=2, max_new_tokens=8, top_k=5,
+    base = dict(magpie_prompts=6, prompt_batch=8, prompt_max_tokens=24, answer_batch=2, max_new_tokens=8, top_k=5,
                 written_prompts=2)
     return Eagle3DataPlan(**{**base, **overrides}).for_model(30)
 
