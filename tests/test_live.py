@@ -128,7 +128,23 @@ def test_specplay_runs_beside_with_the_servers_k(handlers, served):
     side = live.side
     assert side.k == 4 and len(side.rates) == 4 and all(0 <= a <= 1 for a in side.rates)
     assert list(side.rates) == sorted(side.rates, reverse=True)      # accepted at i implies accepted before i
-    assert c == pytest.approx(side.c, abs=1e-4) and r == pytest.approx(side.r, abs=1e-3) and 0 < side.c < 1
+    assert float(c) == pytest.approx(side.c, abs=1e-4) and float(r) == pytest.approx(side.r, abs=1e-3) and 0 < side.c < 1
     assert [t.name for t in per_position.data] == ["smollm2 (watched)", side.label]
     assert "measured here" in summary and prediction.data   # c and r filled in: the prediction is drawn
     assert render_live.summary_markdown(None, None, None).startswith("Not watching")
+
+
+def test_c_and_r_boxes_read_empty_until_measured_and_a_word_is_no_number(handlers, served):
+    """The boxes start empty (a number box would show 0, read as a measured c); what is typed is read as a number
+    or, where it is none, the prediction asks for one instead of failing."""
+    from playground.pages.live import entered
+
+    assert [entered(v) for v in ("", "  ", None, "abc", "inf", "nan", " 0.05 ", "1.2", 0.3)] == \
+        [None, None, None, None, None, None, 0.05, 1.2, 0.3]
+    live, *_ = handlers.start(None, served.url, 1.0, None, "", "")
+    served.text = body()
+    for c, r in (("", ""), ("abc", "1.1"), ("0.05", "")):
+        *_, prediction = handlers.tick(live, None, c, r)
+        assert "Enter c" in prediction.layout.annotations[0].text, (c, r)
+    *_, prediction = handlers.tick(live, None, "0.05", "1.1")
+    assert prediction.data and "c = 0.05, r = 1.1" in prediction.layout.title.text

@@ -9,6 +9,7 @@ visitor's watch (a `engine.watch.Watcher`) lives in the page's gr.State: nothing
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import gradio as gr
@@ -53,8 +54,8 @@ class LivePage:
     watch: gr.Button
     stop: gr.Button
     model: gr.Dropdown
-    c: gr.Number
-    r: gr.Number
+    c: gr.Textbox
+    r: gr.Textbox
     summary: gr.Markdown
     acceptance: gr.Plot
     per_position: gr.Plot
@@ -92,8 +93,20 @@ class AuditControls:
                 self.tokens, self.samples]
 
 
-def render_all(live: LiveState, model: str | None, c: float | None, r: float | None) -> tuple:
-    """(summary, model picker, four figures) for the visitor's watch."""
+NOT_MEASURED = "not measured: run beside it below"
+
+
+def entered(value: object) -> float | None:
+    """A c or r box's number; None while it is empty or holds no finite number (the prediction asks for one)."""
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def render_all(live: LiveState, model: str | None, c: object, r: object) -> tuple:
+    """(summary, model picker, four figures) for the visitor's watch; `c` and `r` as their boxes hold them."""
     w = live.watcher
     models = w.models if w is not None else []
     model = model if model in models else (models[0] if models else None)
@@ -103,7 +116,7 @@ def render_all(live: LiveState, model: str | None, c: float | None, r: float | N
     if live.error:
         summary = f"**The last reading failed:** {live.error}\n\n{summary}"
     return (summary, gr.Dropdown(choices=models, value=model), render.acceptance_over_time(points),
-            render.per_position(total, live.side), render.throughput_over_time(points), render.prediction(total, c, r))
+            render.per_position(total, live.side), render.throughput_over_time(points), render.prediction(total, entered(c), entered(r)))
 
 
 class LiveHandlers:
@@ -180,8 +193,8 @@ class LiveHandlers:
                               tuple(metrics.accepted_at_positions(rounds, k)), metrics.tokens_per_round(rounds),
                               metrics.cost_ratio(rounds, baseline), metrics.verify_ratio(rounds, baseline))
         live = replace(live, side=side)
-        c = round(side.c, 4) if side.c is not None else c
-        r = round(side.r, 3) if side.r is not None else r
+        c = f"{side.c:.4f}" if side.c is not None else c
+        r = f"{side.r:.3f}" if side.r is not None else r
         return (live, c, r, *render_all(live, model, c, r))
 
 
@@ -258,8 +271,11 @@ def build(ctx: Context) -> LivePage | None:
         stop = gr.Button("Stop", scale=1, elem_id="live-stop")
     with gr.Row():
         model = gr.Dropdown([], label="model", scale=2, elem_id="live-model", allow_custom_value=True)
-        c = gr.Number(None, label="c: a draft forward / a target step", minimum=0, scale=1, elem_id="live-c")
-        r = gr.Number(None, label="r: the verify forward / a target step", minimum=0, scale=1, elem_id="live-r")
+        # text boxes: a number box shows 0 while it is empty, which reads as a measured c of 0
+        c = gr.Textbox("", label="c: a draft forward / a target step", placeholder=NOT_MEASURED, scale=1,
+                       elem_id="live-c")
+        r = gr.Textbox("", label="r: the verify forward / a target step", placeholder=NOT_MEASURED, scale=1,
+                       elem_id="live-r")
     summary = gr.Markdown(render.summary_markdown(None, None, None), elem_id="live-summary")
     idle = render.idle_figures()
     with gr.Row():
