@@ -10,6 +10,7 @@ import torch
 
 from engine.config import DrafterKind, Mode
 from engine.fused_llama import Int4Weights
+from engine.gguf_file import read_header, type_name
 from engine.models import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from engine.pair import ModelPair
 from engine.sources import BUILTIN
@@ -142,13 +143,16 @@ def test_sampled_output_follows_an_int4_target(builtin_tokenizer):
     assert set(counts) <= set(exact) and chi_square(exact, counts) >= LEVEL
 
 
-def _wheel_codes(reader, name: str) -> np.ndarray:
+def _wheel_codes(path, header, name: str) -> np.ndarray:
     """A Q4_1 tensor's codes read straight from the file: blocks of an fp16 step, an fp16 minimum and 16 bytes,
     the low nibbles holding a group's first 16 codes and the high nibbles its last 16."""
-    tensor = next(t for t in reader.tensors if t.name == name)
-    assert tensor.tensor_type.name == "Q4_1"
-    blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, 20)[..., 4:]
-    return np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).reshape(tensor.data.shape[0], -1)
+    tensor = next(t for t in header.tensors if t.name == name)
+    assert type_name(tensor.type_id) == "Q4_1"
+    columns, rows = tensor.shape                       # GGUF lists the fastest-varying dimension first
+    size = rows * columns // 32 * 20
+    raw = np.fromfile(path, dtype=np.uint8, count=size, offset=header.data_start + tensor.offset)
+    blocks = raw.reshape(rows, -1, 20)[..., 4:]
+    return np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).reshape(rows, -1)
 
 
 def test_smollm2_int4_multiplies_with_the_wheels_own_codes_and_speculation_emits_target_only_tokens():
@@ -162,14 +166,12 @@ def test_smollm2_int4_multiplies_with_the_wheels_own_codes_and_speculation_emits
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip(f"the SmolLM2 wheel is not installed ({SMOLLM2_PIP})")
-    from gguf import GGUFReader
-
     target = load_model(SMOLLM2, dtype="int4")
-    layers, reader = target.model.model.layers, GGUFReader(str(gguf))
+    layers, header = target.model.model.layers, read_header(gguf)   # its own reader: gguf's parses the vocabulary
     for i, name, matrix in ((0, "ffn_gate", layers[0].mlp.gate_proj), (0, "ffn_down", layers[0].mlp.down_proj),
                             (29, "attn_output", layers[29].self_attn.o_proj)):
         codes, _, _ = Int4Weights.quantize(matrix.weight.detach())
-        assert np.array_equal(codes.numpy(), _wheel_codes(reader, f"blk.{i}.{name}.weight")), name
+        assert np.array_equal(codes.numpy(), _wheel_codes(gguf, header, f"blk.{i}.{name}.weight")), name
     assert target.fused.blocked.largest_error < 1e-5
     assert target.fused.blocked.head_format in ("bf16", "fp32")
     pair = ModelPair(target, eagle=load_eagle(SMOLLM2, target))
