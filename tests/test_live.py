@@ -128,7 +128,8 @@ def test_specplay_runs_beside_with_the_servers_k(handlers, served):
     side = live.side
     assert side.k == 4 and len(side.rates) == 4 and all(0 <= a <= 1 for a in side.rates)
     assert list(side.rates) == sorted(side.rates, reverse=True)      # accepted at i implies accepted before i
-    assert float(c) == pytest.approx(side.c, abs=1e-4) and float(r) == pytest.approx(side.r, abs=1e-3) and 0 < side.c < 1
+    assert float(c) == pytest.approx(side.c, abs=1e-4) and float(r) == pytest.approx(side.r, abs=1e-3)
+    assert 0 < side.c < 1
     assert [t.name for t in per_position.data] == ["smollm2 (watched)", side.label]
     assert "measured here" in summary and prediction.data   # c and r filled in: the prediction is drawn
     assert render_live.summary_markdown(None, None, None).startswith("Not watching")

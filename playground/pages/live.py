@@ -116,7 +116,8 @@ def render_all(live: LiveState, model: str | None, c: object, r: object) -> tupl
     if live.error:
         summary = f"**The last reading failed:** {live.error}\n\n{summary}"
     return (summary, gr.Dropdown(choices=models, value=model), render.acceptance_over_time(points),
-            render.per_position(total, live.side), render.throughput_over_time(points), render.prediction(total, entered(c), entered(r)))
+            render.per_position(total, live.side), render.throughput_over_time(points),
+            render.prediction(total, entered(c), entered(r)))
 
 
 class LiveHandlers:
