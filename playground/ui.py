@@ -174,7 +174,10 @@ class Handlers:
     def on_theory(self, request: gr.Request, state: Session | None) -> tuple:
         def show(session: Session) -> tuple:
             controller.show(session, Panel.OTHER)
-            return page_theory.render(controller.theory_view(self.ctx, session))
+            view = controller.theory_view(self.ctx, session)
+            if view is None and self.welcome is not None:   # before a first run the page shows the welcome run
+                view = self.welcome.upto(welcome_cursor(self.welcome).shown)
+            return page_theory.render(view)
         return self.read(state, request, show, lambda message: page_theory.render(None), "Theory")
 
     def on_remeasure(self, request: gr.Request, state: Session | None) -> tuple:

@@ -1,7 +1,8 @@
 """A newcomer's first minutes, in a real browser (headless Debian Chromium, Playwright), on the default
 pair of a fresh `python app.py`: SmolLM2 and its EAGLE head.
 
-- The first page shows the recorded welcome run at once, drawn, with the invitation to Step.
+- The first page shows the recorded welcome run at once, drawn, with the invitation to Step; its Theory
+  tab draws that run's curves.
 - The first live Step replaces it with the visitor's own run; its time from click to drawn status is
   printed (`-s`) and kept as the test's `first_step_s` property: a measurement, never a bound.
 - The lesson starts on the real model, and what its first step says of the cost of verifying agrees
@@ -63,6 +64,13 @@ def test_the_first_page_shows_a_finished_example_and_invites_a_step(browser, url
         assert page.locator("#token-stream .chip-bonus").count() >= 1   # shown up to a fully accepted round
         page.wait_for_selector("#detail-plot .js-plotly-plot svg")
         page.screenshot(path=str(shots / "first-page.png"))
+        # Theory draws the welcome run too (it carries the target's r(n)), not a request to step first
+        page.get_by_role("tab", name="Theory").click()
+        page.wait_for_function("document.querySelector('#theory-plot .js-plotly-plot')?.data?.length > 0")
+        page.wait_for_function("document.querySelector('#theory-r .js-plotly-plot')?.data?.length > 0")
+        assert "Not measured yet" not in page.locator("#theory-recommendation").inner_text()
+        page.screenshot(path=str(shots / "first-page-theory.png"), full_page=True)
+        page.get_by_role("tab", name="Round detail").click()
         started = time.perf_counter()
         page.click("#step-btn")
         page.wait_for_function("document.querySelector('#status').innerText.includes('Round 1 of')",
