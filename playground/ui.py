@@ -273,6 +273,10 @@ class Handlers:
     def on_export(self, state: Session | None) -> list[str] | None:
         try:
             if state is None or state.view() is None:
+                if self.welcome is not None:   # the page shows the welcome run: say where its trace is
+                    raise ValueError(f"This is the example run recorded in advance: replay "
+                                     f"'{page_traces.example_label(self.welcome.source)}' from Example traces to "
+                                     f"export it, or press Step ▶ to start your own run.")
                 raise ValueError("Nothing to export yet: step a few rounds first.")
             with state.hold("Export", EVENT_WAIT_S):
                 csv = controller.export_rounds_csv(state)

@@ -141,7 +141,7 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
     trace = load_trace(EXAMPLES_DIR / f"{WELCOME}.jsonl")
     assert trace.complete and trace.config == welcome_config()   # recorded as the pair recommends
     assert trace.calibration is not None and trace.calibration.model == "smollm2"   # so its prediction shows
-    handlers.welcome = view_from_trace(trace, "welcome")
+    handlers.welcome = view_from_trace(trace, f"{WELCOME}.jsonl")
     shown = welcome_cursor(handlers.welcome).shown
     assert trace.rounds[shown - 1].accepted == trace.rounds[shown - 1].k > 0      # up to a fully accepted round
     assert not any(r.k and r.accepted == r.k for r in trace.rounds[: shown - 1])
@@ -154,6 +154,10 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
     assert isinstance(out[DETAIL - 1], go.Figure) and out[STREAM - 1].count('class="round-sep"') == shown
     assert handlers.on_show(Panel.DETAIL)(None, None)[STATUS].startswith(WELCOME_NOTE)   # fired as a page loads
     assert len(handlers.ctx.pool) == 0
+    with pytest.warns(UserWarning, match=f"replay '{WELCOME.replace('_', ' ')}' from Example traces to export it"):
+        assert handlers.on_export(None) is None                     # the run on screen is the recorded one
+    session, theory, r_curve, *_ = handlers.on_theory(None, None)  # Theory draws it too
+    assert theory.data and r_curve.data and session.view() is None
     stepped = handlers.on_step(None, None, False, *values())
     assert "Round 1 of 1" in stepped[STATUS] and WELCOME_NOTE not in stepped[STATUS]
     assert not handlers.on_load(stepped[0])[0].startswith(WELCOME_NOTE)   # a page with a session shows that

@@ -11,9 +11,14 @@ from engine.sources import ASSETS
 EXAMPLES_DIR = ASSETS / "traces"
 
 
+def example_label(name: str) -> str:
+    """How the Example traces list names a shipped trace file ("welcome_smollm2.jsonl": "welcome smollm2")."""
+    return Path(name).stem.replace("_", " ")
+
+
 def example_traces(folder: Path = EXAMPLES_DIR) -> list[tuple[str, str]]:
     """(label, path) of the shipped example traces, by file name."""
-    return [(p.stem.replace("_", " "), str(p)) for p in sorted(folder.glob("*.jsonl"))]
+    return [(example_label(p.name), str(p)) for p in sorted(folder.glob("*.jsonl"))]
 
 
 @dataclass(frozen=True)
