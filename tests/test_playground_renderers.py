@@ -470,3 +470,6 @@ def test_the_compare_table_names_each_traces_machine_where_it_was_recorded():
     table = compare_table_html(view_from_trace(welcome, "a"), view_from_trace(older, "b"))
     assert len(ROW_NAMES) + 1 == table.count("<tr>")     # a heading row, then one per name
     assert f"<tr><th>machine</th><td>{welcome.header.machine}</td><td>— (not recorded)</td></tr>" in table
+    # the welcome run drafted with an EAGLE head, the older trace with the built-in draft model: each is named
+    assert f"<tr><th>draft model / EAGLE head</th><td>{welcome.header.eagle}</td><td>{older.header.draft}</td></tr>" \
+        in table and welcome.header.eagle and welcome.header.draft is None

@@ -6,6 +6,7 @@ import logging
 import gradio as gr
 
 from engine.trace import TraceError, load_trace
+from playground.render.charts import empty_figure
 from playground.render.compare import compare_per_position, compare_table_html, compare_tokens_time
 from playground.render.tokens import stream_html
 from playground.view import Cursor, RunView, view_from_trace
@@ -48,8 +49,10 @@ def build(examples: list[tuple[str, str]]) -> None:
     button = gr.Button("Compare", variant="primary", elem_id="compare-btn")
     table = gr.HTML()
     with gr.Row():
-        tokens_time = gr.Plot(show_label=False)
-        per_position = gr.Plot(show_label=False)
+        tokens_time = gr.Plot(empty_figure("Tokens against time, both runs: pick two traces and press Compare."),
+                              show_label=False)
+        per_position = gr.Plot(empty_figure("Per-position acceptance, both runs: pick two traces and press Compare."),
+                               show_label=False)
     with gr.Row():
         stream_a = gr.HTML(label="A")
         stream_b = gr.HTML(label="B")

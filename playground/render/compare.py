@@ -23,7 +23,8 @@ def _row(view: RunView) -> list[str]:
     last = view.rounds[-1] if view.rounds else None
     tokens = last.tokens_total if last else 0
     pred = view.prediction()
-    return [view.source, view.info.label(), view.info.target, view.info.draft or "—",
+    return [view.source, view.info.label(), view.info.target,
+            " + ".join(d for d in (view.info.draft, view.info.eagle) if d) or "—",
             ", ".join(f"{k}: {v}" for k, v in view.info.devices.items()), view.info.machine or "— (not recorded)",
             str(len(view.rounds)), str(tokens),
             _fmt(metrics.draft_acceptance(view.rounds)), _fmt(metrics.alpha(view.rounds)),
@@ -35,9 +36,9 @@ def _row(view: RunView) -> list[str]:
             str(sum(r.target_forwards for r in view.rounds))]
 
 
-ROW_NAMES = ("trace", "settings", "target", "draft", "devices", "machine", "rounds", "tokens",
-             "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per drafted round (τ)", "c (measured)",
-             "r(K+1) (calibrated)", "speed-up measured ×", "speed-up predicted ×", "target forwards")
+ROW_NAMES = ("trace", "settings", "target", "draft model / EAGLE head", "devices", "machine", "rounds", "tokens",
+             "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per drafted round (τ)",
+             "c (measured)", "r(K+1) (calibrated)", "speed-up measured ×", "speed-up predicted ×", "target forwards")
 
 
 def compare_table_html(a: RunView, b: RunView) -> str:
