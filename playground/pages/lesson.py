@@ -341,7 +341,7 @@ def build_lesson(registry: ModelRegistry | None = None, lang: str = "en") -> Les
     with gr.Walkthrough(selected=0, elem_id="lesson-walkthrough") as walkthrough:
         steps = tuple(_step_block(i, s.title, text, len(text.steps)) for i, s in enumerate(text.steps))
     stream = gr.HTML(elem_id="lesson-stream", min_height=40)
-    figure = gr.Plot(show_label=False, elem_id="lesson-plot")
+    figure = gr.Plot(empty_figure(text.ui["figure_idle"]), show_label=False, elem_id="lesson-plot")
     gr.HTML(legend_html())
     driver = gr.State(None, delete_callback=lambda d: d.close() if d is not None else None)
     page = LessonPage(pair, start, status, walkthrough, steps, stream, figure, driver)

@@ -114,7 +114,7 @@ STEP_SPECS: Mapping[StepId, StepSpec] = MappingProxyType({
 })
 
 UI_KEYS = frozenset(("start restart next back check reveal your_answer correct wrong pick_first not_started pair "
-                     "step_counter run_label number_choice yes no accepted rejected").split())
+                     "step_counter run_label number_choice yes no accepted rejected figure_idle").split())
 YES, NO = "yes", "no"
 
 
