@@ -200,6 +200,9 @@ class Handlers:
     def on_lab(self, request: gr.Request, state: Session | None, rule: str, trials: float, seed: float,
                auto: bool, start: float, length: float) -> tuple:
         def run(session: Session) -> tuple:
+            if session.view() is None and self.welcome is not None:   # the round on screen is the welcome run's
+                raise ValueError("The lab re-runs the selected round's forwards, so it needs a live run; the run "
+                                 "shown is recorded in advance. Press Step ▶ to start yours.")
             rows, decode = controller.lab_rows(session)
             window = (None, None) if auto else (as_int("First draft", start, 1) - 1, as_int("Drafts", length, 1))
             result = run_lab(rows, rule, as_int("N", trials, 1, MAX_TRIALS), as_seed(seed), *window)

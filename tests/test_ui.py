@@ -158,6 +158,8 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
         assert handlers.on_export(None) is None                     # the run on screen is the recorded one
     session, theory, r_curve, *_ = handlers.on_theory(None, None)  # Theory draws it too
     assert theory.data and r_curve.data and session.view() is None
+    with pytest.warns(UserWarning, match="needs a live run; the run shown is recorded in advance"):
+        handlers.on_lab(None, None, "correct", 100, 0, True, 1, 1)   # the lab cannot re-run a recorded round
     stepped = handlers.on_step(None, None, False, *values())
     assert "Round 1 of 1" in stepped[STATUS] and WELCOME_NOTE not in stepped[STATUS]
     assert not handlers.on_load(stepped[0])[0].startswith(WELCOME_NOTE)   # a page with a session shows that
