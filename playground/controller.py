@@ -278,6 +278,14 @@ def load_replay(session: Session, source: str | Path | bytes, name: str) -> None
     session.use_trace(Path(source) if isinstance(source, (str, Path)) else None)
 
 
+def adopt_replay(session: Session, view: RunView, cursor: Cursor, path: Path | None) -> None:
+    """Make a recorded run the page showed without a session (the welcome run) the session's replay, at
+    `cursor`, so that Back, the scrubber and chip clicks move through it as through any replay."""
+    session.drop_run()
+    session.replay, session.cursor = view, cursor
+    session.use_trace(path)
+
+
 def export_rounds_csv(session: Session) -> Path:
     """The shown run's per-round table as CSV, in the session's folder."""
     from engine.trace import export_csv

@@ -101,7 +101,31 @@ class Handlers:
         panel = session.panel if session is not None else Panel.DETAIL
         if view is None and failure is None and self.welcome is not None:
             return self.render_view(self.welcome, welcome_cursor(self.welcome), panel, note=WELCOME_NOTE)
-        return self.render_view(view, session.cursor if session is not None else Cursor(), panel, failure)
+        note = WELCOME_NOTE if self.on_welcome(session) and failure is None else ""
+        return self.render_view(view, session.cursor if session is not None else Cursor(), panel, failure, note)
+
+    def on_welcome(self, session: Session | None) -> bool:
+        """Whether the session holds the welcome run, taken over by a visitor's Back, scrub or chip click."""
+        return session is not None and self.welcome is not None and session.replay is self.welcome
+
+    def navigating(self, action: Callable[[Session], str | None]) -> Callable[[Session], str | None]:
+        """`action` (Back, scrub, a chip or position pick) on the run the page shows: before a visitor's first
+        run that is the welcome run, which the session takes over as a replay at the round shown."""
+        def act(session: Session) -> str | None:
+            if session.view() is None and self.welcome is not None:
+                controller.adopt_replay(session, self.welcome, welcome_cursor(self.welcome),
+                                        page_traces.EXAMPLES_DIR / self.welcome.source)
+            return action(session)
+        return act
+
+    def decoding(self, action: Callable[[Session], str | None]) -> Callable[[Session], str | None]:
+        """`action` (Step, Play, Run to end) from the welcome run starts the visitor's own live run, as its
+        note says, even after Back or a chip click took the welcome run over."""
+        def act(session: Session) -> str | None:
+            if self.on_welcome(session):
+                session.drop_run()
+            return action(session)
+        return act
 
     @staticmethod
     def render_view(view: RunView | None, cursor: Cursor, panel: Panel, failure: str | None = None,
@@ -226,9 +250,8 @@ class Handlers:
 
     @gpu()
     def on_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
-        return self.guarded(state, request,
-                            lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal)),
-                            name="Step")
+        return self.guarded(state, request, self.decoding(
+            lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal))), name="Step")
 
     @gpu(duration=120)
     def on_run_to_end(self, request: gr.Request, progress=gr.Progress(), state: Session | None = None,
@@ -243,15 +266,14 @@ class Handlers:
                 last[0] = time.monotonic()
                 progress((done, total), desc="decoding", unit="tokens")
 
-        return self.guarded(state, request,
-                            lambda s: controller.run_to_end(self.ctx, s, self.decode_request(values), report),
-                            name="Run to end")
+        return self.guarded(state, request, self.decoding(
+            lambda s: controller.run_to_end(self.ctx, s, self.decode_request(values), report)), name="Run to end")
 
     def on_back(self, request: gr.Request, state: Session | None) -> tuple:
-        return self.guarded(state, request, controller.back, name="Back")
+        return self.guarded(state, request, self.navigating(controller.back), name="Back")
 
     def on_scrub(self, request: gr.Request, state: Session | None, shown: float) -> tuple:
-        return self.guarded(state, request, lambda s: controller.scrub(s, shown), name="Scrub")
+        return self.guarded(state, request, self.navigating(lambda s: controller.scrub(s, shown)), name="Scrub")
 
     def on_position(self, request: gr.Request, state: Session | None, position: int | None) -> tuple:
         def pick(s: Session) -> None:
@@ -259,13 +281,14 @@ class Handlers:
             selection = s.cursor.selection(view) if view is not None else None
             if selection is not None and position is not None:
                 controller.select(s, selection[0], as_int("Position", position, 0))
-        return self.guarded(state, request, pick, name="Position")
+        return self.guarded(state, request, self.navigating(pick), name="Position")
 
     def on_chip(self, request: gr.Request, evt: gr.EventData, state: Session | None) -> tuple:
         round_index, position = getattr(evt, "round", None), getattr(evt, "position", None)
         if not isinstance(round_index, int) or not isinstance(position, int):
             return (state, *self.render(state))
-        return self.guarded(state, request, lambda s: controller.select(s, round_index, position), name="Select")
+        return self.guarded(state, request, self.navigating(lambda s: controller.select(s, round_index, position)),
+                            name="Select")
 
     def on_trace(self, request: gr.Request, state: Session | None, path: str | None) -> tuple:
         if not path:
@@ -295,9 +318,8 @@ class Handlers:
         if not playing:  # a tick already queued when Pause was pressed: what is on screen stays as it is
             return (state, *_skip(FRAME_OUTPUTS), *play_controls(False))
         notes: list[str | None] = []
-        out = self.guarded(state, request,
-                           lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values))),
-                           name="Play")
+        out = self.guarded(state, request, self.decoding(
+            lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values)))), name="Play")
         session = out[0]
         view = session.view() if session is not None else None
         done = view is None or session.previous is not None or bool(notes and notes[0]) or (

@@ -160,6 +160,14 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
     assert theory.data and r_curve.data and session.view() is None
     with pytest.warns(UserWarning, match="needs a live run; the run shown is recorded in advance"):
         handlers.on_lab(None, None, "correct", 100, 0, True, 1, 1)   # the lab cannot re-run a recorded round
+    # Back and the scrubber move through the welcome run (the session takes it over as a replay)...
+    back = handlers.on_back(None, None)
+    assert back[STATUS].startswith(WELCOME_NOTE) and f"Round {shown - 1} of {len(trace.rounds)}" in back[STATUS]
+    scrubbed = handlers.on_scrub(None, back[0], 9)
+    assert scrubbed[STATUS].startswith(WELCOME_NOTE) and f"Round 9 of {len(trace.rounds)}" in scrubbed[STATUS]
+    assert scrubbed[STREAM].count('class="round-sep"') == 9
+    assert handlers.on_export(scrubbed[0])[0].endswith(f"{WELCOME}.jsonl")   # and export hands over its trace
+    # ...and Step still starts the visitor's own live run, as the welcome note says
     stepped = handlers.on_step(None, None, False, *values())
     assert "Round 1 of 1" in stepped[STATUS] and WELCOME_NOTE not in stepped[STATUS]
     assert not handlers.on_load(stepped[0])[0].startswith(WELCOME_NOTE)   # a page with a session shows that
