@@ -134,7 +134,12 @@ def test_play_steps_on_its_own_until_paused(page):
 # Each plot's drawn width is read off its main SVG and compared with its panel (the component's block).
 PLOT_WIDTHS = """ids => ids.map(id => {
   const panel = document.getElementById(id), svg = panel && panel.querySelector('.js-plotly-plot svg.main-svg');
-  return svg ? [id, svg.getBoundingClientRect().width, panel.getBoundingClientRect().width] : [id, null, null];
+  if (!svg) return [id, null, null, null];
+  // every title line and annotation, measured: plotly does not wrap text, and the panel cuts what overhangs
+  const box = svg.getBoundingClientRect(), texts = panel.querySelectorAll('.gtitle, .annotation-text');
+  const over = Math.max(0, ...Array.from(texts, t => Math.max(box.left - t.getBoundingClientRect().left,
+                                                              t.getBoundingClientRect().right - box.right)));
+  return [id, box.width, panel.getBoundingClientRect().width, over];
 })"""
 TABS = {"Charts": [f"chart-{c}" for c in ("acceptance", "per-position", "lengths", "tokens-time", "speedup")],
         "Theory": ["theory-plot", "theory-r", "theory-formats"], "KV cache": ["kv-target", "kv-draft"], "Round detail": ["detail-plot"]}
@@ -160,12 +165,14 @@ def plots_fit(page, ids: list[str], shot: Path) -> None:
     page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
     widths = page.evaluate(PLOT_WIDTHS, ids)  # before the screenshot: a full-page one resizes the window
     page.screenshot(path=str(shot), full_page=True)
-    for plot, drawn, panel in widths:
+    for plot, drawn, panel, over in widths:
         assert drawn is not None and 0 < drawn <= panel + 0.5, (plot, drawn, panel)
+        assert over <= 0.5, f"{plot}: a title or note overhangs its plot by {over:.1f} px ({shot.name})"
 
 
 def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, url, tmp_path):
-    """The Charts tab seen once, then Step and Run to end on the Round detail tab, at 1440 × 1000."""
+    """The Charts tab seen once, then Step and Run to end on the Round detail tab, at 1440 × 1000 (and the
+    round's detail again 1024 wide)."""
     shots = Path(os.environ.get("SPECPLAY_SHOTS", tmp_path))
     page = open_page(browser, url, 1440, 1000)
     try:
@@ -179,6 +186,10 @@ def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, 
         rounds = int(page.locator("#status").inner_text().split("Round ", 1)[1].split(" of", 1)[0])
         for tab in ("Charts", "Theory", "KV cache", "Round detail"):
             shown_plots_fit(page, tab, rounds, shots)
+        page.set_viewport_size({"width": 1024, "height": 900})   # a laptop: each title line still fits
+        page.wait_for_function("() => { const s = document.querySelector('#detail-plot svg.main-svg');"
+                               " return s && s.getBoundingClientRect().width < 700; }")
+        plots_fit(page, TABS["Round detail"], shots / "round-detail-1024.png")
     finally:
         page.close()
 

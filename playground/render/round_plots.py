@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 
 from engine.records import Candidate, Outcome, RoundRecord
 from playground.render.palette import BLUE, ORANGE, OUTCOME_STYLES, PURPLE, VERMILLION, styled_figure
-from playground.render.tokens import visible
+from playground.render.tokens import all_accepted, visible
 
 P_COLOUR, Q_COLOUR, RESIDUAL_COLOUR = BLUE, ORANGE, VERMILLION
 HIGHLIGHT_WIDTH = 4
@@ -78,8 +78,9 @@ def draft_figure(record: RoundRecord, position: int, revealed: bool = True) -> g
         go.Bar(name="q_draft", x=labels, y=[c.q_draft for c in cands], marker=dict(color=Q_COLOUR, **outline)),
     ]
     verdict = "u < α → ACCEPTED ✓" if p.outcome is Outcome.ACCEPTED else "u ≥ α → REJECTED ✗"
-    return _figure(bars, f"{name}<br>p={p.p_target:.3f}, q={p.q_draft:.3f}, "
-                         f"α=min(1, p/q)={p.alpha:.3f}, u={p.u:.3f} — {verdict}",
+    # the verdict on the title's short first line: a narrow panel cuts a long line at its right edge
+    return _figure(bars, f"{name} — {verdict}<br>p={p.p_target:.3f}, q={p.q_draft:.3f}, "
+                         f"α=min(1, p/q)={p.alpha:.3f}, u={p.u:.3f}",
                    _mark(labels, cands, p.token, "drafted", max(p.p_target or 0.0, p.q_draft)))
 
 
@@ -98,13 +99,13 @@ def final_figure(record: RoundRecord) -> go.Figure:
                    marker=dict(color=RESIDUAL_COLOUR, **_outline(cands, f.token))),
         ]
         top = max([c.residual or 0.0 for c in cands if c.token == f.token] or [0.0])
-        return _figure(bars, f"{name}<br>draft #{f.row + 1} was rejected: the correction is sampled from the "
-                             f"residual with u={f.u:.3f} — CORRECTED ↻",
+        return _figure(bars, f"{name} — CORRECTED ↻<br>draft #{f.row + 1} was rejected: the correction is "
+                             f"sampled from the residual with u={f.u:.3f}",
                        _mark(labels, cands, f.token, "correction ↻", top))
     bars = [go.Bar(name=f"p_target row {f.row} (bonus row)", x=labels, y=[c.p_target for c in cands],
                    marker=dict(color=PURPLE, **_outline(cands, f.token)))]
-    why = f"all {record.k} drafts accepted: row K={f.row} gives a free token" if record.k else "target-only: one token"
-    return _figure(bars, f"{name}<br>{why}, sampled with u={f.u:.3f} (p={f.p_target:.3f}) — BONUS ★",
+    why = f"{all_accepted(record.k)}: row K={f.row} gives a free token" if record.k else "target-only: one token"
+    return _figure(bars, f"{name} — BONUS ★<br>{why}, sampled with u={f.u:.3f} (p={f.p_target:.3f})",
                    _mark(labels, cands, f.token, "bonus ★", f.p_target))
 
 

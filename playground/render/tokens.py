@@ -78,11 +78,16 @@ def position_chip(r: RoundRecord, p: PositionRecord, revealed: bool) -> Chip:
     return Chip(chip_text(p.text, p.pending), p.outcome, title, r.index, p.index)
 
 
+def all_accepted(k: int) -> str:
+    """What a bonus round's K drafts were: "the draft accepted" (K = 1), "all 4 drafts accepted"."""
+    return "the draft accepted" if k == 1 else f"all {k} drafts accepted"
+
+
 def final_chip(r: RoundRecord, f: FinalRecord) -> Chip:
     if f.outcome is Outcome.CORRECTED:
         how = f"correction sampled from the residual norm(max(0, p−q)) at row {f.row}"
     elif r.k:
-        how = f"bonus sampled from the target's row {f.row} (all {r.k} drafts accepted)"
+        how = f"bonus sampled from the target's row {f.row} ({all_accepted(r.k)})"
     elif r.index == 0:
         how = "the prefill round: sampled from the target's row after the whole prompt, before any drafting"
     else:
