@@ -135,8 +135,9 @@ def test_play_steps_on_its_own_until_paused(page):
 PLOT_WIDTHS = """ids => ids.map(id => {
   const panel = document.getElementById(id), svg = panel && panel.querySelector('.js-plotly-plot svg.main-svg');
   if (!svg) return [id, null, null, null];
-  // every title line and annotation, measured: plotly does not wrap text, and the panel cuts what overhangs
-  const box = svg.getBoundingClientRect(), texts = panel.querySelectorAll('.gtitle, .annotation-text');
+  // every title line, annotation and legend entry, measured: plotly does not wrap text, and the panel cuts
+  // what overhangs
+  const box = svg.getBoundingClientRect(), texts = panel.querySelectorAll('.gtitle, .g-gtitle text, .annotation-text, .legendtext');
   const over = Math.max(0, ...Array.from(texts, t => Math.max(box.left - t.getBoundingClientRect().left,
                                                               t.getBoundingClientRect().right - box.right)));
   return [id, box.width, panel.getBoundingClientRect().width, over];
@@ -150,7 +151,7 @@ def wait_for_plots(page, ids: list[str]) -> None:
                            arg=ids)
 
 
-def shown_plots_fit(page, tab: str, rounds: int, shots: Path) -> None:
+def shown_plots_fit(page, tab: str, rounds: int, shots: Path, suffix: str = "") -> None:
     """Open `tab`, wait until its plots are drawn (the charts: with all `rounds`), and check that none
     is drawn wider than its panel, which would cut it off on the right."""
     page.get_by_role("tab", name=tab).click()
@@ -158,7 +159,7 @@ def shown_plots_fit(page, tab: str, rounds: int, shots: Path) -> None:
     if tab == "Charts":
         page.wait_for_function("n => document.querySelector('#chart-acceptance .js-plotly-plot').data?.[0]?.x?.length "
                                "=== n", arg=rounds)
-    plots_fit(page, TABS[tab], shots / f"{tab.replace(' ', '-').lower()}.png")
+    plots_fit(page, TABS[tab], shots / f"{tab.replace(' ', '-').lower()}{suffix}.png")
 
 
 def plots_fit(page, ids: list[str], shot: Path) -> None:
@@ -171,8 +172,8 @@ def plots_fit(page, ids: list[str], shot: Path) -> None:
 
 
 def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, url, tmp_path):
-    """The Charts tab seen once, then Step and Run to end on the Round detail tab, at 1440 × 1000 (and the
-    round's detail again 1024 wide)."""
+    """The Charts tab seen once, then Step and Run to end on the Round detail tab, at 1440 × 1000, then every
+    tab again 1024 wide."""
     shots = Path(os.environ.get("SPECPLAY_SHOTS", tmp_path))
     page = open_page(browser, url, 1440, 1000)
     try:
@@ -186,10 +187,11 @@ def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, 
         rounds = int(page.locator("#status").inner_text().split("Round ", 1)[1].split(" of", 1)[0])
         for tab in ("Charts", "Theory", "KV cache", "Round detail"):
             shown_plots_fit(page, tab, rounds, shots)
-        page.set_viewport_size({"width": 1024, "height": 900})   # a laptop: each title line still fits
+        page.set_viewport_size({"width": 1024, "height": 900})   # a laptop: the charts wrap, every line still fits
         page.wait_for_function("() => { const s = document.querySelector('#detail-plot svg.main-svg');"
                                " return s && s.getBoundingClientRect().width < 700; }")
-        plots_fit(page, TABS["Round detail"], shots / "round-detail-1024.png")
+        for tab in ("Round detail", "Charts", "Theory", "KV cache"):
+            shown_plots_fit(page, tab, rounds, shots, "-1024")
     finally:
         page.close()
 

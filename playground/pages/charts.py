@@ -16,10 +16,10 @@ class ChartsPage:
 
 
 def build() -> ChartsPage:
-    with gr.Row():
-        acceptance = gr.Plot(elem_id="chart-acceptance", show_label=False)
-        per_position = gr.Plot(elem_id="chart-per-position", show_label=False)
-        lengths = gr.Plot(elem_id="chart-lengths", show_label=False)
+    with gr.Row():   # three to a row where each gets 260 px, else they wrap: narrower, titles and legends get cut
+        acceptance = gr.Plot(elem_id="chart-acceptance", show_label=False, min_width=260)
+        per_position = gr.Plot(elem_id="chart-per-position", show_label=False, min_width=260)
+        lengths = gr.Plot(elem_id="chart-lengths", show_label=False, min_width=260)
     with gr.Row():
         tokens_time = gr.Plot(elem_id="chart-tokens-time", show_label=False)
         speedup = gr.Plot(elem_id="chart-speedup", show_label=False)

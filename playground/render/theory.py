@@ -86,7 +86,7 @@ def theory_figure(view: RunView | None, k_max: int = K_BOUND) -> go.Figure:
     pred, curve = got
     curves = theory_curves(pred, curve, k_max)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, figure=styled_figure(), subplot_titles=(
-        f"tokens per round, α = {pred.alpha:.3f}", f"predicted speed-up, c = {pred.c:.3f}, r(n) measured"))
+        f"tokens per round, α = {pred.alpha:.3f}", f"predicted speed-up, c = {pred.c:.3f}"))
     ks = list(curves.ks)
     points = measured_points(view)
     fig.add_trace(go.Scatter(x=ks, y=list(curves.expected), mode="lines+markers", name="E(α, K), i.i.d.",
