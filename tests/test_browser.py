@@ -137,7 +137,8 @@ PLOT_WIDTHS = """ids => ids.map(id => {
   if (!svg) return [id, null, null, null];
   // every title line, annotation and legend entry, measured: plotly does not wrap text, and the panel cuts
   // what overhangs
-  const box = svg.getBoundingClientRect(), texts = panel.querySelectorAll('.gtitle, .g-gtitle text, .annotation-text, .legendtext');
+  const box = svg.getBoundingClientRect();
+  const texts = panel.querySelectorAll('.gtitle, .g-gtitle text, .annotation-text, .legendtext');
   const over = Math.max(0, ...Array.from(texts, t => Math.max(box.left - t.getBoundingClientRect().left,
                                                               t.getBoundingClientRect().right - box.right)));
   return [id, box.width, panel.getBoundingClientRect().width, over];
