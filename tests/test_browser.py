@@ -4,6 +4,7 @@ Saves a screenshot (to $SPECPLAY_SCREENSHOT if set, e.g. assets/screenshot.png f
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ CHROMIUM = Path(CHROMIUM_PATH)
 if not CHROMIUM.exists():
     pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
 pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+from playwright.sync_api import TimeoutError as PlaywrightTimeout  # noqa: E402  (after the skip above)
 
 MAX_STEPS = 30   # with the default prompt, seed and temperature 1, every outcome appears well before this
 
@@ -152,7 +154,7 @@ def wait_for_plots(page, ids: list[str]) -> None:
                            arg=ids)
 
 
-def shown_plots_fit(page, tab: str, rounds: int, shots: Path, suffix: str = "") -> None:
+def shown_plots_fit(page, tab: str, rounds: int, shots: Path, suffix: str = "", resized: bool = False) -> None:
     """Open `tab`, wait until its plots are drawn (the charts: with all `rounds`), and check that none
     is drawn wider than its panel, which would cut it off on the right."""
     page.get_by_role("tab", name=tab).click()
@@ -160,11 +162,18 @@ def shown_plots_fit(page, tab: str, rounds: int, shots: Path, suffix: str = "") 
     if tab == "Charts":
         page.wait_for_function("n => document.querySelector('#chart-acceptance .js-plotly-plot').data?.[0]?.x?.length "
                                "=== n", arg=rounds)
-    plots_fit(page, TABS[tab], shots / f"{tab.replace(' ', '-').lower()}{suffix}.png")
+    plots_fit(page, TABS[tab], shots / f"{tab.replace(' ', '-').lower()}{suffix}.png", resized)
 
 
-def plots_fit(page, ids: list[str], shot: Path) -> None:
+def plots_fit(page, ids: list[str], shot: Path, resized: bool = False) -> None:
+    """Every plot of `ids` within its panel, and every line of text within its plot. `resized`: the window was
+    resized while some of them were hidden; plotly's own resize of those is debounced, so first wait (up to
+    10 s, a bound, not a timing) for the panels' widths to reach them."""
     page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
+    if resized:
+        with contextlib.suppress(PlaywrightTimeout):   # if they never do, the assertions below say how far off
+            page.wait_for_function(f"ids => ({PLOT_WIDTHS})(ids).every(([, d, p]) => d !== null && d <= p + 0.5)",
+                                   arg=ids, timeout=10_000)
     widths = page.evaluate(PLOT_WIDTHS, ids)  # before the screenshot: a full-page one resizes the window
     page.screenshot(path=str(shot), full_page=True)
     for plot, drawn, panel, over in widths:
@@ -192,7 +201,7 @@ def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, 
         page.wait_for_function("() => { const s = document.querySelector('#detail-plot svg.main-svg');"
                                " return s && s.getBoundingClientRect().width < 700; }")
         for tab in ("Round detail", "Charts", "Theory", "KV cache"):
-            shown_plots_fit(page, tab, rounds, shots, "-1024")
+            shown_plots_fit(page, tab, rounds, shots, "-1024", resized=True)
     finally:
         page.close()
 
