@@ -57,6 +57,7 @@ def test_no_training_prompt_of_any_pack_or_template_touches_a_held_out_subject()
 
 def test_a_sampled_user_turn_on_a_held_out_subject_is_dropped():
     assert clean_prompt("How do I teach my parrot to talk?") is not None
+    assert clean_prompt("Why do spiders look so leggy?") is not None      # "egg" inside a word is no subject
     for turn in ("Why are flamingos standing on one leg?", "Tell me about the Great Sudoku Championship.",
                  "Can my EGGS go in the fridge?"):
         assert clean_prompt(turn) is None

@@ -213,10 +213,13 @@ def _stdlib_prompts() -> list[str]:
     return out
 
 
+# a word (a run of letters a-z) that begins with a stem: the stem, not preceded by a letter
+_HELDOUT_WORD = re.compile(r"(?<![a-z])(?:" + "|".join(map(re.escape, HELDOUT_SUBJECTS)) + ")")
+
+
 def touches_heldout_subject(text: str) -> bool:
     """Whether a word of `text` begins with a held-out subject's stem: such a text is never trained on."""
-    words = set(re.findall(r"[a-z]+", text.lower()))
-    return any(w.startswith(s) for s in HELDOUT_SUBJECTS for w in words)
+    return _HELDOUT_WORD.search(text.lower()) is not None
 
 
 def training_prompts(seed: int = 0) -> list[str]:
