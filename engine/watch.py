@@ -196,9 +196,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def fetch(url: str, allowed: tuple[str, ...] = (), timeout: float = FETCH_TIMEOUT_S,
+def fetch(url: str, allowed: tuple[str, ...] = (), timeout: float | None = None,
           max_bytes: int = MAX_METRICS_BYTES) -> str:
-    """The text at `url`, within `timeout` seconds and `max_bytes` bytes; WatchError with a sentence otherwise."""
+    """The text at `url`, within `timeout` seconds (FETCH_TIMEOUT_S) and `max_bytes` bytes; WatchError with a
+    sentence otherwise."""
+    timeout = FETCH_TIMEOUT_S if timeout is None else timeout
     check_allowed(url, allowed)
     request = urllib.request.Request(url, headers={"Accept": "text/plain"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never through a proxy

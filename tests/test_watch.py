@@ -134,8 +134,10 @@ class Serving:
         self.server.server_close()
 
 
-def test_fetching_is_bounded_and_each_failure_says_what_happened(capsys):
+def test_fetching_is_bounded_and_each_failure_says_what_happened(capsys, monkeypatch):
     from playground.loadtest import HungEndpoint, free_port
+
+    monkeypatch.setattr(watch, "FETCH_TIMEOUT_S", 0.5)   # the command's own bound, as the hung endpoint meets it
 
     served = Serving(body())
     hung = HungEndpoint()
@@ -155,7 +157,7 @@ def test_fetching_is_bounded_and_each_failure_says_what_happened(capsys):
         out = capsys.readouterr().out
         assert out.startswith("smollm2: 0 drafts") and "predicted speed-up" in out   # nothing decoded meanwhile
         assert watch.main([f"http://127.0.0.1:{hung.port}/metrics", "--count", "1"]) == 2
-        assert "did not answer" in capsys.readouterr().err
+        assert "did not answer within 0.5 s" in capsys.readouterr().err
     finally:
         served.close()
         hung.close()
