@@ -12,7 +12,7 @@ import math
 from engine.config import SEED_MAX, check_seed
 from engine.prompts import check_text
 
-__all__ = ["SEED_MAX", "as_float", "as_int", "as_number", "as_seed", "as_text"]
+__all__ = ["SEED_MAX", "as_float", "as_int", "as_number", "as_optional_number", "as_seed", "as_text"]
 
 
 def as_number(name: str, value: object, allowed: str = "a finite number") -> float:
@@ -29,6 +29,16 @@ def as_number(name: str, value: object, allowed: str = "a finite number") -> flo
     if not math.isfinite(number):
         raise ValueError(f"{name} must be {allowed}, got {_shown(value)}.")
     return number
+
+
+def as_optional_number(value: object) -> float | None:
+    """A finite number, or None where the field is empty or holds no finite number: for a field that may stay
+    unset while it is being typed into (the Live engine page's c and r), where a sentence at every keystroke
+    would be noise."""
+    try:
+        return as_number("", value)
+    except ValueError:
+        return None
 
 
 def as_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:

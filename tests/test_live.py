@@ -138,9 +138,9 @@ def test_specplay_runs_beside_with_the_servers_k(handlers, served):
 def test_c_and_r_boxes_read_empty_until_measured_and_a_word_is_no_number(handlers, served):
     """The boxes start empty (a number box would show 0, read as a measured c); what is typed is read as a number
     or, where it is none, the prediction asks for one instead of failing."""
-    from playground.pages.live import entered
+    from playground.inputs import as_optional_number
 
-    assert [entered(v) for v in ("", "  ", None, "abc", "inf", "nan", " 0.05 ", "1.2", 0.3)] == \
+    assert [as_optional_number(v) for v in ("", "  ", None, "abc", "inf", "nan", " 0.05 ", "1.2", 0.3)] == \
         [None, None, None, None, None, None, 0.05, 1.2, 0.3]
     live, *_ = handlers.start(None, served.url, 1.0, None, "", "")
     served.text = body()

@@ -9,7 +9,6 @@ visitor's watch (a `engine.watch.Watcher`) lives in the page's gr.State: nothing
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import gradio as gr
@@ -26,6 +25,7 @@ from engine.prompts import ChatPrompt, PromptError, encode_prompt
 from engine.sampling import SamplingParams
 from engine.watch import Watcher, WatchError
 from playground.controller import Context
+from playground.inputs import as_optional_number
 from playground.render import audit as render_audit
 from playground.render import live as render
 
@@ -96,15 +96,6 @@ class AuditControls:
 NOT_MEASURED = "not measured: run beside it below"
 
 
-def entered(value: object) -> float | None:
-    """A c or r box's number; None while it is empty or holds no finite number (the prediction asks for one)."""
-    try:
-        number = float(value.strip() if isinstance(value, str) else value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def render_all(live: LiveState, model: str | None, c: object, r: object) -> tuple:
     """(summary, model picker, four figures) for the visitor's watch; `c` and `r` as their boxes hold them."""
     w = live.watcher
@@ -117,7 +108,7 @@ def render_all(live: LiveState, model: str | None, c: object, r: object) -> tupl
         summary = f"**The last reading failed:** {live.error}\n\n{summary}"
     return (summary, gr.Dropdown(choices=models, value=model), render.acceptance_over_time(points),
             render.per_position(total, live.side), render.throughput_over_time(points),
-            render.prediction(total, entered(c), entered(r)))
+            render.prediction(total, as_optional_number(c), as_optional_number(r)))
 
 
 class LiveHandlers:
