@@ -33,6 +33,14 @@ measured sizes, `ONE_COPY_BELOW_BYTES`, is a choice, not a measurement. torch.co
 max-autotune (it picks MKL's packed GEMM or its own micro-kernel per shape) was no faster than this rule on
 SmolLM2's matrices at 1, 4, 8 or 17 rows (20.8 / 25.3 / 32.0 / 38.5 ms against 19.3 / 24.7 / 29.4 / 38.6),
 after 21-24 s of compilation per row count.
+
+A blocked product costs at least about 17 us however small its matrix, where torch's default linear takes 3-14 us
+for a small one, so a matrix under `BLOCKED_MIN_ELEMENTS` gets no copy and multiplies as it is. On the AMD EPYC
+(one process, blocked against default, one row / three rows): 256 x 64 17 / 22 us against 3.4 / 11 us, 512 x 256
+19 / 23 against 12 / 33, 2048 x 64 22 / 26 against 14 / 38, 640 x 384 30 / 30 against 40 / 68: from about 2^17
+elements the blocked copy wins at both row counts, below it the default wins at one row by 1.5-5x. The built-in
+draft's output matrix (256 x 256) and the test suite's small random models multiply as they are; SmolLM2's and
+the built-in target's matrices are all larger.
 """
 from __future__ import annotations
 
@@ -55,6 +63,7 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 BLOCKED_MIN_ROWS = 4              # on CPUs other than AMD's, fewer rows use torch's default linear
 BLOCKED_LIMIT_BYTES = 2 << 30     # the blocked copy doubles the matrices' memory: only models up to 2 GiB
 ONE_COPY_BELOW_BYTES = 128 << 20  # smaller models keep one copy where the row rule would switch between two
+BLOCKED_MIN_ELEMENTS = 1 << 17   # smaller matrices multiply faster with torch's default linear (see above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +119,7 @@ class BlockedWeights:
         """`bf16`: the copies are bfloat16, and `linear` rounds its input to bf16 and returns fp32 (the products
         accumulate in fp32); for a drafter's matrices, whose rounding cannot change what verification emits."""
         self.bf16 = bf16
+        matrices = [m for m in matrices if m.numel() >= BLOCKED_MIN_ELEMENTS]   # the rest multiply as they are
         self._blocked = {id(m): torch.ops.mkldnn._reorder_linear_weight(m.to(torch.bfloat16) if bf16 else m, None)
                          for m in matrices}
         self._keep = matrices  # the ids stay valid while the dense matrices live
@@ -125,6 +135,8 @@ class BlockedWeights:
         size = sum(m.numel() * m.element_size() for m in matrices)
         if size > BLOCKED_LIMIT_BYTES:
             return f"the matrices take {_size(size)}, over the {_size(BLOCKED_LIMIT_BYTES)} limit"
+        if all(m.numel() < BLOCKED_MIN_ELEMENTS for m in matrices):
+            return f"every matrix is under {BLOCKED_MIN_ELEMENTS:,} elements, where torch's default linear is faster"
         return None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

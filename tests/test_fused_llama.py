@@ -101,7 +101,8 @@ def test_fusing_keeps_the_model_and_costs_no_memory() -> None:
     assert sum(p.numel() for p in model.parameters()) == params
 
 
-def test_blocked_matrices_multiply_as_the_dense_ones() -> None:
+def test_blocked_matrices_multiply_as_the_dense_ones(monkeypatch) -> None:
+    monkeypatch.setattr("engine.fused_llama.BLOCKED_MIN_ELEMENTS", 0)   # copies of this small model's matrices too
     fast = loaded(build("qwen2", seed=5)).fused
     assert fast.blocked is not None and fast.blocked_reason is None
     layer, gen = fast.layers[0], torch.Generator().manual_seed(5)
@@ -126,6 +127,7 @@ def test_the_cpu_decides_from_how_many_rows_the_blocked_matrices_serve(monkeypat
 
 
 def test_forwards_of_four_rows_or_more_use_the_blocked_matrices(monkeypatch) -> None:
+    monkeypatch.setattr("engine.fused_llama.BLOCKED_MIN_ELEMENTS", 0)
     model = loaded(build("llama", seed=7))
     model.fused.blocked_rows = 4   # as on an Intel CPU
     calls = []
@@ -154,6 +156,7 @@ def test_blocked_copies_are_made_only_where_they_pay(monkeypatch) -> None:
 
 def test_a_small_model_keeps_one_copy_where_the_row_rule_would_switch_between_two(monkeypatch) -> None:
     monkeypatch.delenv("SPECPLAY_BLOCKED_MIN_ROWS", raising=False)
+    monkeypatch.setattr("engine.fused_llama.BLOCKED_MIN_ELEMENTS", 0)
     monkeypatch.setattr("engine.fused_llama.ONE_COPY_BELOW_BYTES", 128 << 20)
     assert "keeps one copy" in one_copy_reason(54 << 20, 4)
     assert one_copy_reason(540 << 20, 4) is None      # SmolLM2's size: both copies
@@ -235,3 +238,20 @@ def test_greedy_runs_are_identical_on_both_forwards(builtin_pair, builtin_tokeni
             engine.run()
             runs[fused, mode] = engine.generated
     assert len(set(map(tuple, runs.values()))) == 1
+
+
+def test_small_matrices_multiply_as_they_are_and_large_ones_get_a_copy(monkeypatch) -> None:
+    """A blocked product costs more than torch's default one for a small matrix (BLOCKED_MIN_ELEMENTS)."""
+    monkeypatch.delenv("SPECPLAY_BLOCKED_MIN_ROWS", raising=False)
+    monkeypatch.setattr("engine.fused_llama.blocked_min_rows", lambda: 1)    # the blocked copy serves every row count
+    fast = FusedLlama(build("llama", seed=10, vocab_size=4096))   # the head 4096 x 64 (2^18), the layers under 2^13
+    assert fast.blocked is not None and fast.blocked.bytes == fast.lm_head.numel() * 4   # the head's copy alone
+    layer, gen = fast.layers[0], torch.Generator().manual_seed(10)
+    for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        rows = torch.randn(1, 3, weight.shape[1], generator=gen)
+        assert torch.equal(fast.blocked.linear(rows, weight), torch.nn.functional.linear(rows, weight))
+    x = torch.randn(1, 3, 64, generator=gen)
+    dense = torch.nn.functional.linear(x, fast.lm_head)
+    assert (fast.blocked.linear(x, fast.lm_head) - dense).abs().max() < 1e-5 * dense.abs().max()
+    small = FusedLlama(build("llama", seed=10))                    # every matrix under 2^17 elements: no copy
+    assert small.blocked is None and "every matrix is under 131,072 elements" in small.blocked_reason

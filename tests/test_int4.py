@@ -51,7 +51,7 @@ def test_a_q4_1_matrix_gets_its_own_codes_back_and_products_do_not_depend_on_the
 
 def test_the_head_runs_in_bf16_and_its_highest_logits_again_in_fp32_the_same_alone_or_among_rows():
     layer, _ = q4_1_matrix(64, 128)
-    head = torch.randn(512, 128)
+    head = torch.randn(1024, 128)   # 2^17 elements: large enough for a blocked copy (BLOCKED_MIN_ELEMENTS)
     int4 = Int4Weights([layer], head=head)
     assert int4.head_format == "bf16"
     x = torch.randn(7, 128)
