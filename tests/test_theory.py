@@ -88,7 +88,7 @@ def test_the_figures_overlay_measured_points_and_mark_the_recommended_k(live_vie
     curves = theory.theory_curves(pred, curve)
     fig = theory.theory_figure(live_view)
     names = [t.name for t in fig.data]
-    assert "measured tokens per round" in names and "E(α, K) / (cK + r(K+1))" in names
+    assert "measured, by the round's drafts" in names and "E(α, K) / (cK + r(K+1))" in names
     assert list(fig.data[names.index("E(α, K) / (cK + r(K+1))")].y) == pytest.approx(list(curves.speedup))
     assert {s.x0 for s in fig.layout.shapes if s.x0 == s.x1} == {curves.best_k}
     html = theory.recommendation_html(live_view)

@@ -94,8 +94,9 @@ def theory_figure(view: RunView | None, k_max: int = K_BOUND) -> go.Figure:
     fig.add_trace(go.Scatter(x=ks, y=list(curves.expected_rates), mode="lines", name="E from per-position rates",
                              line=dict(color=PREDICTED_COLOUR, dash="dash")), row=1, col=1)
     fig.add_trace(go.Scatter(x=[p.k for p in points], y=[p.tokens_per_round for p in points], mode="markers",
-                             name="measured tokens per round", marker=dict(color=SPEC_COLOUR, size=12, symbol="diamond"),
-                             text=[f"{p.rounds} rounds at K={p.k}" for p in points]), row=1, col=1)
+                             name="measured, by the round's drafts", marker=dict(color=SPEC_COLOUR, size=12,
+                                                                                  symbol="diamond"),
+                             text=[f"{p.rounds} rounds that drafted {p.k}" for p in points]), row=1, col=1)
     fig.add_trace(go.Scatter(x=ks, y=list(curves.speedup), mode="lines+markers", name=metrics.formula_text(pred.commit),
                              line=dict(color=PREDICTED_COLOUR, dash="dot")), row=1, col=2)
     measured = metrics.measured_speedup(view.rounds, view.baseline)
