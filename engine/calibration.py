@@ -7,7 +7,8 @@ Every prediction this project shows uses this measured curve, never an assumed r
 
 The measurement: a fresh paged cache holding `context` tokens, then forwards over n new tokens that
 are rolled back at once, for each n on a grid, rotated over `repeats` passes so that background load
-hits every n alike; the median per n, made non-decreasing (pool-adjacent-violators: a forward over
+hits every n alike, each pass followed by its own one-token forwards back to back (the unit its forwards
+are counted in); the median per n, made non-decreasing (pool-adjacent-violators: a forward over
 more tokens never really costs less, so a dip is noise), divided by the n = 1 value.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ class RCurve:
     dtype: str
     context: int
     ns: list[int]          # token counts measured, ascending, starting at 1
-    ms: list[float]        # median forward ms at each n, as measured
+    ms: list[float]        # median forward ms at each n (each pass's in units of its own one-token forward)
     r: list[float]         # the smoothed ratio to n = 1
     step_ms: float         # the smoothed one-token forward, ms: what r is relative to
     repeats: int
@@ -158,15 +159,22 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
             for n in grid:
                 forward(n)
         times: dict[int, list[float]] = {n: [] for n in grid}
+        units: list[float] = []
         for rep in range(repeats):
             shift = rep % len(grid)
             for n in grid[shift:] + grid[:shift]:
                 times[n].append(forward(n))
-        # r's unit is timed back to back, as target-only decoding runs it: amid the grid's larger forwards a
-        # one-token forward is slower (on the built-in target 3.5-3.7 ms against 2.8-3.0, which made r(5) 1.16-1.28
-        # where a verify inside the rounds measured 1.5; timed back to back, r(5) came out 1.44-1.46)
-        forward(1, chain=False)
-        times[1] = [forward(1, chain=False) for _ in range(repeats)]
+            # r's unit is timed back to back, as target-only decoding runs it: amid the grid's larger forwards a
+            # one-token forward is slower (on the built-in target 3.5-3.7 ms against 2.8-3.0, which made r(5)
+            # 1.16-1.28 where a verify inside the rounds measured 1.5; timed back to back, r(5) came out 1.44-1.46).
+            # Each pass times its own unit right after its grid, and its forwards count against that unit: a slow
+            # spell of the machine then slows a pass and its unit alike, where one unit timed once at the end
+            # read 13.5-20 ms on SmolLM2 int4 in one evening and moved r(3) between 1.0 and 1.5
+            forward(1, chain=False)
+            units.append(forward(1, chain=False))
+        unit = median(units)
+        times = {n: [t * unit / u for t, u in zip(ts, units)] for n, ts in times.items()}
+        times[1] = units
     finally:
         for c in caches:
             c.free()

@@ -69,27 +69,34 @@ def test_with_a_draft_each_verify_comes_right_after_its_chain_of_draft_forwards(
     assert curve.ms == pytest.approx([1.0, 1.0, 1.0])   # the draft's forwards are not timed
 
 
-def test_the_one_token_unit_is_timed_back_to_back_after_the_grid(builtin_pair, monkeypatch):
+def test_each_pass_times_its_own_one_token_unit_and_a_slow_spell_leaves_r_as_it_is(builtin_pair, monkeypatch):
     """Amid the grid's larger forwards a one-token forward runs slower than in target-only decoding, which
-    made r too low: r's unit comes from one untimed and `repeats` timed one-token forwards in a row, last."""
+    made r too low: each pass ends with one untimed and one timed one-token forward in a row, its unit. A
+    slow spell of the machine that covers passes and their units alike (here two of three passes run 1.5x
+    slower) leaves r as it is; with one unit timed at the end, outside the spell, r(4) read 3.0 instead of 2."""
     from engine import calibration
 
     _, target = builtin_pair
-    feeds, seen = [], {}
-    real_forward, real_curve = calibration.ModelRunner.forward, calibration.curve_from_times
+    feeds, cost, slow = [], {1: 10.0, 2: 12.0, 4: 20.0}, (1.5, 1.5, 1.0)
+    real_forward = calibration.ModelRunner.forward
 
     def forward(self, cache, ids, *args, **kwargs):
         feeds.append(len(ids))
         return real_forward(self, cache, ids, *args, **kwargs)
 
-    def curve(model, device, dtype, context, times, repeats, *batch):
-        seen.update(times)
-        return real_curve(model, device, dtype, context, times, repeats, *batch)
+    clock = {"t": 0.0, "seen": 0}
+
+    def now() -> float:        # a forward's first read is its start, its second its end, cost[n] x its pass's pace
+        if len(feeds) > clock["seen"]:
+            clock["seen"] = len(feeds)
+            return clock["t"]
+        i = len(feeds) - 2                             # forwards after the context's, 5 a pass
+        clock["t"] += cost.get(feeds[-1], 1.0) * (slow[i // 5] if i >= 0 else 1.0) / 1000
+        return clock["t"]
     monkeypatch.setattr(calibration.ModelRunner, "forward", forward)
-    monkeypatch.setattr(calibration, "curve_from_times", curve)
-    calibrate(target, context=16, grid=(1, 2, 4), repeats=3, warmup=0)
-    assert feeds[0] == 16 and feeds[1:10] == [1, 2, 4, 2, 4, 1, 4, 1, 2]   # the context, then the rotated grid
-    assert feeds[10:] == [1, 1, 1, 1] and len(seen[1]) == 3 and len(seen[4]) == 3
+    curve = calibrate(target, context=16, grid=(1, 2, 4), repeats=3, warmup=0, now=now)
+    assert feeds[0] == 16 and feeds[1:] == [1, 2, 4, 1, 1, 2, 4, 1, 1, 1, 4, 1, 2, 1, 1]   # rotated, each with its unit
+    assert curve.r == pytest.approx([1.0, 1.2, 2.0]) and curve.step_ms == pytest.approx(15.0)
 
 
 def test_a_set_stop_event_ends_a_calibration_at_its_next_forward(builtin_pair):
