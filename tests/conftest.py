@@ -136,3 +136,11 @@ def handlers(builtin_pair):
     registry = ModelRegistry(loader=lambda source, role, device: draft if role == "draft" else target)
     yield page_live.LiveHandlers(SimpleNamespace(settings=AppSettings(), registry=registry))
     registry.close()
+
+
+def pytest_unconfigure(config) -> None:
+    """Every test has run and reported: the interpreter's last collection need not scan the models and modules
+    still alive (a worker holding SmolLM2 spent seconds on it before exiting)."""
+    import gc
+
+    gc.freeze()
