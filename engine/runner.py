@@ -69,9 +69,10 @@ class ModelRunner:
     def forward_features(self, cache: PagedCache, token_ids: list[int], last_only: bool = False,
                          features: bool = True, positions: list[int] | None = None,
                          attn_mask: torch.Tensor | None = None,
-                         taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         taps: tuple[int, ...] = (), argmax_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the post-norm features of every fed row ([len(token_ids), d]) when `features`
-        (all rows even with `last_only`, which keeps only the last row's logits).
+        (all rows even with `last_only`, which keeps only the last row's logits). `argmax_only`: only each
+        row's highest logit will be read (greedy), which lets an int4 target skip the rest of its head.
 
         A tree is fed with `positions` (rotary positions, one per token) and `attn_mask` ([q, past + q]
         bool, which cached and fed rows each token sees); see engine.tree.attention_mask. With `taps` the
@@ -81,7 +82,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=device) if positions is not None else None
         with self._timer.time(self.forward_ms):
             if self.fused is not None:
-                logits, hidden = self.fused.forward_features(cache, ids, last_only, pos, attn_mask, taps)
+                logits, hidden = self.fused.forward_features(cache, ids, last_only, pos, attn_mask, taps, argmax_only)
             else:
                 extra = {}
                 if pos is not None:  # a 4-D additive mask and explicit positions, as transformers takes a tree
@@ -112,7 +113,8 @@ class ModelRunner:
 @dataclass(frozen=True, slots=True)
 class ForwardRequest:
     """One sequence's share of a batched forward: what `ModelRunner.forward_features` takes, per sequence.
-    `read_only`: attend to the cache without writing it (v1's verify)."""
+    `read_only`: attend to the cache without writing it (v1's verify); `argmax_only`: only each row's highest logit
+    is read (greedy decoding), so an int4 target computes no more of its head (a batched forward computes it all)."""
 
     runner: ModelRunner
     cache: PagedCache
@@ -121,12 +123,13 @@ class ForwardRequest:
     positions: list[int] | None = None
     attn_mask: torch.Tensor | None = None
     read_only: bool = False
+    argmax_only: bool = False
 
     def run(self, features: bool = False, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This request alone: the runner's `forward_features` (inside `read_only()` when asked)."""
         with self.cache.read_only() if self.read_only else nullcontext():
             return self.runner.forward_features(self.cache, self.token_ids, self.last_only, features, self.positions,
-                                                self.attn_mask, taps)
+                                                self.attn_mask, taps, self.argmax_only)
 
 
 @torch.inference_mode()

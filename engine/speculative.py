@@ -202,7 +202,8 @@ class SpeculativeEngine:
         clock, forwards_before = PhaseClock(self._now), self.target_runner.forwards
         if not self._started:
             self._started = True
-            request = ForwardRequest(self.target_runner, self.target_cache, list(self.prompt), last_only=True)
+            request = ForwardRequest(self.target_runner, self.target_cache, list(self.prompt), last_only=True,
+                                     argmax_only=self.config.sampling.greedy)
             return PendingRound(None, request, clock, forwards_before, "prefill")
         if drafted is None:
             with clock.phase("draft"):
@@ -212,7 +213,8 @@ class SpeculativeEngine:
             clock.start -= clock.ms["draft"] / 1000
         feed, extra = (proposal or NO_DRAFT).feed(self.sequence.last, len(self.tokens) - 1)
         request = ForwardRequest(self.target_runner, self.target_cache, feed, positions=extra.get("positions"),
-                                 attn_mask=extra.get("attn_mask"), read_only=self.config.mode is Mode.V1)
+                                 attn_mask=extra.get("attn_mask"), read_only=self.config.mode is Mode.V1,
+                                 argmax_only=self.config.sampling.greedy)
         return PendingRound(proposal, request, clock, forwards_before, "verify")
 
     def finish_round(self, pending: PendingRound, logits: torch.Tensor, features: torch.Tensor | None) -> RoundRecord:

@@ -15,7 +15,7 @@ from engine.models import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from engine.pair import ModelPair
 from engine.sources import BUILTIN
 from tests.conftest import tiny_model
-from tests.test_int8 import assert_speculation_emits_target_only, decode
+from tests.test_int8 import PROMPTS, assert_speculation_emits_target_only, decode
 from tests.test_losslessness import LEVEL, PROMPT, chi_square, exact_joint, run_counts
 
 
@@ -68,6 +68,45 @@ def test_the_head_runs_in_bf16_and_its_highest_logits_again_in_fp32_the_same_alo
         assert len(set(row[top].tolist())) == int(top.sum())              # no ties among the refined logits
     stranger = torch.randn(32, 128)
     assert torch.equal(int4.linear(x, stranger), torch.nn.functional.linear(x, stranger))   # neither head nor layer
+
+
+def test_greedy_reads_a_4bit_heads_likeliest_tokens_again_in_fp32_and_nothing_else():
+    layer, _ = q4_1_matrix(64, 128)
+    head = torch.randn(1024, 128, generator=torch.Generator().manual_seed(3))
+    int4 = Int4Weights([layer], head=head)
+    assert int4.argmax_head
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = int4.argmax_logits(x)
+        assert all(torch.equal(int4.argmax_logits(x[i: i + 1])[0], got[i]) for i in range(7))   # alone as among rows
+        assert torch.equal(int4.argmax_logits(x[None]), got)                    # [1, rows, d] as [rows, d]
+    exact = x @ head.T
+    kept = got.isfinite()
+    assert (kept.sum(dim=-1) == Int4Weights.REFINED).all() and (got[~kept] == -torch.inf).all()
+    for row, x_row, keep, full in zip(got, x, kept, exact):
+        assert torch.equal(row[keep], (head[keep] * x_row).sum(dim=-1))      # fp32, from the head's own rows
+        assert keep[full.topk(8).indices].all()       # the 4-bit ranking keeps the fp32 head's eight likeliest
+        assert int(row.argmax()) == int(full.argmax())
+    assert not Int4Weights([layer], head=torch.randn(1000, 128)).argmax_head    # rows the kernel does not take
+
+
+def test_greedy_decoding_on_an_int4_target_emits_with_the_candidate_head_what_the_whole_head_emits(int4_pair,
+                                                                                                  monkeypatch):
+    """Target-only and speculative greedy runs read the candidates' logits (`argmax_only`) and emit exactly the
+    tokens the whole head's logits give."""
+    assert int4_pair.target.fused.blocked.argmax_head
+    calls = []
+    real = Int4Weights.argmax_logits
+    monkeypatch.setattr(Int4Weights, "argmax_logits", lambda self, x: calls.append(len(x)) or real(self, x))
+    prompts = [int4_pair.target.tokenizer.encode(text) for text in PROMPTS]
+    fast = [(decode(int4_pair, p, mode=Mode.TARGET), decode(int4_pair, p, drafter=DrafterKind.NGRAM, k=4))
+            for p in prompts]
+    assert len(calls) > 100 and max(calls) > 1       # every forward read the candidates, verifies of several rows
+    monkeypatch.setattr(Int4Weights, "argmax_head", property(lambda self: False))
+    calls.clear()
+    whole = [decode(int4_pair, p, mode=Mode.TARGET) for p in prompts]
+    assert not calls
+    assert [alone for alone, _ in fast] == whole and [spec for _, spec in fast] == whole
 
 
 def test_int4_needs_shapes_the_kernel_takes_the_fused_forward_and_the_cpu(builtin_pair):
@@ -173,7 +212,7 @@ def test_smollm2_int4_multiplies_with_the_wheels_own_codes_and_speculation_emits
         codes, _, _ = Int4Weights.quantize(matrix.weight.detach())
         assert np.array_equal(codes.numpy(), _wheel_codes(gguf, header, f"blk.{i}.{name}.weight")), name
     assert target.fused.blocked.largest_error < 1e-5
-    assert target.fused.blocked.head_format in ("bf16", "fp32")
+    assert target.fused.blocked.head_format in ("bf16", "fp32") and target.fused.blocked.argmax_head
     pair = ModelPair(target, eagle=load_eagle(SMOLLM2, target))
     prompt = encode_chat(target.tokenizer, ChatPrompt("Why is the sky blue?"))
     alone = decode(pair, prompt, mode=Mode.TARGET, max_new_tokens=32)
