@@ -98,7 +98,7 @@ def curve_from_times(model: str, device: str, dtype: str, context: int, times: d
 def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = DEFAULT_GRID, repeats: int = 5,
               fused: bool = True, now: Now = time.perf_counter, warmup: int = 2,
               stop: threading.Event | None = None, draft: LoadedModel | None = None,
-              gate: ComputeGate | None = None, batch: int = 1) -> RCurve:
+              gate: ComputeGate | None = None, batch: int = 1, argmax_only: bool = False) -> RCurve:
     """Measure r(n) for `loaded` on its device with `context` tokens already cached.
 
     The context is a fixed pseudo-random id sequence (the cost of attention depends on the length,
@@ -118,6 +118,9 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
     `batch`: B sequences, each holding the context, fed n tokens each in one batched forward
     (`engine.runner.forward_many`); r(n) is then that forward's cost relative to one token each: what a batch's
     verify of K + 1 rows per sequence costs against its target-only step.
+
+    `argmax_only`: the forwards compute what greedy decoding reads (`ModelRunner.forward_features`), where an int4
+    target computes less of its head: both r and its unit then cost what a greedy run's forwards cost.
     """
     if context < 1 or repeats < 1 or not grid or batch < 1:
         raise ValueError(f"need context >= 1, repeats >= 1, a grid and batch >= 1, got {context}, {repeats}, "
@@ -146,7 +149,7 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
             if drafting is not None and chain:
                 drafting.run(n - 1)
             if batch == 1:
-                runner.forward(cache, feed[:n])
+                runner.forward_features(cache, feed[:n], features=False, argmax_only=argmax_only)
             else:
                 forward_many([ForwardRequest(r, c, feed[:n]) for r, c in zip(runners, caches)], features=False)
             for r, c in zip(runners, caches):

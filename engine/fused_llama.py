@@ -411,6 +411,8 @@ class FusedLlama:
         matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         matrices.append(self.lm_head)
         self.weights = weights
+        self.native: NativeInt4Layers | None = None     # the int4 layers' C++ loop (engine.native), where it runs
+        self.native_reason: str | None = "only int4 layers have a C++ loop"
         if weights == "int8":
             problem = Int8Weights.unsupported(matrices)
             if problem:
@@ -424,6 +426,7 @@ class FusedLlama:
                 raise ValueError(problem)
             self.blocked_rows, self.blocked_reason = 1, "int4 weights"
             self.blocked = Int4Weights(matrices[:-1], head=self.lm_head)
+            self.native, self.native_reason = NativeInt4Layers.of(self)
             return
         self.blocked_rows = blocked_min_rows()   # forwards of at least this many rows use the blocked copy
         self.blocked_reason = "turned off" if not blocked else BlockedWeights.unsupported(matrices) or \
@@ -521,12 +524,15 @@ class FusedLlama:
             mask = attn_mask.to(self.device)
         cos, sin = cos[None, None], sin[None, None]
         linear = self.blocked.linear if self.blocked is not None and q >= self.blocked_rows else F.linear
-        tapped = {}
-        for i, layer in enumerate(self.layers):
-            if i in taps:
-                tapped[i] = x[0]
-            x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,
-                              self.heads, self.kv_heads, self.head_dim, linear, self.weights != "fp32")
+        if self.native is not None and positions is None and not cache._read_only:   # a chain, written
+            x, tapped = self.native.run(cache, x, cos, sin, taps)
+        else:
+            tapped = {}
+            for i, layer in enumerate(self.layers):
+                if i in taps:
+                    tapped[i] = x[0]
+                x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,
+                                  self.heads, self.kv_heads, self.head_dim, linear, self.weights != "fp32")
         features = _rms_norm(x, self.norm)[0]
         head_in = features[-1:] if last_only else features
         tapped[len(self.layers)] = features   # tap L (past the last layer): the post-norm output, as in HF
@@ -608,6 +614,55 @@ class FusedLlama:
         if len(self.layers) in taps:
             tapped[len(self.layers)] = _rms_norm(x, self.norm)
         return [tapped[i] for i in taps]
+
+
+class NativeInt4Layers:
+    """The int4 layers run by engine.native's C++ loop: the same ATen calls as `decoder_block` with
+    `Int4Weights.linear` and exact attention make, for one sequence's chain of rows written to its cache, bit for
+    bit (tests/test_native.py). Trees (positions and a mask), v1's read-only verify and batches of sequences
+    run the Python loop."""
+
+    def __init__(self, fused: "FusedLlama", module) -> None:
+        int4: Int4Weights = fused.blocked
+        packed = [int4._int4[id(m)] for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._packed = [p for p, _, _ in packed]
+        self._pairs = [s for _, s, _ in packed]
+        self._rows = [n for _, _, n in packed]
+        self._norms = [w for layer in fused.layers for w in (layer.norm_in[0], layer.norm_post[0])]
+        first = fused.layers[0]
+        self._eps, self._inter, self._scaling = float(first.norm_in[1]), first.inter, float(first.scaling)
+        self._shape = (fused.heads, fused.kv_heads, fused.head_dim)
+        self._count = len(fused.layers)
+        self._module = module
+
+    @classmethod
+    def of(cls, fused: "FusedLlama") -> tuple["NativeInt4Layers | None", str | None]:
+        """(the C++ loop for `fused`'s int4 layers, None) or (None, why the Python loop runs them)."""
+        first = fused.layers[0]
+        if any(layer.qkv_bias is not None or layer.o_bias is not None for layer in fused.layers):
+            return None, "the C++ loop takes layers without biases"
+        if any((layer.norm_in[1], layer.norm_post[1], layer.scaling, layer.inter) !=
+               (first.norm_in[1], first.norm_in[1], first.scaling, first.inter) for layer in fused.layers):
+            return None, "the C++ loop takes layers of one shape, norm and scaling"
+        if fused.device.type != "cpu":
+            return None, "int4 runs on the CPU"
+        from engine import native
+        module = native.int4_layers()
+        return (cls(fused, module), None) if module is not None else (None, native.reason())
+
+    def run(self, cache: PagedCache, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x [1, q, d] through every layer, its K/V written to `cache`; (x, {tap: x entering that layer})."""
+        q = x.shape[1]
+        write = cache.begin_write(q)
+        span = cache.span
+        wanted = sorted({t for t in taps if t < self._count})
+        heads, kv_heads, head_dim = self._shape
+        out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, self._eps,
+                                       cache.pool.keys, cache.pool.values, write, cache.slots,
+                                       span[0] if span else 0, span[1] if span else -1, cos, sin, heads, kv_heads,
+                                       head_dim, self._inter, self._scaling, wanted)
+        return out[0], dict(zip(wanted, out[1:]))
 
 
 def decoder_block(x: torch.Tensor, layer: "_Layer", keys_values, cos: torch.Tensor, sin: torch.Tensor,

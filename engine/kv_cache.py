@@ -194,6 +194,13 @@ class PagedCache(Cache):
         return self._write_index
 
     @property
+    def span(self) -> tuple[int, int] | None:
+        """After `begin_write` (or layer 0's update): the pool slots [start, end) that hold the sequence in order,
+        when its blocks are consecutive (its K/V is then a view of the pool); None when they are not (gather
+        `slots`)."""
+        return self._span
+
+    @property
     def slots(self) -> torch.Tensor:
         """The physical slot of every cached position, in order."""
         return self._slot_index

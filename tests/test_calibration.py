@@ -78,7 +78,7 @@ def test_each_pass_times_its_own_one_token_unit_and_a_slow_spell_leaves_r_as_it_
 
     _, target = builtin_pair
     feeds, cost, slow = [], {1: 10.0, 2: 12.0, 4: 20.0}, (1.5, 1.5, 1.0)
-    real_forward = calibration.ModelRunner.forward
+    real_forward = calibration.ModelRunner.forward_features     # what `forward` calls too
 
     def forward(self, cache, ids, *args, **kwargs):
         feeds.append(len(ids))
@@ -93,7 +93,7 @@ def test_each_pass_times_its_own_one_token_unit_and_a_slow_spell_leaves_r_as_it_
         i = len(feeds) - 2                             # forwards after the context's, 5 a pass
         clock["t"] += cost.get(feeds[-1], 1.0) * (slow[i // 5] if i >= 0 else 1.0) / 1000
         return clock["t"]
-    monkeypatch.setattr(calibration.ModelRunner, "forward", forward)
+    monkeypatch.setattr(calibration.ModelRunner, "forward_features", forward)
     curve = calibrate(target, context=16, grid=(1, 2, 4), repeats=3, warmup=0, now=now)
     assert feeds[0] == 16 and feeds[1:] == [1, 2, 4, 1, 1, 2, 4, 1, 1, 1, 4, 1, 2, 1, 1]   # rotated, each with its unit
     assert curve.r == pytest.approx([1.0, 1.2, 2.0]) and curve.step_ms == pytest.approx(15.0)

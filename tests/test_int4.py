@@ -217,3 +217,19 @@ def test_smollm2_int4_multiplies_with_the_wheels_own_codes_and_speculation_emits
     prompt = encode_chat(target.tokenizer, ChatPrompt("Why is the sky blue?"))
     alone = decode(pair, prompt, mode=Mode.TARGET, max_new_tokens=32)
     assert decode(pair, prompt, max_new_tokens=32, drafter=DrafterKind.EAGLE, k=4) == alone   # verifies of 5 rows
+
+
+def test_the_benchs_calibration_times_the_forwards_a_greedy_run_makes(builtin_tokenizer, monkeypatch):
+    """`calibrate(argmax_only=True)` (what the greedy bench asks) times forwards that read the candidate head; the
+    app's calibration, for any temperature, times the whole head."""
+    from engine.calibration import calibrate
+
+    target = tiny_model(builtin_tokenizer, layers=1, seed=5, weights="int4")
+    assert target.fused.blocked.argmax_head
+    rows = []
+    real = Int4Weights.argmax_logits
+    monkeypatch.setattr(Int4Weights, "argmax_logits", lambda self, x: rows.append(len(x)) or real(self, x))
+    calibrate(target, context=16, grid=(1, 3), repeats=2, warmup=0)
+    assert rows == []
+    curve = calibrate(target, context=16, grid=(1, 3), repeats=2, warmup=0, argmax_only=True)
+    assert sorted(set(rows)) == [1, 3] and curve.ns == [1, 3]

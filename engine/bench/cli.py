@@ -167,10 +167,12 @@ def bench(argv: Sequence[str], a: argparse.Namespace) -> str:
             return profile(chosen, settings, models, prompts, a.profile_top)
         t0 = time.perf_counter()
         context = sorted(len(p.ids) for p in prompts)[len(prompts) // 2]
-        curve = calibrate(target, context=context, repeats=settings.calibration_repeats)
+        # the bench is greedy: its forwards, and so the calibration's, read only each row's highest logit
+        curve = calibrate(target, context=context, repeats=settings.calibration_repeats, argmax_only=True)
         drafted = None
         if draft is not None and any(m.uses_draft_model for m in drafters):   # a verify right after a chain
-            drafted = calibrate(target, context=context, repeats=settings.calibration_repeats, draft=draft)
+            drafted = calibrate(target, context=context, repeats=settings.calibration_repeats, draft=draft,
+                                argmax_only=True)
         samples = run_bench(settings, models, prompts, progress=not a.no_progress)
     reference = REFERENCE if target.weights == "fp32" else "target"
     results = summarize_all(list(samples), samples, curve.at, drafted.at if drafted else None, reference)

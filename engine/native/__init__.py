@@ -1,0 +1,81 @@
+"""C++ where calling from Python costs as much as the work: the int4 target's decoder layers as one call.
+
+An int4 decoder layer is four int4 products and some 40 small ATen operations (norms, rotary, the cache write,
+attention, residuals); called one by one from Python, the small ones cost about as much as the products. On
+SmolLM2's int4 weights (AMD EPYC, 2 cores, one-row forwards at a 100-token context, both loops alternating in
+one process) the 30 layers took 9.8-10.6 ms from Python and 6.1-6.4 ms from C++. `int4_layers.cpp` makes the
+Python loop's calls, with the same arguments in the same order, so its results are that loop's bit for bit
+(tests/test_native.py); nothing about the arithmetic changes, only who calls it.
+
+It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
+about 25 s on two cores) into the cache folder, the first time an int4 target loads (`python -m engine.native`
+builds it ahead). Without a compiler, or with SPECPLAY_NATIVE=0, the Python loop runs and `reason()` says why.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("int4_layers.cpp")
+_lock = threading.Lock()
+_built: dict[str, ModuleType | str] = {}     # "module": the compiled module, or "reason": why there is none
+
+
+def build_folder() -> Path:
+    """Where the compiled module lives: per torch version and Python, under the cache folder."""
+    from engine.sources import cache_root
+    return cache_root() / "native" / f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def int4_layers() -> ModuleType | None:
+    """The compiled module (its `int4_layers` function), building it on first use; None when it cannot be had
+    (`reason()` says why). One build per process, whichever thread asks first."""
+    if os.environ.get("SPECPLAY_NATIVE", "").strip() == "0":
+        return None
+    with _lock:
+        if not _built:
+            _built.update(_build())
+    module = _built.get("module")
+    return module if isinstance(module, ModuleType) else None
+
+
+def reason() -> str | None:
+    """Why the int4 layers run in Python, or None when the compiled loop serves them (or was not asked for yet)."""
+    if os.environ.get("SPECPLAY_NATIVE", "").strip() == "0":
+        return "SPECPLAY_NATIVE=0"
+    why = _built.get("reason")
+    return why if isinstance(why, str) else None
+
+
+def _build() -> dict[str, ModuleType | str]:
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return {"reason": "this torch build has no packed int4 CPU kernel"}
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+        verify_ninja_availability()
+    except Exception as exc:   # no ninja: torch's builder needs it
+        return {"reason": f"torch's extension builder is not usable here ({_first_line(exc)})"}
+    folder = build_folder()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob("specplay_int4_layers*.so")):
+            print(f"specplay: compiling the int4 layers' C++ loop into {folder} (once, about 25 s)", file=sys.stderr,
+                  flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # the builder warns about compiler versions it has not seen
+            module = load("specplay_int4_layers", [str(SOURCE)], build_directory=str(folder),
+                          extra_cflags=["-O2"], verbose=False)
+    except Exception as exc:   # no compiler, headers missing, a failed build: the Python loop serves
+        return {"reason": f"the C++ layers did not build ({_first_line(exc)})"}
+    return {"module": module}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
