@@ -411,8 +411,8 @@ class FusedLlama:
         matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         matrices.append(self.lm_head)
         self.weights = weights
-        self.native: NativeInt4Layers | None = None     # the int4 layers' C++ loop (engine.native), where it runs
-        self.native_reason: str | None = "only int4 layers have a C++ loop"
+        self.native: NativeLayers | None = None     # the layers' C++ loop (engine.native), where it runs
+        self.native_reason: str | None = "int8 layers run from Python"
         if weights == "int8":
             problem = Int8Weights.unsupported(matrices)
             if problem:
@@ -426,12 +426,13 @@ class FusedLlama:
                 raise ValueError(problem)
             self.blocked_rows, self.blocked_reason = 1, "int4 weights"
             self.blocked = Int4Weights(matrices[:-1], head=self.lm_head)
-            self.native, self.native_reason = NativeInt4Layers.of(self)
+            self.native, self.native_reason = NativeLayers.of(self)
             return
         self.blocked_rows = blocked_min_rows()   # forwards of at least this many rows use the blocked copy
         self.blocked_reason = "turned off" if not blocked else BlockedWeights.unsupported(matrices) or \
             one_copy_reason(sum(m.numel() * m.element_size() for m in matrices), self.blocked_rows)
         self.blocked = BlockedWeights(matrices) if self.blocked_reason is None else None
+        self.native, self.native_reason = NativeLayers.of(self)
 
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:
@@ -525,7 +526,7 @@ class FusedLlama:
         cos, sin = cos[None, None], sin[None, None]
         linear = self.blocked.linear if self.blocked is not None and q >= self.blocked_rows else F.linear
         if self.native is not None and positions is None and not cache._read_only:   # a chain, written
-            x, tapped = self.native.run(cache, x, cos, sin, taps)
+            x, tapped = self.native.run(cache, x, cos, sin, mask, linear is not F.linear, taps)
         else:
             tapped = {}
             for i, layer in enumerate(self.layers):
@@ -616,52 +617,66 @@ class FusedLlama:
         return [tapped[i] for i in taps]
 
 
-class NativeInt4Layers:
-    """The int4 layers run by engine.native's C++ loop: the same ATen calls as `decoder_block` with
-    `Int4Weights.linear` and exact attention make, for one sequence's chain of rows written to its cache, bit for
-    bit (tests/test_native.py). Trees (positions and a mask), v1's read-only verify and batches of sequences
-    run the Python loop."""
+class NativeLayers:
+    """The layers of an fp32 or int4 target run by engine.native's C++ loop: the same ATen calls as
+    `decoder_block` makes with the forward's products (`Int4Weights.linear` and exact attention; the blocked
+    copies' or torch's default product and one SDPA call), for one sequence's chain of rows written to its cache,
+    bit for bit (tests/test_native.py). Trees (positions and a mask), v1's read-only verify, batches of
+    sequences and int8 weights run the Python loop."""
 
     def __init__(self, fused: "FusedLlama", module) -> None:
-        int4: Int4Weights = fused.blocked
-        packed = [int4._int4[id(m)] for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self._packed = [p for p, _, _ in packed]
-        self._pairs = [s for _, s, _ in packed]
-        self._rows = [n for _, _, n in packed]
+        matrices = [m for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._int4 = isinstance(fused.blocked, Int4Weights)
+        if self._int4:
+            packed = [fused.blocked._int4[id(m)] for m in matrices]
+            self._packed, self._pairs, self._rows = ([p[i] for p in packed] for i in range(3))
+        else:
+            self._dense = [m.detach() for m in matrices]
+            copies = fused.blocked._blocked if fused.blocked is not None else {}
+            self._blocked = [copies.get(id(m), m.detach()) for m in matrices]
+            self._is_blocked = [id(m) in copies for m in matrices]
         self._norms = [w for layer in fused.layers for w in (layer.norm_in[0], layer.norm_post[0])]
         first = fused.layers[0]
-        self._eps, self._inter, self._scaling = float(first.norm_in[1]), first.inter, float(first.scaling)
-        self._shape = (fused.heads, fused.kv_heads, fused.head_dim)
+        self._geometry = (fused.heads, fused.kv_heads, fused.head_dim, first.inter, float(first.scaling),
+                          float(first.norm_in[1]))
         self._count = len(fused.layers)
         self._module = module
 
     @classmethod
-    def of(cls, fused: "FusedLlama") -> tuple["NativeInt4Layers | None", str | None]:
-        """(the C++ loop for `fused`'s int4 layers, None) or (None, why the Python loop runs them)."""
+    def of(cls, fused: "FusedLlama") -> tuple["NativeLayers | None", str | None]:
+        """(the C++ loop for `fused`'s layers, None) or (None, why the Python loop runs them)."""
         first = fused.layers[0]
+        if fused.weights not in ("fp32", "int4"):
+            return None, f"the C++ loop takes fp32 or int4 layers, not {fused.weights}"
+        if fused.device.type != "cpu" or fused.embed.dtype != torch.float32:
+            return None, "the C++ loop runs fp32 models on the CPU"
         if any(layer.qkv_bias is not None or layer.o_bias is not None for layer in fused.layers):
             return None, "the C++ loop takes layers without biases"
         if any((layer.norm_in[1], layer.norm_post[1], layer.scaling, layer.inter) !=
                (first.norm_in[1], first.norm_in[1], first.scaling, first.inter) for layer in fused.layers):
             return None, "the C++ loop takes layers of one shape, norm and scaling"
-        if fused.device.type != "cpu":
-            return None, "int4 runs on the CPU"
         from engine import native
-        module = native.int4_layers()
+        module = native.layers()
         return (cls(fused, module), None) if module is not None else (None, native.reason())
 
-    def run(self, cache: PagedCache, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """x [1, q, d] through every layer, its K/V written to `cache`; (x, {tap: x entering that layer})."""
-        q = x.shape[1]
-        write = cache.begin_write(q)
+    def run(self, cache: PagedCache, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+            blocked: bool, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x [1, q, d] through every layer, its K/V written to `cache`; (x, {tap: x entering that layer}).
+        `blocked`: the forward multiplies with the blocked copies (fp32; as `FusedLlama.forward_features` picks)."""
+        write = cache.begin_write(x.shape[1])
         span = cache.span
+        where = (write, cache.slots, span[0] if span else 0, span[1] if span else -1, cos, sin)
         wanted = sorted({t for t in taps if t < self._count})
-        heads, kv_heads, head_dim = self._shape
-        out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, self._eps,
-                                       cache.pool.keys, cache.pool.values, write, cache.slots,
-                                       span[0] if span else 0, span[1] if span else -1, cos, sin, heads, kv_heads,
-                                       head_dim, self._inter, self._scaling, wanted)
+        keys, values = cache.pool.keys, cache.pool.values
+        if self._int4:
+            out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, keys, values,
+                                           *where, *self._geometry, wanted)
+        elif blocked:
+            out = self._module.fp32_layers(x, self._blocked, self._is_blocked, self._norms, keys, values, *where,
+                                           mask, *self._geometry, wanted)
+        else:
+            out = self._module.fp32_layers(x, self._dense, [False] * len(self._dense), self._norms, keys, values,
+                                           *where, mask, *self._geometry, wanted)
         return out[0], dict(zip(wanted, out[1:]))
 
 

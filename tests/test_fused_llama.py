@@ -130,6 +130,7 @@ def test_forwards_of_four_rows_or_more_use_the_blocked_matrices(monkeypatch) -> 
     monkeypatch.setattr("engine.fused_llama.BLOCKED_MIN_ELEMENTS", 0)
     model = loaded(build("llama", seed=7))
     model.fused.blocked_rows = 4   # as on an Intel CPU
+    native, model.fused.native = model.fused.native, None     # the Python loop, whose every product shows here
     calls = []
     real = model.fused.blocked.linear
     monkeypatch.setattr(model.fused.blocked, "linear", lambda *a: calls.append(a[0].shape[-2]) or real(*a))
@@ -143,6 +144,13 @@ def test_forwards_of_four_rows_or_more_use_the_blocked_matrices(monkeypatch) -> 
     calls.clear()
     runner.forward(cache, [9, 10, 11, 12, 13], last_only=True)   # the head reads one row: the dense matrix
     assert len(calls) == 4 * 2 and set(calls) == {5}
+    if native is not None:          # the C++ loop (engine.native) is handed the same choice
+        told = []
+        model.fused.native = type("Spy", (), {"run": lambda self, *a: told.append((a[1].shape[1], a[5])) or
+                                              native.run(*a)})()
+        runner.forward(cache, [14])
+        runner.forward(cache, [15, 16, 17, 18])
+        assert told == [(1, False), (4, True)]
 
 
 def test_blocked_copies_are_made_only_where_they_pay(monkeypatch) -> None:

@@ -1,23 +1,30 @@
-"""The int4 target's C++ layer loop (engine.native): the same ATen calls as the Python loop, so the same logits
-and features bit for bit, for one row, a chain, EAGLE-3's taps and a cache gathered block by block; and where it
-cannot be had, the Python loop runs and says why."""
+"""The C++ layer loops (engine.native): an fp32 or int4 target's layers and an EAGLE head's draft step make the
+Python forward's ATen calls, so they give its logits and features bit for bit: one row, a chain, EAGLE-3's taps,
+a cache gathered block by block. Where they cannot be had, the Python loop runs and says why."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine import native
+from engine.drafters.eagle import EagleRuntime
 from engine.kv_cache import KVPool
 from engine.models import load_model
 from engine.sources import BUILTIN
 from tests.conftest import tiny_model
 
 
-@pytest.fixture(scope="module")
-def int4_target():
-    if native.int4_layers() is None:
+@pytest.fixture(scope="module", params=["int4", "fp32 blocked", "fp32 dense under 4 rows"])
+def target(request):
+    """The built-in target with int4 weights; in fp32 with oneDNN's blocked copies at every row count (the AMD
+    rule); and in fp32 with torch's default product under 4 rows and the blocked copies from 4 (the others')."""
+    if native.layers() is None:
         pytest.skip(f"no C++ loop here: {native.reason()}")
-    return load_model(BUILTIN, "target", dtype="int4")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPECPLAY_BLOCKED_MIN_ROWS", "4" if "dense" in request.param else "1")
+        loaded = load_model(BUILTIN, "target", dtype="int4" if request.param == "int4" else "float32")
+    assert loaded.fused.blocked_rows == (4 if "dense" in request.param else 1)
+    return loaded
 
 
 def forwards(target, loop, fast_path: bool) -> list[torch.Tensor]:
@@ -43,13 +50,13 @@ def forwards(target, loop, fast_path: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["consecutive", "gathered"])
-def test_the_cxx_loop_computes_what_the_python_loop_computes_bit_for_bit(int4_target, fast_path):
-    assert int4_target.fused.native is not None and int4_target.fused.native_reason is None
+def test_the_cxx_loop_computes_what_the_python_loop_computes_bit_for_bit(target, fast_path):
+    assert target.fused.native is not None and target.fused.native_reason is None
     calls = []
-    real = int4_target.fused.native.run
+    real = target.fused.native.run
     spy = type("Spy", (), {"run": lambda self, *a: calls.append(a[1].shape[1]) or real(*a)})()
-    python = forwards(int4_target, None, fast_path)
-    cxx = forwards(int4_target, spy, fast_path)
+    python = forwards(target, None, fast_path)
+    cxx = forwards(target, spy, fast_path)
     assert calls == [120, 1, 4, 3, 1]
     assert len(python) == len(cxx) == 9
     for i, (a, b) in enumerate(zip(python, cxx)):
@@ -57,20 +64,47 @@ def test_the_cxx_loop_computes_what_the_python_loop_computes_bit_for_bit(int4_ta
     assert python[5].shape[-1] == 3 * python[3].shape[-1]       # three taps side by side
 
 
-def test_without_the_cxx_loop_int4_layers_run_in_python_and_say_why(builtin_tokenizer, monkeypatch):
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16 copies", "fp32 copies"])
+def test_the_eagle_heads_cxx_step_computes_what_its_python_step_computes_bit_for_bit(target, bf16):
+    from tests.test_eagle import random_head
+
+    runtime = random_head(target, kept=600, seed=2)
+    runtime = EagleRuntime(runtime.head, runtime.kept_ids, target, bf16=bf16)
+    assert runtime.native is not None     # (under the target's blocked_rows a head's steps run in Python)
+    d = target.fused.embed.shape[1]
+    feats = torch.randn(40, d, generator=torch.Generator().manual_seed(5))
+
+    def steps(step, fast_path: bool) -> list[torch.Tensor]:
+        kept, runtime.native = runtime.native, step
+        try:
+            cache = KVPool(runtime.config.kv_shape, 8, 16, "cpu", torch.float32).new_sequence(fast_path=fast_path)
+            out = [runtime.forward(cache, list(range(100, 130)), feats[:30])]       # a prefill: 30 rows, masked
+            out.append(runtime.forward(cache, [7], feats[30:31]))
+            out.append(runtime.forward(cache, [8, 9, 10], feats[31:34]))
+            return [*out, runtime.logits(out[-1])]
+        finally:
+            runtime.native = kept
+
+    python = steps(None, True)
+    for fast_path in (True, False):
+        cxx = steps(runtime.native, fast_path)
+        assert all(torch.equal(a, b) for a, b in zip(python, cxx))
+
+
+def test_without_the_cxx_loop_layers_run_in_python_and_say_why(builtin_tokenizer, monkeypatch):
     monkeypatch.setenv("SPECPLAY_NATIVE", "0")
-    assert native.int4_layers() is None and native.reason() == "SPECPLAY_NATIVE=0"
+    assert native.layers() is None and native.reason() == "SPECPLAY_NATIVE=0"
     target = tiny_model(builtin_tokenizer, layers=1, seed=3, weights="int4")
     assert target.fused.native is None and target.fused.native_reason == "SPECPLAY_NATIVE=0"
     monkeypatch.delenv("SPECPLAY_NATIVE")
     monkeypatch.setattr(native, "_built", {})      # a fresh process on a machine whose build fails
 
     def no_compiler(*args, **kwargs):
-        raise RuntimeError("Error building extension 'specplay_int4_layers'\ng++: not found")
+        raise RuntimeError("Error building extension 'specplay_layers'\ng++: not found")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    assert native.int4_layers() is None
-    assert native.reason() == "the C++ layers did not build (Error building extension 'specplay_int4_layers')"
+    assert native.layers() is None
+    assert native.reason() == "the C++ layers did not build (Error building extension 'specplay_layers')"
     target = tiny_model(builtin_tokenizer, layers=1, seed=3, weights="int4")
     assert target.fused.native is None and "did not build" in target.fused.native_reason
     with torch.inference_mode():     # and the model still decodes, in Python

@@ -224,6 +224,7 @@ class EagleRuntime:
             self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
         self._rope = target.fused._rope
         self._blocked = self._blocked_copies(target, draft_in_bf16() if bf16 is None else bf16)
+        self.native, self.native_reason = NativeEagleStep.of(self)
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
         borrowed = 0 if head.config.own_head else self.head_weight.numel() * self.head_weight.element_size()
         self.weight_bytes = own + borrowed   # counted once: read every round for the cache panel
@@ -269,9 +270,12 @@ class EagleRuntime:
             cos, sin = self._rope(0, max(positions) + 1, self.target.dtype)
             index = torch.tensor(positions, device=ids.device)
             cos, sin, mask = cos[index], sin[index], attn_mask.to(ids.device)
-        out = self.head.step(F.embedding(ids, self.embed), feats[None].to(self.target.dtype), self.layer,
-                             lambda ks, vs: cache.layer_update(0, ks, vs), cos[None, None], sin[None, None], mask,
-                             self.linear(n))
+        emb, feats = F.embedding(ids, self.embed), feats[None].to(self.target.dtype)
+        if self.native is not None and positions is None and n >= self.target.fused.blocked_rows:
+            out = self.native.step(cache, emb, feats, cos[None, None], sin[None, None], mask)
+        else:
+            out = self.head.step(emb, feats, self.layer, lambda ks, vs: cache.layer_update(0, ks, vs),
+                                 cos[None, None], sin[None, None], mask, self.linear(n))
         cache.tokens.extend(tokens)
         return out[0]
 
@@ -316,6 +320,46 @@ class EagleRuntime:
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Logits [n, kept] float32 over the pruned vocabulary."""
         return self.linear(feats.shape[0])(feats, self.head_weight).float()
+
+
+class NativeEagleStep:
+    """`EagleHead.step` with the blocked copies' products, run by engine.native's C++ `eagle_step`: the same ATen
+    calls in the same order, so the same features bit for bit (tests/test_native.py), without the cost of calling
+    some 40 small operations from Python each draft step. A chain's rows only: trees attend under their own
+    positions and mask, and batches draft together (`draft_many`), in Python."""
+
+    def __init__(self, runtime: "EagleRuntime", module, blocked: list[torch.Tensor]) -> None:
+        head, layer, c = runtime.head, runtime.layer, runtime.config
+        self._module, self._blocked, self._bf16 = module, blocked, runtime._blocked.bf16
+        self._fc_bias = head.fc.bias.detach() if head.fc.bias is not None else None
+        self._norms = [layer.norm_in[0].detach(), layer.norm_post[0].detach(), head.norm_out.detach()]
+        self._geometry = (c.heads, c.kv_heads, c.head_dim, layer.inter, float(layer.scaling), float(c.rms_eps))
+
+    @classmethod
+    def of(cls, runtime: "EagleRuntime") -> tuple["NativeEagleStep | None", str | None]:
+        """(the C++ step for `runtime`'s head, None) or (None, why its steps run in Python)."""
+        if runtime._blocked is None:
+            return None, "the C++ step multiplies with blocked copies, and this head has none"
+        layer = runtime.layer
+        matrices = [runtime.head.fc.weight, layer.qkv, layer.o, layer.gate_up, layer.down]
+        blocked = [runtime._blocked._blocked.get(id(m)) for m in matrices]
+        if any(b is None for b in blocked):
+            return None, "a matrix of the head has no blocked copy"
+        if layer.qkv_bias is not None or layer.o_bias is not None or runtime.target.dtype != torch.float32:
+            return None, "the C++ step takes an fp32 layer without biases"
+        from engine import native
+        module = native.layers()
+        return (cls(runtime, module, blocked), None) if module is not None else (None, native.reason())
+
+    def step(self, cache: PagedCache, emb: torch.Tensor, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """Predicted features [1, q, d] from emb and feats [1, q, d]; writes the rows' K/V into `cache`."""
+        write = cache.begin_write(emb.shape[1])
+        span = cache.span
+        return self._module.eagle_step(emb, feats, self._blocked, self._fc_bias, self._bf16, self._norms,
+                                       cache.pool.keys[0], cache.pool.values[0], write, cache.slots,
+                                       span[0] if span else 0, span[1] if span else -1, cos, sin, mask,
+                                       *self._geometry)
 
 
 def read_head(folder: Path) -> tuple[EagleHead, torch.Tensor]:

@@ -22,7 +22,8 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("int4_layers.cpp")
+SOURCE = Path(__file__).with_name("layers.cpp")
+NAME = "specplay_layers"
 _lock = threading.Lock()
 _built: dict[str, ModuleType | str] = {}     # "module": the compiled module, or "reason": why there is none
 
@@ -33,8 +34,8 @@ def build_folder() -> Path:
     return cache_root() / "native" / f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
 
 
-def int4_layers() -> ModuleType | None:
-    """The compiled module (its `int4_layers` function), building it on first use; None when it cannot be had
+def layers() -> ModuleType | None:
+    """The compiled module (`int4_layers`, `eagle_step`), building it on first use; None when it cannot be had
     (`reason()` says why). One build per process, whichever thread asks first."""
     if os.environ.get("SPECPLAY_NATIVE", "").strip() == "0":
         return None
@@ -64,12 +65,12 @@ def _build() -> dict[str, ModuleType | str]:
     folder = build_folder()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob("specplay_int4_layers*.so")):
-            print(f"specplay: compiling the int4 layers' C++ loop into {folder} (once, about 25 s)", file=sys.stderr,
+        if not any(folder.glob(f"{NAME}*.so")):
+            print(f"specplay: compiling the C++ layer loops into {folder} (once, about 25 s)", file=sys.stderr,
                   flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # the builder warns about compiler versions it has not seen
-            module = load("specplay_int4_layers", [str(SOURCE)], build_directory=str(folder),
+            module = load(NAME, [str(SOURCE)], build_directory=str(folder),
                           extra_cflags=["-O2"], verbose=False)
     except Exception as exc:   # no compiler, headers missing, a failed build: the Python loop serves
         return {"reason": f"the C++ layers did not build ({_first_line(exc)})"}

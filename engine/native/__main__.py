@@ -12,7 +12,7 @@ def main() -> int:
     start = time.perf_counter()
     print(f"building the int4 layers' C++ loop in {native.build_folder()} (once per machine, about 25 s)...",
           flush=True)
-    if native.int4_layers() is None:   # not an error: int4 targets then run their layers from Python
+    if native.layers() is None:   # not an error: int4 targets then run their layers from Python
         print(f"not built: {native.reason()}; int4 targets run their layers from Python", file=sys.stderr)
         return 0
     print(f"ready ({time.perf_counter() - start:.1f} s)")

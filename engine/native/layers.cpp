@@ -1,0 +1,180 @@
+// Decoder layers for one sequence's chain of rows, as one call from Python: an fp32 or int4 target's layers, and
+// the EAGLE head's draft step (its fc, its one layer, its norm).
+//
+// Every operation is the ATen call that the Python forward makes (engine/fused_llama.py: decoder_layer,
+// Int4Weights.linear, BlockedWeights.linear, PagedCache.layer_update, attention and rows_apart;
+// engine/drafters/eagle.py: EagleHead.step), with the same arguments in the same order, so the results are the
+// Python forward's bit for bit; only the cost of calling some 40 small operations a layer from Python is gone.
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+struct Geometry {
+  int64_t heads, kv_heads, head_dim, inter;
+  double scaling, eps;
+};
+
+// Where a sequence's K/V lives: the pool's [kv_heads, slots, head_dim] tensors of one layer, the slots this
+// forward writes, and the sequence's slots (a view of [span_start, span_end) when span_end >= 0).
+struct Cache {
+  at::Tensor keys, values, write, slots;
+  int64_t span_start, span_end;
+};
+
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t rows) {
+  auto out = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), packed, 32, pairs)
+                 .to(at::kFloat);
+  auto shape = x.sizes().vec();
+  shape.back() = rows;
+  return out.view(shape);
+}
+
+// BlockedWeights.linear: oneDNN's product with a blocked copy (bf16: the input rounded to bf16, fp32 out).
+at::Tensor blocked_product(const at::Tensor& x, const at::Tensor& blocked, const std::optional<at::Tensor>& bias,
+                           bool bf16) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(bf16 ? x.to(at::kBFloat16) : x);
+  stack.emplace_back(blocked);
+  stack.emplace_back(bf16 || !bias ? c10::IValue() : c10::IValue(*bias));
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  auto out = stack[0].toTensor();
+  if (!bf16) return out;
+  out = out.to(at::kFloat);
+  return bias ? out + *bias : out;
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// decoder_layer for x [1, q, d]; product(input, i) multiplies by the layer's QKV (0), O (1), gate/up (2) or
+// down (3) matrix. With rows_apart, attention runs one query row at a time over the keys it sees (rows_apart in
+// Python); otherwise one SDPA call under `mask` (None: every key), as `attention` without `exact`.
+template <class Product>
+at::Tensor layer(at::Tensor x, Product&& product, const at::Tensor& norm_in, const at::Tensor& norm_post,
+                 const Cache& cache, const at::Tensor& cos, const at::Tensor& sin, const Geometry& g,
+                 const std::optional<at::Tensor>& mask, bool rows_apart) {
+  const int64_t d = x.size(-1), q = x.size(1);
+  const bool gqa = g.kv_heads != g.heads;
+  auto qkv = product(at::rms_norm(x, {d}, norm_in, g.eps), 0);
+  auto parts = qkv.split_with_sizes({(g.heads + g.kv_heads) * g.head_dim, g.kv_heads * g.head_dim}, -1);
+  auto qk = parts[0].view({1, q, g.heads + g.kv_heads, g.head_dim}).transpose(1, 2);
+  qk = qk * cos + rotate_half(qk) * sin;
+  auto split = qk.split_with_sizes({g.heads, g.kv_heads}, 1);
+  auto qs = split[0];
+  auto vs = parts[1].view({1, q, g.kv_heads, g.head_dim}).transpose(1, 2);
+  // PagedCache.layer_update: write this step's K/V, gather the sequence's
+  cache.keys.index_copy_(1, cache.write, split[1][0].to(cache.keys.scalar_type()));
+  cache.values.index_copy_(1, cache.write, vs[0].to(cache.values.scalar_type()));
+  const bool view = cache.span_end >= 0;
+  auto k = (view ? cache.keys.slice(1, cache.span_start, cache.span_end) : cache.keys.index_select(1, cache.slots))
+               .unsqueeze(0).to(split[1].scalar_type());
+  auto v = (view ? cache.values.slice(1, cache.span_start, cache.span_end)
+                 : cache.values.index_select(1, cache.slots))
+               .unsqueeze(0).to(vs.scalar_type());
+  at::Tensor attn;
+  if (!rows_apart || q == 1) {   // rows_apart's one row alone is this same call
+    attn = at::scaled_dot_product_attention(qs, k, v, rows_apart ? std::nullopt : mask, 0.0, false, g.scaling, gqa);
+  } else {                        // a chain's row r sees the first past + r + 1 keys
+    attn = at::empty_like(qs);
+    const int64_t past = k.size(2) - q;
+    for (int64_t r = 0; r < q; ++r) {
+      auto kr = k.slice(0, 0, 1).slice(2, 0, past + r + 1);
+      auto vr = v.slice(0, 0, 1).slice(2, 0, past + r + 1);
+      attn.slice(0, 0, 1).slice(2, r, r + 1).copy_(at::scaled_dot_product_attention(
+          qs.slice(0, 0, 1).slice(2, r, r + 1), kr, vr, std::nullopt, 0.0, false, g.scaling, gqa));
+    }
+  }
+  x = x + product(attn.transpose(1, 2).reshape({1, q, g.heads * g.head_dim}), 1);
+  auto gate_up = product(at::rms_norm(x, {d}, norm_post, g.eps), 2).split(g.inter, -1);
+  return x + product(at::silu(gate_up[0]) * gate_up[1], 3);
+}
+
+}  // namespace
+
+// The int4 target's layers. x [1, q, d]; per layer i: packed[4i..4i+3] and pairs[...] for QKV, O, gate/up and
+// down (rows[...] their output sizes), norms[2i] and norms[2i+1]; keys[i] / values[i] its pool tensors.
+// Returns {x after the last layer, then x entering each layer listed in `taps` (ascending), as [q, d]}.
+std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>& packed,
+                                    const std::vector<at::Tensor>& pairs, const std::vector<int64_t>& rows,
+                                    const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& keys,
+                                    const std::vector<at::Tensor>& values, const at::Tensor& write,
+                                    const at::Tensor& slots, int64_t span_start, int64_t span_end,
+                                    const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                    int64_t head_dim, int64_t inter, double scaling, double eps,
+                                    const std::vector<int64_t>& taps) {
+  const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
+  std::vector<at::Tensor> tapped;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (int64_t t : taps)
+      if (t == static_cast<int64_t>(i)) tapped.push_back(x[0]);
+    auto product = [&](const at::Tensor& in, int64_t m) {
+      return int4_product(in, packed[4 * i + m], pairs[4 * i + m], rows[4 * i + m]);
+    };
+    const Cache cache{keys[i], values[i], write, slots, span_start, span_end};
+    x = layer(x, product, norms[2 * i], norms[2 * i + 1], cache, cos, sin, g, std::nullopt, true);
+  }
+  tapped.insert(tapped.begin(), x);
+  return tapped;
+}
+
+// The fp32 target's layers: weights[4i..4i+3] are layer i's QKV, O, gate/up and down matrices, each a blocked
+// copy (blocked[...] true: oneDNN's product) or the dense matrix (torch's default linear); attention is one SDPA
+// call under `mask` (None for one row). Returns as int4_layers does.
+std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
+                                    const std::vector<bool>& blocked, const std::vector<at::Tensor>& norms,
+                                    const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                    const at::Tensor& write, const at::Tensor& slots, int64_t span_start,
+                                    int64_t span_end, const at::Tensor& cos, const at::Tensor& sin,
+                                    const std::optional<at::Tensor>& mask, int64_t heads, int64_t kv_heads,
+                                    int64_t head_dim, int64_t inter, double scaling, double eps,
+                                    const std::vector<int64_t>& taps) {
+  const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
+  std::vector<at::Tensor> tapped;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (int64_t t : taps)
+      if (t == static_cast<int64_t>(i)) tapped.push_back(x[0]);
+    auto product = [&](const at::Tensor& in, int64_t m) {
+      const auto& w = weights[4 * i + m];
+      return blocked[4 * i + m] ? blocked_product(in, w, std::nullopt, false) : at::linear(in, w);
+    };
+    const Cache cache{keys[i], values[i], write, slots, span_start, span_end};
+    x = layer(x, product, norms[2 * i], norms[2 * i + 1], cache, cos, sin, g, mask, false);
+  }
+  tapped.insert(tapped.begin(), x);
+  return tapped;
+}
+
+// EagleHead.step with the blocked copies' products: fc over [emb, feats] (blocked[0], with fc_bias), the layer
+// (blocked[1..4]), then the output norm. emb and feats [1, q, d]; norms: in, post, out.
+at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std::vector<at::Tensor>& blocked,
+                      const std::optional<at::Tensor>& fc_bias, bool bf16, const std::vector<at::Tensor>& norms,
+                      const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write,
+                      const at::Tensor& slots, int64_t span_start, int64_t span_end, const at::Tensor& cos,
+                      const at::Tensor& sin, const std::optional<at::Tensor>& mask, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t inter, double scaling, double eps) {
+  const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
+  auto x = blocked_product(at::cat({emb, feats}, -1), blocked[0], fc_bias, bf16);
+  auto product = [&](const at::Tensor& in, int64_t m) {
+    return blocked_product(in, blocked[1 + m], std::nullopt, bf16);
+  };
+  const Cache cache{keys, values, write, slots, span_start, span_end};
+  x = layer(x, product, norms[0], norms[1], cache, cos, sin, g, mask, false);
+  return at::rms_norm(x, {x.size(-1)}, norms[2], eps);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_layers", &int4_layers, "the int4 target's decoder layers over one sequence's chain of rows");
+  m.def("fp32_layers", &fp32_layers, "the fp32 target's decoder layers over one sequence's chain of rows");
+  m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with blocked products");
+}
