@@ -76,13 +76,15 @@ def make_meta(argv: Sequence[str], settings: BenchSettings, target: LoadedModel,
 
 def forward_name(target: LoadedModel) -> str:
     """The target's forward as a report names it: "fused", "fused + blocked matrices (4+ rows)" (from how
-    many rows), or "transformers"."""
+    many rows), or "transformers"; then whether its layers run as one C++ call (engine.native) or from Python."""
     if target.fused is None:
         return "transformers"
     fused = target.fused
     if fused.weights != "fp32":
-        return f"fused, {fused.weights} matrices"
-    return f"fused + blocked matrices ({fused.blocked_rows}+ rows)" if fused.blocked is not None else "fused"
+        name = f"fused, {fused.weights} matrices"
+    else:
+        name = f"fused + blocked matrices ({fused.blocked_rows}+ rows)" if fused.blocked is not None else "fused"
+    return name + (", layers in C++" if fused.native is not None else f", layers in Python ({fused.native_reason})")
 
 
 def _fmt(x: float | None, spec: str) -> str:
