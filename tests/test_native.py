@@ -3,6 +3,10 @@ Python forward's ATen calls, so they give its logits and features bit for bit: o
 a cache gathered block by block. Where they cannot be had, the Python loop runs and says why."""
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 import torch
 
@@ -110,3 +114,49 @@ def test_without_the_cxx_loop_layers_run_in_python_and_say_why(builtin_tokenizer
     with torch.inference_mode():     # and the model still decodes, in Python
         cache = KVPool(target.kv_shape, 4, 16, "cpu", torch.float32).new_sequence()
         assert target.fused.forward(cache, torch.tensor([[5, 6, 7]])).isfinite().all()
+
+
+def test_a_forward_in_cxx_lets_the_servers_other_threads_run(target, monkeypatch):
+    """The C++ loop lets go of Python's lock while it computes: the event loop and other sessions of a server keep
+    running through a long forward (here a 400-row prefill), as they do between the Python loop's operations.
+    Holding the lock, the C++ call would leave this thread one gap as long as the call."""
+    if target.fused.weights != "int4":
+        pytest.skip("one weight format is enough")
+    cache = KVPool(target.kv_shape, 32, 16, "cpu", torch.float32).new_sequence()
+    ids = torch.randint(10, 4000, (1, 400), generator=torch.Generator().manual_seed(2))
+    window, ticks = [], []
+    run = target.fused.native.run
+
+    def timed(*args):
+        window.append(time.perf_counter())
+        out = run(*args)                     # one call into C++, the layers with row-by-row attention
+        window.append(time.perf_counter())
+        return out
+
+    monkeypatch.setattr(target.fused.native, "run", timed)
+
+    def prefill():
+        with torch.inference_mode():
+            target.fused.forward(cache, ids, last_only=True)
+
+    worker = threading.Thread(target=prefill)
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    start, end = window
+    inside = [start] + [t for t in ticks if start < t < end] + [end]
+    longest = max(b - a for a, b in zip(inside, inside[1:]))
+    assert longest < (end - start) / 2, (longest, end - start)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    native._clear_stale_lock(tmp_path)
+    assert lock.exists()                   # a build under way holds it
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    native._clear_stale_lock(tmp_path)
+    assert not lock.exists()               # left by a build that died: the next start does not wait on it
+    native._clear_stale_lock(tmp_path)     # and no lock at all is fine

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +25,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("layers.cpp")
 NAME = "specplay_layers"
+STALE_LOCK_S = 600     # a build lock older than this was left by a build that died
 _lock = threading.Lock()
 _built: dict[str, ModuleType | str] = {}     # "module": the compiled module, or "reason": why there is none
 
@@ -65,6 +67,7 @@ def _build() -> dict[str, ModuleType | str]:
     folder = build_folder()
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(folder)
         if not any(folder.glob(f"{NAME}*.so")):
             print(f"specplay: compiling the C++ layer loops into {folder} (once, about 25 s)", file=sys.stderr,
                   flush=True)
@@ -75,6 +78,18 @@ def _build() -> dict[str, ModuleType | str]:
     except Exception as exc:   # no compiler, headers missing, a failed build: the Python loop serves
         return {"reason": f"the C++ layers did not build ({_first_line(exc)})"}
     return {"module": module}
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    """torch's builder holds a `lock` file while it compiles and waits for any it finds; a build killed half way
+    (Ctrl-C during the first start) leaves one behind, which would make every later start wait forever. A build
+    takes well under STALE_LOCK_S, so an older lock is a dead one's."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:     # no lock, or another process removed it first
+        pass
 
 
 def _first_line(exc: BaseException) -> str:

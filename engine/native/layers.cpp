@@ -173,8 +173,12 @@ at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std:
   return at::rms_norm(x, {x.size(-1)}, norms[2], eps);
 }
 
+// Each call lets go of Python's lock while it computes, as each ATen call from Python does: the server's other
+// threads (its event loop, other sessions) keep running through a forward.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_layers", &int4_layers, "the int4 target's decoder layers over one sequence's chain of rows");
-  m.def("fp32_layers", &fp32_layers, "the fp32 target's decoder layers over one sequence's chain of rows");
-  m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with blocked products");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("int4_layers", &int4_layers, "the int4 target's decoder layers over one sequence's chain of rows", release());
+  m.def("fp32_layers", &fp32_layers, "the fp32 target's decoder layers over one sequence's chain of rows", release());
+  m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with blocked products",
+        release());
 }
