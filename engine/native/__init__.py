@@ -1,15 +1,19 @@
-"""C++ where calling from Python costs as much as the work: the int4 target's decoder layers as one call.
+"""C++ where calling from Python costs as much as the work: a target's decoder layers, and an EAGLE head's draft
+step, as one call each.
 
-An int4 decoder layer is four int4 products and some 40 small ATen operations (norms, rotary, the cache write,
-attention, residuals); called one by one from Python, the small ones cost about as much as the products. On
+A decoder layer is four matrix products and some 40 small ATen operations (norms, rotary, the cache write,
+attention, residuals); called one by one from Python, the small ones cost about as much as int4's products. On
 SmolLM2's int4 weights (AMD EPYC, 2 cores, one-row forwards at a 100-token context, both loops alternating in
-one process) the 30 layers took 9.8-10.6 ms from Python and 6.1-6.4 ms from C++. `int4_layers.cpp` makes the
-Python loop's calls, with the same arguments in the same order, so its results are that loop's bit for bit
-(tests/test_native.py); nothing about the arithmetic changes, only who calls it.
+one process) the 30 layers took 9.8-10.6 ms from Python and 6.1-6.4 ms from C++; a whole fp32 step about 34
+against 29 ms. `layers.cpp` makes the Python forward's calls, with the same arguments in the same order, so its
+results are that forward's bit for bit (tests/test_native.py); nothing about the arithmetic changes, only who
+calls it. Users: `engine.fused_llama.NativeLayers` (fp32 and int4 targets) and
+`engine.drafters.eagle.NativeEagleStep`.
 
 It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
-about 25 s on two cores) into the cache folder, the first time an int4 target loads (`python -m engine.native`
-builds it ahead). Without a compiler, or with SPECPLAY_NATIVE=0, the Python loop runs and `reason()` says why.
+about 25 s on two cores) into the cache folder, the first time a model that uses it loads (`python -m
+engine.native` builds it ahead). Without a compiler, or with SPECPLAY_NATIVE=0, the Python loop runs and
+`reason()` says why.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`python -m engine.native`: build the int4 target's C++ layers now (otherwise the first int4 load does). Exits 0
-when it cannot build them, saying why: the layers then run from Python."""
+"""`python -m engine.native`: build the C++ layer loops now (otherwise the first model load does). Exits 0 when it
+cannot build them, saying why: the layers then run from Python."""
 from __future__ import annotations
 
 import sys
@@ -10,10 +10,9 @@ from engine import native
 
 def main() -> int:
     start = time.perf_counter()
-    print(f"building the int4 layers' C++ loop in {native.build_folder()} (once per machine, about 25 s)...",
-          flush=True)
-    if native.layers() is None:   # not an error: int4 targets then run their layers from Python
-        print(f"not built: {native.reason()}; int4 targets run their layers from Python", file=sys.stderr)
+    print(f"building the C++ layer loops in {native.build_folder()} (once per machine, about 25 s)...", flush=True)
+    if native.layers() is None:   # not an error: the models then run their layers from Python
+        print(f"not built: {native.reason()}; the models run their layers from Python", file=sys.stderr)
         return 0
     print(f"ready ({time.perf_counter() - start:.1f} s)")
     return 0
