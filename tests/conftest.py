@@ -33,6 +33,14 @@ os.environ.setdefault("SPECPLAY_DRAFT_BF16", "0")
 os.environ.setdefault("SPECPLAY_PICK_DEFAULT", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_layers() -> None:
+    """Each worker loads the C++ layer loop (engine.native; `python -m engine.native` builds it ahead) before any
+    test points SPECPLAY_CACHE at a folder of its own, where a first load would compile it again."""
+    from engine import native
+    native.layers()
+
+
 @pytest.fixture(scope="session")
 def builtin_pair() -> tuple[LoadedModel, LoadedModel]:
     """(draft, target) from assets/builtin, fp32 on CPU."""
