@@ -10,11 +10,10 @@ from engine import native
 
 def main() -> int:
     start = time.perf_counter()
-    print(f"building the C++ layer loops in {native.build_folder()} (once per machine, about 25 s)...", flush=True)
     if native.layers() is None:   # not an error: the models then run their layers from Python
         print(f"not built: {native.reason()}; the models run their layers from Python", file=sys.stderr)
         return 0
-    print(f"ready ({time.perf_counter() - start:.1f} s)")
+    print(f"the C++ layer loops are ready in {native.build_folder()} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
