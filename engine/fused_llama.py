@@ -45,7 +45,7 @@ the built-in target's matrices are all larger.
 For one sequence's chain of rows, an fp32 or int4 target's layers run as one C++ call that makes this module's
 ATen calls in the same order (`NativeLayers`, engine.native): the same results bit for bit, without the cost of
 calling some 40 small operations a layer from Python (SmolLM2 int4: 30 layers 9.8-10.6 ms from Python, 6.1-6.4
-from C++). Trees, v1's read-only verify, batches and int8 weights run the Python loop below.
+from C++). An int4 target's trees, v1's read-only verify, batches and int8 weights run the Python loop below.
 """
 from __future__ import annotations
 
@@ -530,7 +530,9 @@ class FusedLlama:
             mask = attn_mask.to(self.device)
         cos, sin = cos[None, None], sin[None, None]
         linear = self.blocked.linear if self.blocked is not None and q >= self.blocked_rows else F.linear
-        if self.native is not None and positions is None and not cache._read_only:   # a chain, written
+        # the C++ loop takes a chain, or an fp32 target's tree (one SDPA call under its mask); int4 attends row by
+        # row, and a tree's rows see keys that are not a prefix: those run below, as does v1's read-only verify
+        if self.native is not None and (positions is None or self.weights == "fp32") and not cache._read_only:
             x, tapped = self.native.run(cache, x, cos, sin, mask, linear is not F.linear, taps)
         else:
             tapped = {}
@@ -625,9 +627,9 @@ class FusedLlama:
 class NativeLayers:
     """The layers of an fp32 or int4 target run by engine.native's C++ loop: the same ATen calls as
     `decoder_block` makes with the forward's products (`Int4Weights.linear` and exact attention; the blocked
-    copies' or torch's default product and one SDPA call), for one sequence's chain of rows written to its cache,
-    bit for bit (tests/test_native.py). Trees (positions and a mask), v1's read-only verify, batches of
-    sequences and int8 weights run the Python loop."""
+    copies' or torch's default product and one SDPA call), for one sequence's rows written to its cache (a chain,
+    or an fp32 target's tree under its mask), bit for bit (tests/test_native.py). An int4 target's trees, v1's
+    read-only verify, batches of sequences and int8 weights run the Python loop."""
 
     def __init__(self, fused: "FusedLlama", module) -> None:
         matrices = [m for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]

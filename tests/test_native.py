@@ -32,8 +32,8 @@ def target(request):
 
 
 def forwards(target, loop, fast_path: bool) -> list[torch.Tensor]:
-    """A 120-token prefill, one row, a 4-row chain with taps, 3 rows for greedy and one more row, on a cache whose
-    blocks are consecutive (`fast_path`) or gathered slot by slot; every logit and feature they return."""
+    """A 120-token prefill, one row, a 4-row chain with taps, 3 rows for greedy, one more row and a tree of 4 nodes,
+    on a cache whose blocks are consecutive (`fast_path`) or gathered slot by slot; every logit and feature."""
     fused = target.fused
     kept, fused.native = fused.native, loop
     try:
@@ -48,6 +48,13 @@ def forwards(target, loop, fast_path: bool) -> list[torch.Tensor]:
             out += fused.forward_features(cache, torch.tensor([[46, 47, 48]]), argmax_only=True)
             cache.rollback(2)
             out.append(fused.forward(cache, torch.tensor([[49]])))
+            n = cache.get_seq_length()          # a tree: 50 and 52 siblings, 51 below 50, 53 below 51
+            seen = torch.zeros(4, n + 4, dtype=torch.bool)
+            seen[:, :n] = True
+            for row, path in enumerate([[0], [0, 1], [2], [0, 1, 3]]):
+                seen[row, [n + p for p in path]] = True
+            out += fused.forward_features(cache, torch.tensor([[50, 51, 52, 53]]),
+                                          positions=torch.tensor([n, n + 1, n, n + 2]), attn_mask=seen)
         return out
     finally:
         fused.native = kept
@@ -61,8 +68,8 @@ def test_the_cxx_loop_computes_what_the_python_loop_computes_bit_for_bit(target,
     spy = type("Spy", (), {"run": lambda self, *a: calls.append(a[1].shape[1]) or real(*a)})()
     python = forwards(target, None, fast_path)
     cxx = forwards(target, spy, fast_path)
-    assert calls == [120, 1, 4, 3, 1]
-    assert len(python) == len(cxx) == 9
+    assert calls == [120, 1, 4, 3, 1] + ([4] if target.weights == "fp32" else [])   # an int4 tree: Python
+    assert len(python) == len(cxx) == 11
     for i, (a, b) in enumerate(zip(python, cxx)):
         assert a.shape == b.shape and torch.equal(a, b), i
     assert python[5].shape[-1] == 3 * python[3].shape[-1]       # three taps side by side
