@@ -100,6 +100,27 @@ at::Tensor layer(at::Tensor x, Product&& product, const at::Tensor& norm_in, con
   return x + product(at::silu(gate_up[0]) * gate_up[1], 3);
 }
 
+// Every layer in turn: products_of(i) gives layer i's product(input, matrix); norms[2i], norms[2i + 1] its norms,
+// keys[i] / values[i] its pool tensors. Returns {x after the last layer, then x entering each layer listed in
+// `taps` (ascending), as [q, d]}.
+template <class ProductsOf>
+std::vector<at::Tensor> every_layer(at::Tensor x, const std::vector<at::Tensor>& norms,
+                                    const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                    const at::Tensor& write, const at::Tensor& slots, int64_t span_start,
+                                    int64_t span_end, const at::Tensor& cos, const at::Tensor& sin, const Geometry& g,
+                                    const std::optional<at::Tensor>& mask, bool rows_apart,
+                                    const std::vector<int64_t>& taps, ProductsOf&& products_of) {
+  std::vector<at::Tensor> tapped;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (int64_t t : taps)
+      if (t == static_cast<int64_t>(i)) tapped.push_back(x[0]);
+    const Cache cache{keys[i], values[i], write, slots, span_start, span_end};
+    x = layer(x, products_of(i), norms[2 * i], norms[2 * i + 1], cache, cos, sin, g, mask, rows_apart);
+  }
+  tapped.insert(tapped.begin(), x);
+  return tapped;
+}
+
 }  // namespace
 
 // The int4 target's layers. x [1, q, d]; per layer i: packed[4i..4i+3] and pairs[...] for QKV, O, gate/up and
@@ -114,18 +135,12 @@ std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>&
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
                                     const std::vector<int64_t>& taps) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
-  std::vector<at::Tensor> tapped;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    for (int64_t t : taps)
-      if (t == static_cast<int64_t>(i)) tapped.push_back(x[0]);
-    auto product = [&](const at::Tensor& in, int64_t m) {
-      return int4_product(in, packed[4 * i + m], pairs[4 * i + m], rows[4 * i + m]);
-    };
-    const Cache cache{keys[i], values[i], write, slots, span_start, span_end};
-    x = layer(x, product, norms[2 * i], norms[2 * i + 1], cache, cos, sin, g, std::nullopt, true);
-  }
-  tapped.insert(tapped.begin(), x);
-  return tapped;
+  return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, std::nullopt, true,
+                     taps, [&](size_t i) {
+                       return [&, i](const at::Tensor& in, int64_t m) {
+                         return int4_product(in, packed[4 * i + m], pairs[4 * i + m], rows[4 * i + m]);
+                       };
+                     });
 }
 
 // The fp32 target's layers: weights[4i..4i+3] are layer i's QKV, O, gate/up and down matrices, each a blocked
@@ -140,19 +155,13 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
                                     const std::vector<int64_t>& taps) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
-  std::vector<at::Tensor> tapped;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    for (int64_t t : taps)
-      if (t == static_cast<int64_t>(i)) tapped.push_back(x[0]);
-    auto product = [&](const at::Tensor& in, int64_t m) {
-      const auto& w = weights[4 * i + m];
-      return blocked[4 * i + m] ? blocked_product(in, w, std::nullopt, false) : at::linear(in, w);
-    };
-    const Cache cache{keys[i], values[i], write, slots, span_start, span_end};
-    x = layer(x, product, norms[2 * i], norms[2 * i + 1], cache, cos, sin, g, mask, false);
-  }
-  tapped.insert(tapped.begin(), x);
-  return tapped;
+  return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, mask, false, taps,
+                     [&](size_t i) {
+                       return [&, i](const at::Tensor& in, int64_t m) {
+                         const auto& w = weights[4 * i + m];
+                         return blocked[4 * i + m] ? blocked_product(in, w, std::nullopt, false) : at::linear(in, w);
+                       };
+                     });
 }
 
 // EagleHead.step with the blocked copies' products: fc over [emb, feats] (blocked[0], with fc_bias), the layer
