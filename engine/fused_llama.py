@@ -45,7 +45,7 @@ the built-in target's matrices are all larger.
 For one sequence's chain of rows, an fp32 or int4 target's layers run as one C++ call that makes this module's
 ATen calls in the same order (`NativeLayers`, engine.native): the same results bit for bit, without the cost of
 calling some 40 small operations a layer from Python (SmolLM2 int4: 30 layers 9.8-10.6 ms from Python, 6.1-6.4
-from C++). An int4 target's trees, v1's read-only verify, batches and int8 weights run the Python loop below.
+from C++). v1's read-only verify, batches and int8 weights run the Python loop below.
 """
 from __future__ import annotations
 
@@ -530,10 +530,8 @@ class FusedLlama:
             mask = attn_mask.to(self.device)
         cos, sin = cos[None, None], sin[None, None]
         linear = self.blocked.linear if self.blocked is not None and q >= self.blocked_rows else F.linear
-        # the C++ loop takes a chain, or an fp32 target's tree (one SDPA call under its mask); int4 attends row by
-        # row, and a tree's rows see keys that are not a prefix: those run below, as does v1's read-only verify
-        if self.native is not None and (positions is None or self.weights == "fp32") and not cache._read_only:
-            x, tapped = self.native.run(cache, x, cos, sin, mask, linear is not F.linear, taps)
+        if self.native is not None and not cache._read_only:   # v1's read-only verify runs below
+            x, tapped = self.native.run(cache, x, cos, sin, mask, linear is not F.linear, taps, positions is not None)
         else:
             tapped = {}
             for i, layer in enumerate(self.layers):
@@ -628,8 +626,8 @@ class NativeLayers:
     """The layers of an fp32 or int4 target run by engine.native's C++ loop: the same ATen calls as
     `decoder_block` makes with the forward's products (`Int4Weights.linear` and exact attention; the blocked
     copies' or torch's default product and one SDPA call), for one sequence's rows written to its cache (a chain,
-    or an fp32 target's tree under its mask), bit for bit (tests/test_native.py). An int4 target's trees, v1's
-    read-only verify, batches of sequences and int8 weights run the Python loop."""
+    or a tree under its mask), bit for bit (tests/test_native.py). v1's read-only verify, batches of sequences and
+    int8 weights run the Python loop."""
 
     def __init__(self, fused: "FusedLlama", module) -> None:
         matrices = [m for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -667,17 +665,21 @@ class NativeLayers:
         return (cls(fused, module), None) if module is not None else (None, native.reason())
 
     def run(self, cache: PagedCache, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-            blocked: bool, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+            blocked: bool, taps: tuple[int, ...], tree: bool = False) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """x [1, q, d] through every layer, its K/V written to `cache`; (x, {tap: x entering that layer}).
-        `blocked`: the forward multiplies with the blocked copies (fp32; as `FusedLlama.forward_features` picks)."""
+        `blocked`: the forward multiplies with the blocked copies (fp32; as `FusedLlama.forward_features` picks);
+        `tree`: `mask` is a tree's, whose rows an int4 target attends with row by row over the keys each sees."""
         write = cache.begin_write(x.shape[1])
         span = cache.span
         where = (write, cache.slots, span[0] if span else 0, span[1] if span else -1, cos, sin)
         wanted = sorted({t for t in taps if t < self._count})
         keys, values = cache.pool.keys, cache.pool.values
         if self._int4:
+            seen = _rows_seen(mask, 1, x.shape[1]) if tree else []
+            counts = [n if isinstance(n, int) else -1 for n in seen]
+            indices = [torch.empty(0, dtype=torch.long) if isinstance(n, int) else n for n in seen]
             out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, keys, values,
-                                           *where, *self._geometry, wanted)
+                                           *where, *self._geometry, wanted, counts, indices)
         elif blocked:
             out = self._module.fp32_layers(x, self._blocked, self._is_blocked, self._norms, keys, values, *where,
                                            mask, *self._geometry, wanted)

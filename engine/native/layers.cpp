@@ -26,6 +26,13 @@ struct Cache {
   int64_t span_start, span_end;
 };
 
+// Which keys each query row attends to when attention runs row by row (fused_llama._rows_seen): row r the first
+// counts[r] keys, or (counts[r] < 0) the keys at indices[r]. Empty: a chain, whose row r sees the first past + r + 1.
+struct RowKeys {
+  const std::vector<int64_t>& counts;
+  const std::vector<at::Tensor>& indices;
+};
+
 at::Tensor int4_product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs, int64_t rows) {
   auto out = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), packed, 32, pairs)
                  .to(at::kFloat);
@@ -63,7 +70,7 @@ at::Tensor rotate_half(const at::Tensor& x) {
 template <class Product>
 at::Tensor layer(at::Tensor x, Product&& product, const at::Tensor& norm_in, const at::Tensor& norm_post,
                  const Cache& cache, const at::Tensor& cos, const at::Tensor& sin, const Geometry& g,
-                 const std::optional<at::Tensor>& mask, bool rows_apart) {
+                 const std::optional<at::Tensor>& mask, bool rows_apart, const RowKeys& seen) {
   const int64_t d = x.size(-1), q = x.size(1);
   const bool gqa = g.kv_heads != g.heads;
   auto qkv = product(at::rms_norm(x, {d}, norm_in, g.eps), 0);
@@ -83,14 +90,22 @@ at::Tensor layer(at::Tensor x, Product&& product, const at::Tensor& norm_in, con
                  : cache.values.index_select(1, cache.slots))
                .unsqueeze(0).to(vs.scalar_type());
   at::Tensor attn;
-  if (!rows_apart || q == 1) {   // rows_apart's one row alone is this same call
+  const bool tree = !seen.counts.empty();
+  if (!rows_apart || (q == 1 && !tree)) {   // rows_apart's one row alone, without a mask, is this same call
     attn = at::scaled_dot_product_attention(qs, k, v, rows_apart ? std::nullopt : mask, 0.0, false, g.scaling, gqa);
-  } else {                        // a chain's row r sees the first past + r + 1 keys
+  } else {
     attn = at::empty_like(qs);
     const int64_t past = k.size(2) - q;
     for (int64_t r = 0; r < q; ++r) {
-      auto kr = k.slice(0, 0, 1).slice(2, 0, past + r + 1);
-      auto vr = v.slice(0, 0, 1).slice(2, 0, past + r + 1);
+      auto kr = k.slice(0, 0, 1), vr = v.slice(0, 0, 1);
+      if (!tree || seen.counts[r] >= 0) {   // a prefix of the keys
+        const int64_t n = tree ? seen.counts[r] : past + r + 1;
+        kr = kr.slice(2, 0, n);
+        vr = vr.slice(2, 0, n);
+      } else {                              // a tree node's path
+        kr = kr.index_select(2, seen.indices[r]);
+        vr = vr.index_select(2, seen.indices[r]);
+      }
       attn.slice(0, 0, 1).slice(2, r, r + 1).copy_(at::scaled_dot_product_attention(
           qs.slice(0, 0, 1).slice(2, r, r + 1), kr, vr, std::nullopt, 0.0, false, g.scaling, gqa));
     }
@@ -108,14 +123,14 @@ std::vector<at::Tensor> every_layer(at::Tensor x, const std::vector<at::Tensor>&
                                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                     const at::Tensor& write, const at::Tensor& slots, int64_t span_start,
                                     int64_t span_end, const at::Tensor& cos, const at::Tensor& sin, const Geometry& g,
-                                    const std::optional<at::Tensor>& mask, bool rows_apart,
+                                    const std::optional<at::Tensor>& mask, bool rows_apart, const RowKeys& seen,
                                     const std::vector<int64_t>& taps, ProductsOf&& products_of) {
   std::vector<at::Tensor> tapped;
   for (size_t i = 0; i < keys.size(); ++i) {
     for (int64_t t : taps)
       if (t == static_cast<int64_t>(i)) tapped.push_back(x[0]);
     const Cache cache{keys[i], values[i], write, slots, span_start, span_end};
-    x = layer(x, products_of(i), norms[2 * i], norms[2 * i + 1], cache, cos, sin, g, mask, rows_apart);
+    x = layer(x, products_of(i), norms[2 * i], norms[2 * i + 1], cache, cos, sin, g, mask, rows_apart, seen);
   }
   tapped.insert(tapped.begin(), x);
   return tapped;
@@ -124,8 +139,8 @@ std::vector<at::Tensor> every_layer(at::Tensor x, const std::vector<at::Tensor>&
 }  // namespace
 
 // The int4 target's layers. x [1, q, d]; per layer i: packed[4i..4i+3] and pairs[...] for QKV, O, gate/up and
-// down (rows[...] their output sizes), norms[2i] and norms[2i+1]; keys[i] / values[i] its pool tensors.
-// Returns {x after the last layer, then x entering each layer listed in `taps` (ascending), as [q, d]}.
+// down (rows[...] their output sizes), norms[2i] and norms[2i+1]; keys[i] / values[i] its pool tensors; a tree's
+// rows' keys in row_counts / row_indices (RowKeys; empty for a chain). Returns as every_layer does.
 std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>& packed,
                                     const std::vector<at::Tensor>& pairs, const std::vector<int64_t>& rows,
                                     const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& keys,
@@ -133,10 +148,12 @@ std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>&
                                     const at::Tensor& slots, int64_t span_start, int64_t span_end,
                                     const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
-                                    const std::vector<int64_t>& taps) {
+                                    const std::vector<int64_t>& taps, const std::vector<int64_t>& row_counts,
+                                    const std::vector<at::Tensor>& row_indices) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
+  const RowKeys seen{row_counts, row_indices};
   return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, std::nullopt, true,
-                     taps, [&](size_t i) {
+                     seen, taps, [&](size_t i) {
                        return [&, i](const at::Tensor& in, int64_t m) {
                          return int4_product(in, packed[4 * i + m], pairs[4 * i + m], rows[4 * i + m]);
                        };
@@ -155,8 +172,10 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
                                     const std::vector<int64_t>& taps) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
-  return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, mask, false, taps,
-                     [&](size_t i) {
+  const std::vector<int64_t> no_counts;
+  const std::vector<at::Tensor> no_indices;
+  return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, mask, false,
+                     RowKeys{no_counts, no_indices}, taps, [&](size_t i) {
                        return [&, i](const at::Tensor& in, int64_t m) {
                          const auto& w = weights[4 * i + m];
                          return blocked[4 * i + m] ? blocked_product(in, w, std::nullopt, false) : at::linear(in, w);
@@ -178,7 +197,9 @@ at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std:
     return blocked_product(in, blocked[1 + m], std::nullopt, bf16);
   };
   const Cache cache{keys, values, write, slots, span_start, span_end};
-  x = layer(x, product, norms[0], norms[1], cache, cos, sin, g, mask, false);
+  const std::vector<int64_t> no_counts;
+  const std::vector<at::Tensor> no_indices;
+  x = layer(x, product, norms[0], norms[1], cache, cos, sin, g, mask, false, RowKeys{no_counts, no_indices});
   return at::rms_norm(x, {x.size(-1)}, norms[2], eps);
 }
 
