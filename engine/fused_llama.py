@@ -42,7 +42,7 @@ elements the blocked copy wins at both row counts, below it the default wins at 
 draft's output matrix (256 x 256) and the test suite's small random models multiply as they are; SmolLM2's and
 the built-in target's matrices are all larger.
 
-For one sequence's chain of rows, an fp32 or int4 target's layers run as one C++ call that makes this module's
+For one sequence's rows (a chain or a tree), an fp32 or int4 target's layers run as one C++ call making this module's
 ATen calls in the same order (`NativeLayers`, engine.native): the same results bit for bit, without the cost of
 calling some 40 small operations a layer from Python (SmolLM2 int4: 30 layers 9.8-10.6 ms from Python, 6.1-6.4
 from C++). v1's read-only verify, batches and int8 weights run the Python loop below.

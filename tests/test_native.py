@@ -92,6 +92,13 @@ def test_the_eagle_heads_cxx_step_computes_what_its_python_step_computes_bit_for
             out = [runtime.forward(cache, list(range(100, 130)), feats[:30])]       # a prefill: 30 rows, masked
             out.append(runtime.forward(cache, [7], feats[30:31]))
             out.append(runtime.forward(cache, [8, 9, 10], feats[31:34]))
+            n = cache.get_seq_length()               # a tree's level: two siblings, and a child of the first
+            seen = torch.zeros(3, n + 3, dtype=torch.bool)
+            seen[:, :n] = True
+            for row, path in enumerate([[0], [1], [0, 2]]):
+                seen[row, [n + p for p in path]] = True
+            out.append(runtime.forward(cache, [11, 12, 13], feats[34:37], positions=[n + 1, n + 1, n + 2],
+                                       attn_mask=seen))
             return [*out, runtime.logits(out[-1])]
         finally:
             runtime.native = kept

@@ -271,7 +271,7 @@ class EagleRuntime:
             index = torch.tensor(positions, device=ids.device)
             cos, sin, mask = cos[index], sin[index], attn_mask.to(ids.device)
         emb, feats = F.embedding(ids, self.embed), feats[None].to(self.target.dtype)
-        if self.native is not None and positions is None and n >= self.target.fused.blocked_rows:
+        if self.native is not None and n >= self.target.fused.blocked_rows:
             out = self.native.step(cache, emb, feats, cos[None, None], sin[None, None], mask)
         else:
             out = self.head.step(emb, feats, self.layer, lambda ks, vs: cache.layer_update(0, ks, vs),
@@ -325,8 +325,8 @@ class EagleRuntime:
 class NativeEagleStep:
     """`EagleHead.step` with the blocked copies' products, run by engine.native's C++ `eagle_step`: the same ATen
     calls in the same order, so the same features bit for bit (tests/test_native.py), without the cost of calling
-    some 40 small operations from Python each draft step. A chain's rows only: trees attend under their own
-    positions and mask, and batches draft together (`draft_many`), in Python."""
+    some 40 small operations from Python each draft step: a chain's rows, or a tree's nodes under their mask.
+    Batches draft together (`draft_many`), in Python."""
 
     def __init__(self, runtime: "EagleRuntime", module, blocked: list[torch.Tensor]) -> None:
         head, layer, c = runtime.head, runtime.layer, runtime.config
