@@ -291,8 +291,14 @@ class Int4Weights:
         rows = x.reshape(-1, x.shape[-1])
         rough = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), codes, self.GROUP, pairs)
         token = rough.topk(min(self.REFINED, n), dim=-1).indices
-        exact = (self._head.detach()[token] * rows[:, None, :]).sum(dim=-1)
+        which = torch.arange(rows.shape[0]).repeat_interleave(token.shape[1])
+        exact = self._fp32_logits(self._head, rows, which, token.reshape(-1)).view(token.shape)
         return torch.full((rows.shape[0], n), -torch.inf, dtype=torch.float32).scatter_(1, token, exact)
+
+    @staticmethod
+    def _fp32_logits(head: torch.Tensor, rows: torch.Tensor, which: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The logit of `token[i]` for row `which[i]`, in fp32 from the head's own row: what both heads refine."""
+        return (head.detach()[token] * rows[which]).sum(dim=-1)
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -327,7 +333,7 @@ class Int4Weights:
                 # every logit at or above the row's 64th highest (ties included, so no tie-break picks for us)
                 floor = flat.topk(min(self.REFINED, flat.shape[-1]), dim=-1).values[:, -1:]
                 which, token = (flat >= floor).nonzero(as_tuple=True)
-                exact = (weight.detach()[token] * rows[which]).sum(dim=-1)
+                exact = self._fp32_logits(weight, rows, which, token)
                 flat[which, token] = exact if bias is None else exact + bias[token]
             return out
         codes, pairs, n = packed
