@@ -68,18 +68,36 @@ class ComparedRun:
     def finished(self) -> bool:
         return self.spec.finished
 
-    def step(self) -> RoundRecord:
+    def step(self, catch_up: bool = True) -> RoundRecord:
+        """One speculative round, then (`catch_up`) the target-only run up to its token count. Without
+        `catch_up`, the baseline is left behind until `catch_up()` runs: the app runs it once the page has drawn
+        the round, so the two never compete for the cores with it. A round left behind is caught up first."""
+        self.catch_up()
         record = self.spec.step()
         if self.writer:
             self.writer.write_round(record, stream="spec")
+        if catch_up:
+            self.catch_up()
+        return record
+
+    @property
+    def behind(self) -> bool:
+        """Whether the target-only baseline has fewer tokens than the speculative run (and can go on)."""
         base = self.baseline
-        while base is not None and not base.finished and len(base.generated) < len(self.spec.generated):
-            b = base.step()
+        return base is not None and not base.finished and len(base.generated) < len(self.spec.generated)
+
+    def catch_up(self) -> int:
+        """Target-only rounds up to the speculative run's token count; the trace's summaries once both are done.
+        Returns the rounds run."""
+        ran = 0
+        while self.behind:
+            b = self.baseline.step()
+            ran += 1
             if self.writer:
                 self.writer.write_round(b, stream="baseline")
         if self.finished:
             self._finish()
-        return record
+        return ran
 
     def run_to_end(self) -> list[RoundRecord]:
         while not self.finished:

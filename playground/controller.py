@@ -207,11 +207,13 @@ def _advance(session: Session, reveal: bool) -> None:
     session.cursor = Cursor(shown=c.shown + 1, revealed=not reveal)
 
 
-def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = False) -> str | None:
+def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = False,
+         catch_up: bool = True) -> str | None:
     """One click of Step: reveal a pending round, replay a round already run, or run a new one.
 
     With `reveal`, a new round first shows its drafts as pending and the next Step reveals the
-    verification. Returns a note for the user when there is nothing left to do.
+    verification. Without `catch_up`, the target-only baseline is left a round behind for `catch_up()`.
+    Returns a note for the user when there is nothing left to do.
     """
     _refuse_previous(session)
     if session.view() is None:
@@ -223,12 +225,23 @@ def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = Fals
         _advance(session, reveal)
     elif session.live and not session.run.finished:
         with ctx.registry.gate.held():
-            session.run.step()
+            session.run.step(catch_up=catch_up)
         _advance(session, reveal)
         attach_calibration(ctx, session)
     else:
         return "The run is finished: press Reset to decode again." if session.live else "End of the trace."
     return None
+
+
+def catch_up(ctx: Context, session: Session) -> bool:
+    """Bring a live run's target-only baseline level with its speculative run (after a Step that left it
+    behind); False when there was nothing to do."""
+    run = session.run if session.live else None
+    if run is None or not run.behind:
+        return False
+    with ctx.registry.gate.held():
+        run.catch_up()
+    return True
 
 
 def run_to_end(ctx: Context, session: Session, req: DecodeRequest,

@@ -250,8 +250,31 @@ class Handlers:
 
     @gpu()
     def on_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
+        """Step, as the API calls it: the round and the target-only rounds level with it."""
         return self.guarded(state, request, self.decoding(
             lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal))), name="Step")
+
+    def on_page_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
+        """Step, as the page's button calls it: the round alone, its target-only rounds left for `on_catch_up`,
+        which the page calls once it has drawn the round."""
+        return self.guarded(state, request, self.decoding(
+            lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal), catch_up=False)),
+            name="Step")
+
+    def on_catch_up(self, request: gr.Request, state: Session | None) -> tuple:
+        """The target-only rounds a Step left for after the page drew its round; the frame is drawn again only
+        when some ran (the charts and the speed-up read them)."""
+        try:
+            session = self._session(state, request)
+            with session.hold("Step", 0.0):      # busy with a later event: the next Step catches up first
+                if controller.catch_up(self.ctx, session):
+                    return (session, *self.render(session))
+                return (session, *_skip(FRAME_OUTPUTS))
+        except (SessionBusy, *USER_ERRORS):
+            return (state, *_skip(FRAME_OUTPUTS))
+        except Exception:  # a bug: logged; the round on screen stays, and the next Step catches up
+            log.exception("unexpected error catching up the target-only baseline")
+            return (state, *_skip(FRAME_OUTPUTS))
 
     @gpu(duration=120)
     def on_run_to_end(self, request: gr.Request, progress=gr.Progress(), state: Session | None = None,
@@ -382,7 +405,13 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     # for one visitor (the registry holds no lock while loading) never queues another visitor's Reset.
     loads = dict(concurrency_id="reset", concurrency_limit=handlers.ctx.settings.max_sessions, show_progress="full")
     c.reset.click(handlers.on_reset, [state, *decode], out, api_name="reset", **loads)
-    c.step.click(handlers.on_step, [state, c.reveal, *decode], out, api_name="step", **busy)
+    # The page's Step runs the round alone and its target-only rounds (the baseline its speed-up is measured
+    # against) once the page has drawn the round: the visitor does not wait for them, and the page's drawing does
+    # not share the cores with them. The API's /step (a button never shown) returns both, as it always did.
+    c.step.click(handlers.on_page_step, [state, c.reveal, *decode], out, api_name=False, **busy).then(
+        handlers.on_catch_up, [state], out, api_name=False, js=AFTER_PAINT_JS, concurrency_id="decode",
+        concurrency_limit=handlers.ctx.settings.concurrency, show_progress="hidden")
+    gr.Button(visible=False).click(handlers.on_step, [state, c.reveal, *decode], out, api_name="step", **busy)
     c.run_to_end.click(handlers.on_run_to_end, [state, *decode], out, api_name="run_to_end", **busy)
     c.back.click(handlers.on_back, [state], out, api_name="back")
     c.scrubber.release(handlers.on_scrub, [state, c.scrubber], out, api_name="scrub")
@@ -405,6 +434,12 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
                    api_name=False if panel is Panel.OTHER else f"show_{panel.value}")
     demo.load(handlers.on_load, [state], pages.frame_outputs(), api_name=False)
     demo.unload(handlers.on_unload)
+
+
+# resolves once the page has painted what the Step returned (the frame after next has begun)
+# (or after a second, in a tab in the background, where animation frames wait until it is shown)
+AFTER_PAINT_JS = ("(...inputs) => new Promise(done => { requestAnimationFrame(() => requestAnimationFrame("
+                  "() => done(inputs))); setTimeout(() => done(inputs), 1000); })")
 
 
 def make_context(settings: AppSettings) -> Context:

@@ -59,17 +59,24 @@ def count(page, outcome: Outcome) -> int:
     return page.locator(f"#token-stream .{chip_class(outcome)}").count()
 
 
+# the target-only run's forwards, as the Round detail's summary counts them
+BASELINE_FORWARDS = ("+((document.querySelector('#summary').innerText.match("
+                     "/target forwards: speculative \\/ target-only\\s+\\d+ \\/ (\\d+)/) || [0, 0])[1])")
+
+
 def test_stepping_shows_every_outcome_and_the_charts(page, tmp_path):
     finals = (Outcome.ACCEPTED, Outcome.REJECTED, Outcome.CORRECTED, Outcome.BONUS)
     for n in range(1, MAX_STEPS + 1):
         click_step(page, n)
+        if n == 1:   # the Step's target-only round runs after the page drew the round, and the frame is redrawn
+            page.wait_for_function(BASELINE_FORWARDS + " >= 1")
         if all(count(page, o) for o in finals) or "finished" in page.locator("#status").inner_text():
             break
     assert all(count(page, o) for o in finals), {o.value: count(page, o) for o in finals}
     assert count(page, Outcome.PENDING) == 0
     title = page.locator(f"#token-stream .{chip_class(Outcome.REJECTED)}:not(.unchecked)").first.get_attribute("title")
     assert "α=min(1,p/q)=" in title and " u=" in title and " p=" in title and " q=" in title
-    page.wait_for_selector("#detail-plot .js-plotly-plot svg")
+    page.wait_for_selector("#detail-plot svg.bars-svg rect")
     page.get_by_role("tab", name="Charts").click()
     page.wait_for_function("document.querySelectorAll('#chart-speedup .js-plotly-plot svg').length > 0")
     for chart in ("acceptance", "per-position", "lengths", "tokens-time", "speedup"):
@@ -135,12 +142,13 @@ def test_play_steps_on_its_own_until_paused(page):
 
 # Each plot's drawn width is read off its main SVG and compared with its panel (the component's block).
 PLOT_WIDTHS = """ids => ids.map(id => {
-  const panel = document.getElementById(id), svg = panel && panel.querySelector('.js-plotly-plot svg.main-svg');
+  const panel = document.getElementById(id),
+        svg = panel && panel.querySelector('.js-plotly-plot svg.main-svg, svg.bars-svg');
   if (!svg) return [id, null, null, null];
   // every title line, annotation and legend entry, measured: plotly does not wrap text, and the panel cuts
-  // what overhangs
+  // what overhangs (the Round detail's bars: the axis' numbers, the token labels and the mark in their SVG)
   const box = svg.getBoundingClientRect();
-  const texts = panel.querySelectorAll('.gtitle, .g-gtitle text, .annotation-text, .legendtext');
+  const texts = panel.querySelectorAll('.gtitle, .g-gtitle text, .annotation-text, .legendtext, svg.bars-svg text');
   const over = Math.max(0, ...Array.from(texts, t => Math.max(box.left - t.getBoundingClientRect().left,
                                                               t.getBoundingClientRect().right - box.right)));
   return [id, box.width, panel.getBoundingClientRect().width, over];
@@ -150,7 +158,8 @@ TABS = {"Charts": [f"chart-{c}" for c in ("acceptance", "per-position", "lengths
 
 
 def wait_for_plots(page, ids: list[str]) -> None:
-    page.wait_for_function("ids => ids.every(id => document.querySelector(`#${id} .js-plotly-plot svg.main-svg`))",
+    page.wait_for_function("ids => ids.every(id => document.querySelector(`#${id} .js-plotly-plot svg.main-svg, "
+                           "#${id} svg.bars-svg`))",
                            arg=ids)
 
 
@@ -198,7 +207,7 @@ def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, 
         for tab in ("Charts", "Theory", "KV cache", "Round detail"):
             shown_plots_fit(page, tab, rounds, shots)
         page.set_viewport_size({"width": 1024, "height": 900})   # a laptop: the charts wrap, every line still fits
-        page.wait_for_function("() => { const s = document.querySelector('#detail-plot svg.main-svg');"
+        page.wait_for_function("() => { const s = document.querySelector('#detail-plot svg.bars-svg');"
                                " return s && s.getBoundingClientRect().width < 700; }")
         for tab in ("Round detail", "Charts", "Theory", "KV cache"):
             shown_plots_fit(page, tab, rounds, shots, "-1024", resized=True)

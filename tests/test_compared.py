@@ -23,6 +23,36 @@ def test_the_baseline_keeps_pace_and_matches_greedily(builtin_pair):
     run.close()
 
 
+def test_a_baseline_left_behind_catches_up_with_the_same_tokens_and_trace(builtin_pair, tmp_path):
+    """step(catch_up=False), as the app's Step runs it: the speculative run goes on alone, catch_up() (or the
+    next step) brings the target-only run level, and the run ends as one that never fell behind: the same
+    tokens, the baseline's every round in the trace, and both summaries after the last catch-up."""
+    draft, target = builtin_pair
+    pair, config = ModelPair(target, draft), SpecConfig(k=3, max_new_tokens=20)
+    level = ComparedRun(pair, PROMPT, config, trace_path=tmp_path / "level.jsonl")
+    level.run_to_end()
+    later = ComparedRun(pair, PROMPT, config, trace_path=tmp_path / "later.jsonl")
+    rounds = 0
+    while not later.finished:
+        before = len(later.baseline.generated)
+        later.step(catch_up=False)
+        rounds += 1
+        assert len(later.baseline.generated) >= before    # the step first caught up what an earlier one left
+        assert later.behind == (len(later.baseline.generated) < len(later.spec.generated))
+        if rounds % 2 and not later.finished:             # every other round: left for the next step
+            assert later.catch_up() > 0 or not later.behind
+            assert not later.behind
+    assert later.behind and later.writer is not None      # the last round's baseline, and the summaries, wait
+    assert later.catch_up() > 0 and not later.behind and later.writer is None and later.catch_up() == 0
+    assert later.spec.generated == level.spec.generated and later.baseline.generated == level.baseline.generated
+    traces = [load_trace(tmp_path / name) for name in ("level.jsonl", "later.jsonl")]
+    assert [r.emitted for r in traces[0].rounds] == [r.emitted for r in traces[1].rounds]
+    assert [r.emitted for r in traces[0].baseline] == [r.emitted for r in traces[1].baseline]
+    assert traces[1].complete and traces[1].baseline_summary.tokens == traces[0].baseline_summary.tokens
+    level.close()
+    later.close()
+
+
 def test_kv_bytes_needed_is_what_the_run_allocates(builtin_pair):
     draft, target = builtin_pair
     pair = ModelPair(target, draft)

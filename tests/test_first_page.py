@@ -62,7 +62,7 @@ def test_the_first_page_shows_a_finished_example_and_invites_a_step(browser, url
         chips = page.locator("#token-stream .chip")
         assert chips.count() > 5                                 # the welcome run's tokens, drawn
         assert page.locator("#token-stream .chip-bonus").count() >= 1   # shown up to a fully accepted round
-        page.wait_for_selector("#detail-plot .js-plotly-plot svg")
+        page.wait_for_selector("#detail-plot svg.bars-svg rect")
         page.screenshot(path=str(shots / "first-page.png"))
         # Theory draws the welcome run too (it carries the target's r(n)), not a request to step first
         page.get_by_role("tab", name="Theory").click()

@@ -1,6 +1,9 @@
 """Renderers on real round records from the built-in pair: chip classes, figure traces, KV grids, charts."""
 from __future__ import annotations
 
+import html
+import math
+import re
 import statistics
 from pathlib import Path
 
@@ -16,10 +19,11 @@ from engine.records import Outcome, RoundRecord
 from engine.sampling import SamplingParams
 from engine.trace import load_trace
 from playground.render import charts
+from playground.render.bars import LABEL_CHARS, LABEL_PX, SLANT, BarChart, BarSeries, bars_figure, bars_html
 from playground.render.frame import render_frame
 from playground.render.kv_plots import kv_figure, kv_table_html, slot_states
 from playground.render.palette import OUTCOME_STYLES, SLOT_COLOURS, SlotState, chip_class
-from playground.render.round_plots import position_choices, position_figure
+from playground.render.round_plots import position_chart, position_choices
 from playground.render.tokens import legend_html, round_chips, stream_html, visible
 from playground.view import Cursor, Panel, RunView, info_for_run, view_from_run, view_from_trace
 
@@ -136,41 +140,45 @@ def test_legend_names_every_outcome_with_its_icon():
 
 # -- round detail ----------------------------------------------------------------------------------
 
-def test_draft_figure_groups_p_and_q_and_outlines_the_draft(sampled):
+def test_draft_chart_groups_p_and_q_and_outlines_the_draft(sampled):
     view, _ = sampled
     r = _first(view, _rejected)
     pos = next(p for p in r.positions if p.outcome is Outcome.REJECTED)
-    fig = position_figure(r, pos.index)
-    assert [t.name for t in fig.data] == ["p_target", "q_draft"]
-    assert list(fig.data[0].y) == [c.p_target for c in pos.candidates]
-    assert list(fig.data[1].y) == [c.q_draft for c in pos.candidates]
-    widths = list(fig.data[0].marker.line.width)
-    assert widths.count(max(widths)) == 1 and widths.index(max(widths)) == [c.token for c in pos.candidates].index(pos.token)
-    title = fig.layout.title.text
+    chart = position_chart(r, pos.index)
+    assert [s.name for s in chart.series] == ["p_target", "q_draft"]
+    assert list(chart.series[0].values) == [c.p_target for c in pos.candidates]
+    assert list(chart.series[1].values) == [c.q_draft for c in pos.candidates]
+    assert chart.outlined == [c.token for c in pos.candidates].index(pos.token) and chart.mark == "drafted"
+    title = " ".join(chart.title)
     assert f"α=min(1, p/q)={pos.alpha:.3f}" in title and f"u={pos.u:.3f}" in title and "REJECTED" in title
+    fig = bars_figure(chart)   # the lesson's drawing of the same record
+    assert list(fig.data[0].y) == list(chart.series[0].values)
+    widths = list(fig.data[0].marker.line.width)
+    assert widths.count(max(widths)) == 1 and widths.index(max(widths)) == chart.outlined
 
 
-def test_correction_figure_marks_the_sampled_token_on_the_residual(sampled):
+def test_correction_chart_marks_the_sampled_token_on_the_residual(sampled):
     view, _ = sampled
     r = _first(view, _rejected)
-    fig = position_figure(r, r.k)
-    assert [t.name for t in fig.data][2].startswith("residual")
-    residual = list(fig.data[2].y)
+    chart = position_chart(r, r.k)
+    assert chart.series[2].name.startswith("residual")
+    residual = list(chart.series[2].values)
     assert all(v >= 0 for v in residual) and sum(residual) <= 1 + 1e-6
     tokens = [c.token for c in r.final.candidates]
     assert r.final.token in tokens
     assert residual[tokens.index(r.final.token)] > 0  # the correction comes from the residual's support
-    assert "CORRECTED" in fig.layout.title.text
-    assert any(a.text.startswith("correction") for a in fig.layout.annotations)
+    assert "CORRECTED" in chart.title[0] and chart.mark.startswith("correction")
+    assert chart.outlined == tokens.index(r.final.token)
+    assert [s.outlines for s in chart.series] == [False, False, True]   # the residual's bar is the one outlined
 
 
-def test_bonus_figure_shows_the_bonus_row(sampled):
+def test_bonus_chart_shows_the_bonus_row(sampled):
     view, _ = sampled
     r = _first(view, _bonus)
-    fig = position_figure(r, r.k)
-    assert len(fig.data) == 1 and fig.data[0].name == f"p_target row {r.k} (bonus row)"
-    assert fig.data[0].marker.color == OUTCOME_STYLES[Outcome.BONUS].colour
-    assert "BONUS" in fig.layout.title.text
+    chart = position_chart(r, r.k)
+    assert len(chart.series) == 1 and chart.series[0].name == f"p_target row {r.k} (bonus row)"
+    assert chart.series[0].colour == OUTCOME_STYLES[Outcome.BONUS].colour
+    assert "BONUS" in chart.title[0]
     assert [v for _, v in position_choices(r)] == list(range(r.k + 1))
 
 
@@ -178,12 +186,53 @@ def test_unchecked_and_pending_positions_explain_themselves(sampled):
     view, _ = sampled
     r = _first(view, lambda r: any(p.outcome is Outcome.UNCHECKED for p in r.positions))
     unchecked = next(p for p in r.positions if p.outcome is Outcome.UNCHECKED)
-    fig = position_figure(r, unchecked.index)
-    assert len(fig.data) == 0 and "never checked" in fig.layout.annotations[0].text
-    pending = position_figure(r, 0, revealed=False)
-    assert "pending" in pending.layout.annotations[0].text
+    chart = position_chart(r, unchecked.index)
+    assert not chart.series and "never checked" in chart.title[0]
+    assert "never checked" in bars_html(chart) and "<svg" not in bars_html(chart)
+    pending = position_chart(r, 0, revealed=False)
+    assert "pending" in pending.title[0]
     with pytest.raises(ValueError):
-        position_figure(r, r.k + 1)
+        position_chart(r, r.k + 1)
+
+
+def _svg_bars(page: str) -> list[tuple[float, float, str, bool]]:
+    """(x, height, colour, outlined) of each bar in a bars_html drawing."""
+    found = re.findall(r'<rect x="([\d.]+)" y="[\d.]+" width="[\d.]+" height="([\d.]+)" fill="(#\w+)"'
+                       r' fill-opacity="[\d.]+"( stroke="#000")?[^>]*>', page)
+    return [(float(x), float(h), colour, bool(edge)) for x, h, colour, edge in found]
+
+
+def test_the_svg_draws_each_value_to_scale_and_outlines_only_the_marked_token(sampled):
+    view, _ = sampled
+    r = _first(view, _rejected)
+    chart = position_chart(r, r.k)     # a correction: three series
+    page = bars_html(chart)
+    bars = _svg_bars(page)
+    n = len(chart.labels)
+    assert len(bars) == n * len(chart.series)
+    tallest = max(v for s in chart.series for v in s.values)
+    unit = max(h for _, h, _, _ in bars) / tallest                 # pixels per unit of probability
+    for c in range(n):
+        for g, s in enumerate(chart.series):
+            x, h, colour, edge = bars[c * len(chart.series) + g]
+            assert h == pytest.approx(s.values[c] * unit, abs=0.11) and colour == s.colour
+            assert edge == (c == chart.outlined and s.outlines)
+    xs = [x for x, *_ in bars]
+    assert xs == sorted(xs)                                        # left to right, in the candidates' order
+    assert all(html.escape(line) in page for line in chart.title)  # the title as text, above the drawing
+    assert all(f"{s.name} of " in html.unescape(page) for s in chart.series)   # every bar's tooltip
+
+
+def test_the_svg_slants_long_labels_and_keeps_them_inside_the_drawing():
+    labels = tuple(f"token number {i} is long" for i in range(16))
+    chart = BarChart(("long labels",), labels, (BarSeries("p_target", tuple(0.05 for _ in labels), "#0072B2"),), 0,
+                     "drafted")
+    page = bars_html(chart)
+    assert page.count(f"rotate(-{SLANT})") == len(labels)
+    first = float(re.search(rf'translate\(([\d.]+),[\d.]+\) rotate\(-{SLANT}\)', page).group(1))
+    assert first >= (LABEL_CHARS * LABEL_PX) * math.cos(math.radians(SLANT)) - 0.5   # its text ends right of 0
+    with pytest.raises(ValueError):
+        BarChart(("x",), ("a", "b"), (BarSeries("p", (0.1,), "#000"),))
 
 
 # -- KV grids ------------------------------------------------------------------------------------------

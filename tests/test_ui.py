@@ -56,7 +56,7 @@ def test_each_event_draws_the_shown_tab_and_leaves_the_hidden_ones(handlers):
     out = handlers.on_step(None, None, False, *values())
     session = out[0]
     assert "Round 1 of 1" in out[STATUS] and drawn(out) == {Panel.DETAIL}
-    assert isinstance(out[DETAIL], go.Figure)
+    assert 'class="bars-svg"' in out[DETAIL] and "round 1, final token" in out[DETAIL]
     out = handlers.on_show(Panel.CHARTS)(None, session)
     assert drawn(out) == {Panel.CHARTS} and isinstance(out[SPEEDUP], go.Figure)
     out = handlers.on_step(None, session, False, *values())
@@ -68,6 +68,28 @@ def test_each_event_draws_the_shown_tab_and_leaves_the_hidden_ones(handlers):
     assert drawn(out) == set() and "Round 2 of 2" in out[STATUS]
     out = handlers.on_show(Panel.DETAIL)(None, session)
     assert drawn(out) == {Panel.DETAIL} and "Round 2 of 2" in out[STATUS]
+
+
+def test_a_step_from_the_page_leaves_the_baseline_for_after_the_drawing(handlers):
+    """The page's Step returns its round before the target-only rounds run; the catch-up the page calls next
+    runs them and draws the frame again, and a second one has nothing to do. The API's Step does both."""
+    out = handlers.on_step(None, None, False, *values())               # as an API call: level at once
+    session = out[0]
+    assert not session.run.behind and handlers.on_catch_up(None, session)[1:] == (SKIPPED,) * 16
+    out = handlers.on_page_step(None, session, False, *values())
+    assert "Round 2 of 2" in out[STATUS] and session.run.behind
+    behind = len(session.run.baseline.generated)
+    out = handlers.on_catch_up(None, session)
+    assert out[0] is session and not session.run.behind and len(session.run.baseline.generated) > behind
+    assert "Round 2 of 2" in out[STATUS] and drawn(out) == {Panel.DETAIL}
+    assert f"/ {len(session.run.baseline.rounds)}<" in out[SUMMARY]    # target forwards: spec / target-only
+    assert handlers.on_catch_up(None, session)[1:] == (SKIPPED,) * 16
+    handlers.on_page_step(None, session, False, *values())
+    with session.hold("Reset", 0.0):                                  # busy: left as drawn, for the next Step
+        assert handlers.on_catch_up(None, session)[1:] == (SKIPPED,) * 16 and session.run.behind
+    handlers.on_page_step(None, session, False, *values())            # which catches up first
+    run = session.run
+    assert len(run.baseline.generated) >= len(run.spec.generated) - len(run.spec.rounds[-1].emitted)
 
 
 def test_a_tab_that_draws_nothing_from_a_run_opens_no_session(handlers):
@@ -151,7 +173,7 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
     out = handlers.on_load(None)
     assert out[0].startswith(WELCOME_NOTE) and f"Round {shown} of {len(trace.rounds)}" in out[0]
     assert f"recorded on {trace.header.machine}" in out[0] and trace.header.machine   # the figures' machine, named
-    assert isinstance(out[DETAIL - 1], go.Figure) and out[STREAM - 1].count('class="round-sep"') == shown
+    assert f"round {shown}, " in out[DETAIL - 1] and out[STREAM - 1].count('class="round-sep"') == shown
     assert handlers.on_show(Panel.DETAIL)(None, None)[STATUS].startswith(WELCOME_NOTE)   # fired as a page loads
     assert len(handlers.ctx.pool) == 0
     with pytest.warns(UserWarning, match=f"replay '{WELCOME.replace('_', ' ')}' from Example traces to export it"):

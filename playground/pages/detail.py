@@ -13,7 +13,7 @@ class DetailPage:
     badge: gr.HTML
     summary: gr.HTML
     position: gr.Dropdown
-    detail: gr.Plot
+    detail: gr.HTML
     tree: gr.HTML
 
 
@@ -22,6 +22,6 @@ def build() -> DetailPage:
         badge = gr.HTML(elem_id="identity-badge")
         position = gr.Dropdown([], label="Token of the selected round (or click a chip)", elem_id="position-pick")
     tree = gr.HTML(elem_id="tree-view", js_on_load=CHIP_CLICK_JS)
-    detail = gr.Plot(label="Verification at the selected token", elem_id="detail-plot")
+    detail = gr.HTML(label="Verification at the selected token", elem_id="detail-plot")
     summary = gr.HTML(elem_id="summary")
     return DetailPage(badge, summary, position, detail, tree)

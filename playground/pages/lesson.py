@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import gradio as gr
@@ -22,10 +22,11 @@ from engine.pair import ModelPair, load_pair
 from engine.records import RoundRecord
 from engine.sources import BUILTIN, SMOLLM2
 from playground.registry import ModelRegistry
+from playground.render.bars import bars_figure
 from playground.render.charts import empty_figure
 from playground.render.kv_plots import kv_figure
 from playground.render.palette import BASELINE_COLOUR, SPEC_COLOUR, styled_figure
-from playground.render.round_plots import draft_figure, final_figure
+from playground.render.round_plots import draft_chart, final_chart
 from playground.render.theory import theory_figure
 from playground.render.tokens import legend_html, stream_html
 from playground.teach.lesson import (
@@ -87,10 +88,10 @@ def cost_figure(view: RunView, upto_round: int) -> go.Figure:
 def hidden_verdict_figure(record: RoundRecord, position: int) -> go.Figure:
     """The p/q bars at a drafted position with u and the verdict left out (asked before revealed)."""
     p = record.positions[position]
-    fig = draft_figure(record, position, revealed=True)
-    fig.update_layout(title=dict(text=f"round {record.index + 1}, draft #{position + 1}<br>p={p.p_target:.3f}, "
-                                      f"q={p.q_draft:.3f}, α=min(1, p/q)={p.alpha:.3f} — u not shown yet"))
-    return fig
+    chart = replace(draft_chart(record, position, revealed=True),
+                    title=(f"round {record.index + 1}, draft #{position + 1}",
+                           f"p={p.p_target:.3f}, q={p.q_draft:.3f}, α=min(1, p/q)={p.alpha:.3f} — u not shown yet"))
+    return bars_figure(chart)
 
 
 def _kv_of(record: RoundRecord, title: str) -> go.Figure:
@@ -107,12 +108,12 @@ def step_figure(step: LessonStep, view: RunView, v1: RoundRecord | None) -> go.F
     if step.view is View.CHIPS:
         return None
     if step.view is View.PQ_BARS:
-        return (draft_figure(record, step.position) if shows_verdict(step)
+        return (bars_figure(draft_chart(record, step.position)) if shows_verdict(step)
                 else hidden_verdict_figure(record, step.position))
     if step.view is View.RESIDUAL:
-        return final_figure(record)
+        return bars_figure(final_chart(record))
     if step.view is View.BONUS:
-        return final_figure(record) if step.revealed else empty_figure(
+        return bars_figure(final_chart(record)) if step.revealed else empty_figure(
             "Answer (or press “Just show me”) to see the row.")
     if step.view is View.KV:
         return _kv_before_after(step, view)

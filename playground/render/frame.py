@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from playground.render import charts
+from playground.render.bars import bars_html, message_chart
 from playground.render.kv_plots import kv_figure, kv_table_html
-from playground.render.round_plots import position_choices, position_figure
+from playground.render.round_plots import position_chart, position_choices
 from playground.render.tokens import stream_html
 from playground.render.tree import tree_html
 from playground.view import Cursor, Panel, RunView
@@ -38,7 +39,7 @@ class DetailFrame:
     summary: str
     positions: list[tuple[str, int]]
     position: int | None
-    detail: go.Figure
+    detail: str               # the selected token's bars (bars.bars_html)
     tree: str = ""            # a tree round drawn as a tree ("" for a chain)
 
 
@@ -107,13 +108,13 @@ def _detail(view: RunView | None, verified: RunView | None, cursor: Cursor) -> D
     badge, summary = charts.identity_badge(verified), charts.summary_html(verified)
     selection = cursor.selection(view) if view is not None else None
     if selection is None:
-        return DetailFrame(badge, summary, [], None, charts.empty_figure("Step to see a round's verification here."))
+        return DetailFrame(badge, summary, [], None, bars_html(message_chart("Step to see a round's verification here.")))
     index, position = selection
     record = view.rounds[index]
     revealed = cursor.revealed or index != cursor.shown - 1
     tree = tree_html(record, position) if record.tree is not None and revealed else ""
-    return DetailFrame(badge, summary, position_choices(record), position, position_figure(record, position, revealed),
-                       tree)
+    return DetailFrame(badge, summary, position_choices(record), position,
+                       bars_html(position_chart(record, position, revealed)), tree)
 
 
 def _kv(view: RunView | None) -> KVFrame:

@@ -116,6 +116,16 @@ def stylesheet() -> str:
 .tree-scroll { overflow-x: auto; max-width: 100%; padding-bottom: 4px; }  /* deep trees scroll, never spill */
 .tree-view .tree-root { background: #eee; border: 2px solid #999; cursor: default; }
 .tree-caption { font-size: 13px; margin: 2px 0 6px; }
+.bars { padding: 6px 4px 2px; }
+.bars-title { font-size: 13px; line-height: 1.4; color: #2a3f5f; }
+.bars-title.first { font-size: 14px; font-weight: 600; }
+.bars-message { min-height: 120px; display: flex; flex-direction: column; justify-content: center; align-items: center;
+                text-align: center; }
+.bars-svg { display: block; width: 100%; height: auto; margin-top: 4px; }
+.bars-svg rect:hover { stroke: #000; stroke-width: 1.5; }
+.bars-legend { font-size: 12px; text-align: center; color: #2a3f5f; }
+.bars-key { margin: 0 10px; white-space: nowrap; }
+.bars-key i { display: inline-block; width: 11px; height: 11px; margin-right: 5px; vertical-align: -1px; }
 .round-sep { display: inline-block; width: 1px; height: 1.2em; background: #bbb; margin: 0 3px;
              vertical-align: middle; }
 .legend { display: flex; flex-wrap: wrap; gap: 10px 18px; font-size: 13px; margin: 4px 0; }

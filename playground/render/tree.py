@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import html
 
-import plotly.graph_objects as go
-
 from engine.records import Outcome, RoundRecord, TreeNode
-from playground.render.charts import empty_figure
+from playground.render.bars import BarChart, BarSeries, message_chart
 from playground.render.palette import OUTCOME_STYLES, chip_class
 from playground.render.tokens import visible
 
@@ -120,30 +118,24 @@ def _final_title(record: RoundRecord) -> str:
     return f"final token ({f.outcome.value}): {how}; p={_num(f.p_target)} u={_num(f.u)}"
 
 
-def node_figure(record: RoundRecord, node: int) -> go.Figure:
+def node_chart(record: RoundRecord, node: int) -> BarChart:
     """p and q at a node's parent (the rows its test read), the node's token outlined; node 0 is the final."""
     if record.tree is None:
-        return empty_figure("This round drafted a chain, not a tree.")
+        return message_chart("This round drafted a chain, not a tree.")
     if node == 0:
         f = record.final
         cands, title, token = f.candidates, _final_title(record), f.token
     else:
         n = record.tree.nodes[node - 1]
         if n.outcome is Outcome.UNCHECKED:
-            return empty_figure(f"node {node} was never reached: its parent was not accepted, or a sibling was.")
+            return message_chart(f"node {node} was never reached: its parent was not accepted, or a sibling was.")
         cands, title, token = n.candidates, node_title(n), n.token
     if not cands:
-        return empty_figure("No candidates recorded for this node (the run did not record for a UI).")
-    labels = [f"{visible(c.text)} #{c.token}" for c in cands]
-    width = [4 if c.token == token else 0 for c in cands]
-    fig = go.Figure([go.Bar(name="p_target", x=labels, y=[c.p_target for c in cands],
-                            marker=dict(color=OUTCOME_STYLES[Outcome.ACCEPTED].colour, line=dict(width=width, color="#000"))),
-                     go.Bar(name="q_draft", x=labels, y=[c.q_draft for c in cands],
-                            marker=dict(color=OUTCOME_STYLES[Outcome.PENDING].colour, line=dict(width=width, color="#000")))])
+        return message_chart("No candidates recorded for this node (the run did not record for a UI).")
+    series = [BarSeries("p_target", tuple(c.p_target for c in cands), OUTCOME_STYLES[Outcome.ACCEPTED].colour),
+              BarSeries("q_draft", tuple(c.q_draft for c in cands), OUTCOME_STYLES[Outcome.PENDING].colour)]
     if any(c.residual is not None for c in cands):
-        fig.add_trace(go.Bar(name="residual max(0, p − q), normalised", x=labels,
-                             y=[c.residual or 0.0 for c in cands], marker_color=OUTCOME_STYLES[Outcome.CORRECTED].colour))
-    fig.update_layout(title=dict(text=title, font=dict(size=13)), barmode="group", height=320, autosize=True,
-                      template="plotly_white", margin=dict(l=50, r=20, t=60, b=80), xaxis=dict(type="category"),
-                      legend=dict(orientation="h", y=-0.35))
-    return fig
+        series.append(BarSeries("residual max(0, p − q), normalised", tuple(c.residual or 0.0 for c in cands),
+                                OUTCOME_STYLES[Outcome.CORRECTED].colour, outlines=False))
+    return BarChart((title,), tuple(f"{visible(c.text)} #{c.token}" for c in cands), tuple(series),
+                    next((i for i, c in enumerate(cands) if c.token == token), None))
