@@ -47,6 +47,7 @@ from playground.view import Cursor, Panel, RunView, view_from_trace
 log = logging.getLogger("specplay")
 TITLE = "specplay: speculative decoding, one round at a time"
 FRAME_OUTPUTS = 16        # len(Pages.frame_outputs())
+BASELINE_OUTPUTS = {2, 3, *range(10, 15)}   # of those, the ones the target-only run changes: badge, summary, charts
 PROGRESS_EVERY_S = 2.0    # Run to end updates its progress bar this long after it starts, then as often
 # Events that decode in the shared slot ("decode" group) never wait there for their session's lock while a slow
 # event (a Reset loading models, a long run) holds it: they are refused at once. Behind a quick event (a scrub,
@@ -262,14 +263,15 @@ class Handlers:
             name="Step")
 
     def on_catch_up(self, request: gr.Request, state: Session | None) -> tuple:
-        """The target-only rounds a Step left for after the page drew its round; the frame is drawn again only
-        when some ran (the charts and the speed-up read them)."""
+        """The target-only rounds a Step left for after the page drew its round; when some ran, what reads them
+        is drawn again (the identity badge, the summary's speed-up, the charts), nothing else."""
         try:
             session = self._session(state, request)
             with session.hold("Step", 0.0):      # busy with a later event: the next Step catches up first
-                if controller.catch_up(self.ctx, session):
-                    return (session, *self.render(session))
-                return (session, *_skip(FRAME_OUTPUTS))
+                if not controller.catch_up(self.ctx, session):
+                    return (session, *_skip(FRAME_OUTPUTS))
+                frame = self.render(session)
+                return (session, *(v if i in BASELINE_OUTPUTS else gr.skip() for i, v in enumerate(frame)))
         except (SessionBusy, *USER_ERRORS):
             return (state, *_skip(FRAME_OUTPUTS))
         except Exception:  # a bug: logged; the round on screen stays, and the next Step catches up
