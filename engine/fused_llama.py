@@ -113,6 +113,11 @@ def _fuse(linears: list[torch.nn.Linear], name: str) -> torch.Tensor:
     return fused
 
 
+def bf16_products() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not on AVX2 alone)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class BlockedWeights:
     """oneDNN's blocked copies of a model's matrices, which `linear` multiplies with in their place.
 
@@ -131,10 +136,13 @@ class BlockedWeights:
         self.bytes = sum(m.numel() * (2 if bf16 else m.element_size()) for m in matrices)
 
     @staticmethod
-    def unsupported(matrices: list[torch.Tensor]) -> str | None:
-        """Why the matrices get no blocked copy, or None when they do."""
+    def unsupported(matrices: list[torch.Tensor], bf16: bool = False) -> str | None:
+        """Why the matrices get no blocked copy (`bf16`: a bfloat16 one), or None when they do."""
         if not torch.backends.mkldnn.is_available():
             return "this torch build has no oneDNN"
+        if bf16 and not bf16_products():
+            # oneDNN's bf16 products need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only CPU has neither
+            return "this CPU has no bf16 products in oneDNN (they need AVX-512 or AVX-NE-CONVERT)"
         if any(m.device.type != "cpu" or m.dtype != torch.float32 for m in matrices):
             return "only fp32 matrices on the CPU get one"
         size = sum(m.numel() * m.element_size() for m in matrices)
@@ -233,7 +241,8 @@ class Int4Weights:
     on average, a fifth of what the 4-bit layers move it: 0.078 against fp32), whose steps of 1/8 at a logit of
     16 would tie the top two tokens often, so each row's 64 highest logits are computed again in fp32 from the
     head's own rows: what greedy picks and top-p keeps is decided at fp32 precision. Where that head would give a
-    row another result among more rows, it stays fp32 (`head_format`). As with `Int8Weights`, attention
+    row another result among more rows, or where the CPU has no bf16 products (AVX2 only), it stays fp32
+    (`head_format`). As with `Int8Weights`, attention
     runs row by row, and a row's product is the same alone or among K + 1 rows (tested), so speculative decoding
     on this target emits what target-only decoding on it emits. CPU only; about 7x less to read per token.
 
@@ -258,10 +267,12 @@ class Int4Weights:
             self.largest_error = max(self.largest_error, float((back - m).abs().max() / m.abs().max().clamp(min=1e-30)))
             self._int4[id(matrix)] = self._pack(m)
         self.head, self.head_format, self._head = None, "fp32", head
-        if head is not None and BlockedWeights.unsupported([head]) is None:
+        if head is not None and BlockedWeights.unsupported([head], bf16=True) is None:
             self.head, self.head_format = BlockedWeights([head], bf16=True), "bf16"
             if not _rows_apart(self.linear, head):
                 self.head, self.head_format = BlockedWeights([head]), "fp32"
+        elif head is not None and BlockedWeights.unsupported([head]) is None:   # no bf16 products on this CPU
+            self.head = BlockedWeights([head])
         self._keep = matrices  # the ids stay valid while the fp32 matrices live
         self.bytes = sum(m.numel() // 2 + m.numel() // self.GROUP * 4 for m in matrices)
         self._head4: tuple[torch.Tensor, torch.Tensor, int] | None = None   # greedy's candidate head

@@ -10,6 +10,7 @@ import torch
 
 from engine.config import DrafterKind, Mode, SpecConfig
 from engine.drafters.eagle import EagleConfig, EagleHead, EagleLoadError, EagleRuntime, load_runtime, save_head
+from engine.fused_llama import bf16_products
 from engine.models import LoadedModel
 from engine.pair import ModelPair
 from engine.prompts import encode_prompt
@@ -208,6 +209,7 @@ def test_save_and_load_round_trip_and_refuse_another_target(builtin_pair, builti
         SpeculativeEngine(ModelPair(target), [1, 2, 3], SpecConfig(drafter=DrafterKind.EAGLE))
 
 
+@pytest.mark.skipif(not bf16_products(), reason="this CPU has no bf16 products in oneDNN (AVX2 only)")
 def test_a_head_drafting_with_bf16_copies_proposes_nearly_the_same_and_emits_exactly_the_same(builtin_pair):
     """The head's bf16 copies (the default where the CPU multiplies bf16 natively) round its products, not
     its verification: greedy output equals the fp32 head's and generate's token for token; the rounding is

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine import fused_llama
 from engine.config import DrafterKind, Mode
-from engine.fused_llama import Int4Weights
+from engine.fused_llama import BlockedWeights, Int4Weights, bf16_products
 from engine.gguf_file import read_header, type_name
 from engine.models import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from engine.pair import ModelPair
@@ -17,6 +18,8 @@ from engine.sources import BUILTIN
 from tests.conftest import tiny_model
 from tests.test_int8 import PROMPTS, assert_speculation_emits_target_only, decode
 from tests.test_losslessness import LEVEL, PROMPT, chi_square, exact_joint, run_counts
+
+BF16_PRODUCTS = pytest.mark.skipif(not bf16_products(), reason="this CPU has no bf16 products in oneDNN (AVX2 only)")
 
 
 def q4_1_matrix(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +52,23 @@ def test_a_q4_1_matrix_gets_its_own_codes_back_and_products_do_not_depend_on_the
     assert torch.equal(int4.linear(x, stranger), torch.nn.functional.linear(x, stranger))
 
 
+def test_without_bf16_products_the_head_stays_fp32_and_multiplies_as_before(monkeypatch):
+    """An AVX2-only CPU has no bf16 products in oneDNN: the head is an fp32 blocked copy, its logits the fp32
+    product's, alone as among rows."""
+    monkeypatch.setattr(fused_llama, "bf16_products", lambda: False)
+    layer, _ = q4_1_matrix(64, 128)
+    head = torch.randn(1024, 128)
+    int4 = Int4Weights([layer], head=head)
+    assert int4.head_format == "fp32" and int4.head is not None and not int4.head.bf16
+    assert "no bf16 products" in BlockedWeights.unsupported([head], bf16=True)
+    x = torch.randn(7, 128)
+    with torch.no_grad():
+        together = int4.linear(x, head)
+        assert all(torch.equal(int4.linear(x[i: i + 1], head)[0], together[i]) for i in range(7))
+        assert torch.allclose(together, x @ head.T, atol=1e-4)
+
+
+@BF16_PRODUCTS
 def test_the_head_runs_in_bf16_and_its_highest_logits_again_in_fp32_the_same_alone_or_among_rows():
     layer, _ = q4_1_matrix(64, 128)
     head = torch.randn(1024, 128)   # 2^17 elements: large enough for a blocked copy (BLOCKED_MIN_ELEMENTS)

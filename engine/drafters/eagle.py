@@ -246,7 +246,10 @@ class EagleRuntime:
         matrices = [layer.qkv, layer.o, layer.gate_up, layer.down, self.head.fc.weight, self.head_weight]
         if self.config.feature_layers:
             matrices.append(self.head.fuse.weight)
-        return BlockedWeights(matrices, bf16) if BlockedWeights.unsupported(matrices) is None else None
+        if BlockedWeights.unsupported(matrices) is not None:
+            return None
+        # where the CPU has no bf16 products (AVX2 only), the copies stay fp32: the same tokens emitted
+        return BlockedWeights(matrices, bf16 and BlockedWeights.unsupported(matrices, bf16=True) is None)
 
     def linear(self, rows: int):
         """The matrix product for `rows` rows at once: the blocked copies' from the target's threshold on."""
