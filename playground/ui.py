@@ -257,19 +257,20 @@ class Handlers:
 
     def on_page_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
         """Step, as the page's button calls it: the round alone, its target-only rounds left for `on_catch_up`,
-        which the page calls once it has drawn the round."""
-        return self.guarded(state, request, self.decoding(
+        which the page calls once it has drawn the round, and which draws what reads them (left as they are
+        here, so that the Charts tab's figures are drawn once a Step, not twice)."""
+        out = self.guarded(state, request, self.decoding(
             lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal), catch_up=False)),
             name="Step")
+        return (out[0], *(gr.skip() if i in BASELINE_OUTPUTS else v for i, v in enumerate(out[1:])))
 
     def on_catch_up(self, request: gr.Request, state: Session | None) -> tuple:
-        """The target-only rounds a Step left for after the page drew its round; when some ran, what reads them
-        is drawn again (the identity badge, the summary's speed-up, the charts), nothing else."""
+        """The target-only rounds a page's Step left for after the page drew its round, then what reads them
+        (the identity badge, the summary's speed-up, the charts), which that Step left undrawn; nothing else."""
         try:
             session = self._session(state, request)
             with session.hold("Step", 0.0):      # busy with a later event: the next Step catches up first
-                if not controller.catch_up(self.ctx, session):
-                    return (session, *_skip(FRAME_OUTPUTS))
+                controller.catch_up(self.ctx, session)
                 frame = self.render(session)
                 return (session, *(v if i in BASELINE_OUTPUTS else gr.skip() for i, v in enumerate(frame)))
         except (SessionBusy, *USER_ERRORS):
