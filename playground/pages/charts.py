@@ -28,7 +28,7 @@ def build() -> ChartsPage:
                 "and the round's record. Rendering, the trace file and the page are outside the clocks, and the "
                 "background measurement of r(n) waits for a round to end rather than run beside it. c (draft "
                 "forward / target step) is measured from this run. A browser on the same machine shares its cores: "
-                "while a Step is pending the page redraws every frame (on a 2-core AMD EPYC, headless Chromium kept "
-                "half a core busy and a target step read 52–80 ms against 34–39 ms with no page open), which slows "
-                "both streams alike, since the target-only steps run inside the same Step.")
+                "a Step's round runs while the page handles the click, and the target-only steps that catch up "
+                "with it run once the page has drawn the round, so the page's drawing slows neither; the click's "
+                "own work in the page still shares the cores with the speculative round.")
     return ChartsPage(acceptance, per_position, lengths, tokens_time, speedup)
