@@ -71,7 +71,8 @@ class ComparedRun:
     def step(self, catch_up: bool = True) -> RoundRecord:
         """One speculative round, then (`catch_up`) the target-only run up to its token count. Without
         `catch_up`, the baseline is left behind until `catch_up()` runs: the app runs it once the page has drawn
-        the round, so the two never compete for the cores with it. A round left behind is caught up first."""
+        the round, so that the page's drawing and the target-only rounds do not share the cores. A round left
+        behind is caught up first."""
         self.catch_up()
         record = self.spec.step()
         if self.writer:

@@ -255,6 +255,7 @@ class Handlers:
         return self.guarded(state, request, self.decoding(
             lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal))), name="Step")
 
+    @gpu()
     def on_page_step(self, request: gr.Request, state: Session | None, reveal: bool, *values) -> tuple:
         """Step, as the page's button calls it: the round alone, its target-only rounds left for `on_catch_up`,
         which the page calls once it has drawn the round, and which draws what reads them (left as they are
@@ -262,8 +263,9 @@ class Handlers:
         out = self.guarded(state, request, self.decoding(
             lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal), catch_up=False)),
             name="Step")
-        return (out[0], *(gr.skip() if i in BASELINE_OUTPUTS else v for i, v in enumerate(out[1:])))
+        return (out[0], *_baseline_part(out[1:], keep=False))
 
+    @gpu()
     def on_catch_up(self, request: gr.Request, state: Session | None) -> tuple:
         """The target-only rounds a page's Step left for after the page drew its round, then what reads them
         (the identity badge, the summary's speed-up, the charts), which that Step left undrawn; nothing else."""
@@ -272,7 +274,7 @@ class Handlers:
             with session.hold("Step", 0.0):      # busy with a later event: the next Step catches up first
                 controller.catch_up(self.ctx, session)
                 frame = self.render(session)
-                return (session, *(v if i in BASELINE_OUTPUTS else gr.skip() for i, v in enumerate(frame)))
+                return (session, *_baseline_part(frame, keep=True))
         except (SessionBusy, *USER_ERRORS):
             return (state, *_skip(FRAME_OUTPUTS))
         except Exception:  # a bug: logged; the round on screen stays, and the next Step catches up
@@ -437,6 +439,12 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
                    api_name=False if panel is Panel.OTHER else f"show_{panel.value}")
     demo.load(handlers.on_load, [state], pages.frame_outputs(), api_name=False)
     demo.unload(handlers.on_unload)
+
+
+def _baseline_part(frame: tuple, keep: bool) -> tuple:
+    """A frame's outputs that read the target-only run (BASELINE_OUTPUTS) with the rest skipped (`keep`), or the
+    rest with those skipped."""
+    return tuple(v if (i in BASELINE_OUTPUTS) == keep else gr.skip() for i, v in enumerate(frame))
 
 
 # resolves once the page has painted what the Step returned (the frame after next has begun)
