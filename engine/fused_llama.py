@@ -267,12 +267,11 @@ class Int4Weights:
             self.largest_error = max(self.largest_error, float((back - m).abs().max() / m.abs().max().clamp(min=1e-30)))
             self._int4[id(matrix)] = self._pack(m)
         self.head, self.head_format, self._head = None, "fp32", head
-        if head is not None and BlockedWeights.unsupported([head], bf16=True) is None:
-            self.head, self.head_format = BlockedWeights([head], bf16=True), "bf16"
-            if not _rows_apart(self.linear, head):
+        if head is not None and BlockedWeights.unsupported([head]) is None:
+            bf16 = BlockedWeights.unsupported([head], bf16=True) is None    # no bf16 products on an AVX2-only CPU
+            self.head, self.head_format = BlockedWeights([head], bf16=bf16), "bf16" if bf16 else "fp32"
+            if bf16 and not _rows_apart(self.linear, head):
                 self.head, self.head_format = BlockedWeights([head]), "fp32"
-        elif head is not None and BlockedWeights.unsupported([head]) is None:   # no bf16 products on this CPU
-            self.head = BlockedWeights([head])
         self._keep = matrices  # the ids stay valid while the fp32 matrices live
         self.bytes = sum(m.numel() // 2 + m.numel() // self.GROUP * 4 for m in matrices)
         self._head4: tuple[torch.Tensor, torch.Tensor, int] | None = None   # greedy's candidate head

@@ -59,6 +59,11 @@ def message_chart(text: str) -> BarChart:
     return BarChart(title=(text,))
 
 
+def marked(tokens: list[int], token: int) -> int | None:
+    """Where the marked token sits among a chart's candidates (None: it is not among them)."""
+    return next((i for i, t in enumerate(tokens) if t == token), None)
+
+
 # -- SVG -------------------------------------------------------------------------------------------------------
 
 WIDTH, PLOT_H = 860, 250          # the drawing's own units; it scales to the panel's width

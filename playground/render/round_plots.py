@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.records import Candidate, Outcome, RoundRecord
-from playground.render.bars import BarChart, BarSeries, message_chart
+from playground.render.bars import BarChart, BarSeries, marked, message_chart
 from playground.render.palette import BLUE, ORANGE, OUTCOME_STYLES, PURPLE, VERMILLION
 from playground.render.tokens import all_accepted, visible
 
@@ -75,8 +75,7 @@ def _series(name: str, candidates: list[Candidate], field: str, colour: str, opa
 
 
 def _index(candidates: list[Candidate], token: int) -> int | None:
-    """Where the marked token sits among the candidates (None: it is not among them)."""
-    return next((i for i, c in enumerate(candidates) if c.token == token), None)
+    return marked([c.token for c in candidates], token)
 
 
 def position_choices(record: RoundRecord) -> list[tuple[str, int]]:

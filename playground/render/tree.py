@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 
 from engine.records import Outcome, RoundRecord, TreeNode
-from playground.render.bars import BarChart, BarSeries, message_chart
+from playground.render.bars import BarChart, BarSeries, marked, message_chart
 from playground.render.palette import OUTCOME_STYLES, chip_class
 from playground.render.tokens import visible
 
@@ -138,4 +138,4 @@ def node_chart(record: RoundRecord, node: int) -> BarChart:
         series.append(BarSeries("residual max(0, p − q), normalised", tuple(c.residual or 0.0 for c in cands),
                                 OUTCOME_STYLES[Outcome.CORRECTED].colour, outlines=False))
     return BarChart((title,), tuple(f"{visible(c.text)} #{c.token}" for c in cands), tuple(series),
-                    next((i for i, c in enumerate(cands) if c.token == token), None))
+                    marked([c.token for c in cands], token))
