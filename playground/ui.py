@@ -54,6 +54,7 @@ PROGRESS_EVERY_S = 2.0    # Run to end updates its progress bar this long after 
 # a tab) they wait QUICK_WAIT_S at most; other events wait EVENT_WAIT_S for the event before them.
 DECODING = ("Step", "Run to end", "Play")
 SLOW = ("Reset", "Run to end", "Step", "Play", "Lab")
+CATCHING_UP = "catching up"   # the page's catch-up after a Step: quick, so a Step waits for it
 QUICK_WAIT_S, EVENT_WAIT_S = 1.0, 10.0
 
 
@@ -271,7 +272,9 @@ class Handlers:
         (the identity badge, the summary's speed-up, the charts), which that Step left undrawn; nothing else."""
         try:
             session = self._session(state, request)
-            with session.hold("Step", 0.0):      # busy with a later event: the next Step catches up first
+            # behind a slow event (a Reset, a run, the next Step) it is left to that event, which draws it all;
+            # behind a quick one (a tab shown, a scrub) it waits, so the charts never stay a round behind
+            with session.hold(CATCHING_UP, lock_wait("Step", session)):
                 controller.catch_up(self.ctx, session)
                 frame = self.render(session)
                 return (session, *_baseline_part(frame, keep=True))
@@ -413,9 +416,11 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     # The page's Step runs the round alone and its target-only rounds (the baseline its speed-up is measured
     # against) once the page has drawn the round: the visitor does not wait for them, and the page's drawing does
     # not share the cores with them. The API's /step (a button never shown) returns both, as it always did.
+    # A catch-up still pending in the page (its reply being drawn) when the next Step's reply lands would have
+    # Gradio drop the next one (trigger mode "once") and leave the charts a round behind: "always_last" runs it after.
     c.step.click(handlers.on_page_step, [state, c.reveal, *decode], out, api_name=False, **busy).then(
         handlers.on_catch_up, [state], out, api_name=False, js=AFTER_PAINT_JS, concurrency_id="decode",
-        concurrency_limit=handlers.ctx.settings.concurrency, show_progress="hidden")
+        concurrency_limit=handlers.ctx.settings.concurrency, show_progress="hidden", trigger_mode="always_last")
     gr.Button(visible=False).click(handlers.on_step, [state, c.reveal, *decode], out, api_name="step", **busy)
     c.run_to_end.click(handlers.on_run_to_end, [state, *decode], out, api_name="run_to_end", **busy)
     c.back.click(handlers.on_back, [state], out, api_name="back")

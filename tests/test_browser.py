@@ -55,6 +55,15 @@ def click_step(page, expect_round: int) -> None:
                              f"{page.locator('#status').inner_text()!r}") from exc
 
 
+def wait_for_rounds(page, drawn_rounds: str, condition: str) -> None:
+    """Wait until the acceptance chart's round count meets `condition` ("=== 2"); a failure says what it held."""
+    try:
+        page.wait_for_function(f"({drawn_rounds})() {condition}")
+    except PlaywrightTimeout as exc:
+        raise AssertionError(f"the acceptance chart held {page.evaluate(f'({drawn_rounds})()')} rounds, not "
+                             f"{condition}; the status reads {page.locator('#status').inner_text()!r}") from exc
+
+
 def count(page, outcome: Outcome) -> int:
     return page.locator(f"#token-stream .{chip_class(outcome)}").count()
 
@@ -169,7 +178,7 @@ def shown_plots_fit(page, tab: str, rounds: int, shots: Path, suffix: str = "", 
     page.get_by_role("tab", name=tab).click()
     wait_for_plots(page, TABS[tab])
     if tab == "Charts":
-        page.wait_for_function("n => document.querySelector('#chart-acceptance .js-plotly-plot').data?.[0]?.x?.length "
+        page.wait_for_function("n => document.querySelector('#chart-acceptance .js-plotly-plot')?.data?.[0]?.x?.length "
                                "=== n", arg=rounds)
     plots_fit(page, TABS[tab], shots / f"{tab.replace(' ', '-').lower()}{suffix}.png", resized)
 
@@ -218,15 +227,15 @@ def test_plots_drawn_while_their_tab_was_hidden_still_fit_their_panels(browser, 
 def test_charts_drawn_by_play_behind_the_lesson_tab_fit_when_the_playground_returns(browser, url, tmp_path):
     shots = Path(os.environ.get("SPECPLAY_SHOTS", tmp_path))
     page = open_page(browser, url, 1440, 1000)
-    drawn_rounds = "() => document.querySelector('#chart-acceptance .js-plotly-plot').data?.[0]?.x?.length ?? 0"
+    drawn_rounds = "() => document.querySelector('#chart-acceptance .js-plotly-plot')?.data?.[0]?.x?.length ?? 0"
     try:
         page.get_by_role("tab", name="Charts").click()
         click_step(page, 1)
         click_step(page, 2)                                    # round 1 is the prefill: nothing drafted yet
-        page.wait_for_function(f"({drawn_rounds})() === 2")
+        wait_for_rounds(page, drawn_rounds, "=== 2")
         page.click("#play-btn")
         page.get_by_role("tab", name="Lesson").click()       # the playground hidden while Play draws the charts
-        page.wait_for_function(f"({drawn_rounds})() >= 4")
+        wait_for_rounds(page, drawn_rounds, ">= 4")
         page.get_by_role("tab", name="Playground").click()
         page.click("#play-btn")
         page.wait_for_function("document.querySelector('#play-btn').innerText.includes('Play')")
@@ -235,7 +244,7 @@ def test_charts_drawn_by_play_behind_the_lesson_tab_fit_when_the_playground_retu
         page.click("#run-end-btn")
         page.wait_for_function("document.querySelector('#status').innerText.includes('finished')")
         rounds = int(page.locator("#status").inner_text().split("Round ", 1)[1].split(" of", 1)[0])
-        page.wait_for_function(f"({drawn_rounds})() === {rounds}")
+        wait_for_rounds(page, drawn_rounds, f"=== {rounds}")
         plots_fit(page, TABS["Charts"], shots / "charts-after-play.png")
     finally:
         page.close()

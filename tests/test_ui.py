@@ -101,6 +101,43 @@ def test_a_step_from_the_page_leaves_the_baseline_for_after_the_drawing(handlers
     assert len(run.baseline.generated) >= len(run.spec.generated) - len(run.spec.rounds[-1].emitted)
 
 
+def test_the_catch_up_waits_behind_a_quick_event_and_a_step_waits_behind_the_catch_up(handlers):
+    """A tab shown or a scrub holding the session when the catch-up comes is waited for (skipped, the charts
+    would stay a round behind until the next Step); a Step arriving during a catch-up waits for it, not refused."""
+    session = handlers.on_step(None, None, False, *values())[0]
+    handlers.on_show(Panel.CHARTS)(None, session)
+    handlers.on_page_step(None, session, False, *values())
+    held, release = threading.Event(), threading.Event()
+
+    def hold(name: str) -> None:
+        with session.hold(name, 0.0):
+            held.set()
+            release.wait(5.0)
+
+    for name, then in (("showing a tab", handlers.on_catch_up), ("catching up", None)):
+        worker = threading.Thread(target=hold, args=(name,))
+        held.clear(), release.clear()
+        worker.start()
+        held.wait(5.0)
+        threading.Timer(0.3, release.set).start()
+        if then is not None:
+            out = then(None, session)
+            assert not session.run.behind and list(out[ACCEPTANCE].data[0].x) == [1, 2]
+        else:
+            out = handlers.on_page_step(None, session, False, *values())
+            assert "Round 3 of 3" in out[STATUS], out[STATUS]
+        worker.join()
+
+
+def test_the_pages_catch_up_is_never_dropped_behind_a_pending_one(handlers):
+    """Gradio drops an event's second call while its first is pending (trigger mode "once"): the catch-up of
+    a quick second Step would be lost while the first catch-up's reply is still being drawn."""
+    from playground.ui import build_app
+
+    catch_ups = [f for f in build_app(handlers.ctx).fns.values() if getattr(f.fn, "__name__", "") == "on_catch_up"]
+    assert len(catch_ups) == 1 and catch_ups[0].trigger_mode == "always_last"
+
+
 def test_a_tab_that_draws_nothing_from_a_run_opens_no_session(handlers):
     out = handlers.on_show(Panel.OTHER)(None, None)
     assert out[0] is None and len(handlers.ctx.pool) == 0
