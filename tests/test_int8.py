@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import DrafterKind, Mode, SpecConfig, TreeSpec
-from engine.fused_llama import Int8Weights
+from engine.fused_llama import EXACT_SPAN, Int8Weights, exact_int8_product
 from engine.models import LoadedModel, ModelLoadError, load_model, resolve_dtype
 from engine.pair import ModelPair
 from engine.sources import BUILTIN
@@ -29,6 +29,31 @@ def test_an_int8_product_is_the_same_alone_or_among_other_rows():
     assert (together - exact).norm() / exact.norm() < 0.03                # about 1% off fp32
     stranger = torch.randn(8, 64)
     assert torch.equal(int8.linear(x, stranger), torch.nn.functional.linear(x, stranger))
+
+
+@pytest.mark.parametrize("width", [64, EXACT_SPAN, EXACT_SPAN + 1, 1536, 3 * EXACT_SPAN - 5])
+def test_int8_codes_multiplied_as_fp32_numbers_give_the_integer_products_sums_bit_for_bit(width):
+    """Where the CPU has no VNNI, the int8 codes are multiplied as fp32 numbers in spans short enough that every
+    partial sum is an integer fp32 holds: the same int32 sums as `torch._int_mm`, even at the largest codes."""
+    torch.manual_seed(width)
+    worst = torch.full((2, width), 127.0), torch.full((3, width), 127.0) * torch.tensor([[1.0], [-1.0], [1.0]])
+    drawn = torch.randint(-127, 128, (7, width)).float(), torch.randint(-127, 128, (40, width)).float()
+    for rows, codes in (worst, drawn):
+        integer = torch._int_mm(rows.to(torch.int8), codes.to(torch.int8).t().contiguous())
+        spans = tuple(c.contiguous() for c in codes.split(EXACT_SPAN, dim=1))
+        assert torch.equal(exact_int8_product(rows, spans), integer)
+    assert exact_int8_product(*worst[:1], tuple(c.contiguous() for c in worst[1].split(EXACT_SPAN, dim=1)))[0, 1] \
+        == -width * 127 * 127
+
+
+def test_int8_weights_multiply_the_same_with_or_without_integer_products():
+    torch.manual_seed(1)
+    weights = [torch.randn(96, 1536), torch.randn(1536, 96)]
+    integer, fp32 = Int8Weights(weights, integer_products=True), Int8Weights(weights, integer_products=False)
+    for weight in weights:
+        x = torch.randn(5, weight.shape[1])
+        assert torch.equal(integer.linear(x, weight), fp32.linear(x, weight))
+    assert fp32.bytes > 3 * integer.bytes                               # what a token reads: fp32 codes
 
 
 @pytest.fixture(scope="module")
