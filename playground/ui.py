@@ -327,7 +327,10 @@ class Handlers:
         name = path.rsplit("/", 1)[-1]
         return self.guarded(state, request, lambda s: controller.load_replay(s, path, name), name="Replay")
 
+    @gpu()
     def on_export(self, state: Session | None) -> list[str] | None:
+        """The run's trace and its rounds as CSV; a page's Step left behind is caught up first, so that the trace
+        holds the target-only rounds of every round shown."""
         try:
             if state is None or state.view() is None:
                 if self.welcome is not None:   # the page shows the welcome run: say where its trace is
@@ -336,6 +339,7 @@ class Handlers:
                                      f"export it, or press Step ▶ to start your own run.")
                 raise ValueError("Nothing to export yet: step a few rounds first.")
             with state.hold("Export", EVENT_WAIT_S):
+                controller.catch_up(self.ctx, state)
                 csv = controller.export_rounds_csv(state)
             # a replayed upload may have been deleted from Gradio's cache meanwhile (UPLOAD_AGE_S)
             return [str(p) for p in (state.trace_path, csv) if p is not None and p.exists()]

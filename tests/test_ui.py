@@ -1,6 +1,7 @@
 """The event handlers without a server: what each event renders, and what a failed Reset shows."""
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import astuple, replace
 
@@ -127,6 +128,17 @@ def test_the_catch_up_waits_behind_a_quick_event_and_a_step_waits_behind_the_cat
             out = handlers.on_page_step(None, session, False, *values())
             assert "Round 3 of 3" in out[STATUS], out[STATUS]
         worker.join()
+
+
+def test_export_right_after_a_pages_step_holds_every_target_only_round(handlers):
+    session = handlers.on_step(None, None, False, *values())[0]
+    handlers.on_page_step(None, session, False, *values())
+    assert session.run.behind
+    trace, csv = handlers.on_export(session)
+    assert not session.run.behind and csv.endswith(".csv")
+    lines = [json.loads(line) for line in open(trace, encoding="utf-8")]
+    baseline = [line for line in lines if line.get("stream") == "baseline"]
+    assert baseline and len(baseline) == len(session.run.baseline.rounds)
 
 
 def test_the_pages_catch_up_is_never_dropped_behind_a_pending_one(handlers):
