@@ -63,6 +63,12 @@ class LoadedModel:
         return KVShape.of(self.model.config)
 
     @property
+    def layers_in(self) -> str | None:
+        """Where its decoder layers run: "C++" (engine.native's one call for them all), "Python" (the fused
+        forward's own loop), or None (transformers' forward)."""
+        return None if self.fused is None else "C++" if self.fused.native is not None else "Python"
+
+    @property
     def format(self) -> str:
         """What its forward multiplies with, as calibrations and traces name it: "int8" or "int4" for those
         copies, else the module's dtype ("float32", "bfloat16")."""

@@ -36,8 +36,8 @@ from engine.prompts import ChatPrompt
 from engine.records import Outcome, RoundRecord, RunSummary
 from engine.sampling import SamplingParams
 
-TRACE_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)   # older traces are upgraded as they are read (see `_upgrade_round`)
+TRACE_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)   # older traces are upgraded as they are read (see `_upgrade_round`)
 # A maximal trace must load and replay in a few seconds on a small CPU (see tests/test_trace.py):
 # about 16 MiB is some 2,500 rounds with candidates recorded, far more than a visitor's run.
 MAX_TRACE_BYTES = 16 * 2**20
@@ -69,6 +69,8 @@ class TraceHeader:
     chat: ChatPrompt | None = None   # the chat turn the prompt ids were templated from (None: raw text)
     eagle: str | None = None     # the EAGLE head the run drafted with, when it used one
     machine: str | None = None   # what it ran on (engine.clock.machine_name); None in traces before version 4
+    layers: str | None = None    # where the target's layers ran: "C++", "Python" (LoadedModel.layers_in); None
+                                 # for transformers' forward, and in traces before version 5
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: 
         dtypes={role: m.format for role, m in roles.items()},
         versions={"python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "specplay": _specplay_version()},
-        seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None, machine=machine_name())
+        seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None, machine=machine_name(),
+        layers=target.layers_in)
 
 
 # ---------------------------------------------------------------------------- records <-> dicts
@@ -336,6 +339,8 @@ def header_from_dict(data: dict) -> TraceHeader:
         data = {"chat": None, "eagle": None, **data}   # version 1 had neither chat prompts nor EAGLE heads
     if isinstance(data, dict) and data.get("version") in (1, 2, 3):
         data = {"machine": None, **data}               # nor, before version 4, the machine's name
+    if isinstance(data, dict) and data.get("version") in (1, 2, 3, 4):
+        data = {"layers": None, **data}                # nor, before version 5, where the target's layers ran
     header = _decode(TraceHeader, data, "header")
     negative = next((i for i, t in enumerate(header.prompt_ids) if t < 0), None)
     if negative is not None:

@@ -33,6 +33,7 @@ class RunInfo:
     chat: bool = False         # the prompt is a chat turn through the target's template
     eagle: str | None = None   # the EAGLE head the run drafted with
     machine: str | None = None   # what it ran on (engine.clock.machine_name), where its trace says
+    layers: str | None = None    # where the target's layers ran ("C++", "Python"), where its trace says
 
     @property
     def greedy(self) -> bool:
@@ -144,7 +145,7 @@ def info_from_header(h: TraceHeader, config: SpecConfig) -> RunInfo:
     """The run's info from its header and its parsed config (Trace.config, or a live run's own)."""
     return RunInfo(prompt=h.prompt, prompt_tokens=len(h.prompt_ids), config=config,
                    target=h.target, draft=h.draft, devices=dict(h.devices), dtypes=dict(h.dtypes),
-                   chat=h.chat is not None, eagle=h.eagle, machine=h.machine)
+                   chat=h.chat is not None, eagle=h.eagle, machine=h.machine, layers=h.layers)
 
 
 def view_from_trace(trace: Trace, name: str) -> RunView:

@@ -82,6 +82,7 @@ def test_load_trace_round_trips_exactly(traced, tiny_pair) -> None:
     assert h.devices == {"target": "cpu", "draft": "cpu"} and h.dtypes["draft"] == "float32"
     assert set(h.versions) == {"python", "torch", "transformers", "specplay"}
     assert h.machine == machine_name() and "torch threads" in h.machine     # figures name the machine they ran on
+    assert h.layers == tiny_pair[1].layers_in                          # where the target's layers ran
     assert t.config == CONFIG == config_from_dict(h.config)         # parsed once, by the reader
     assert load_trace(path.read_bytes()) == t
 
@@ -296,6 +297,17 @@ def test_a_trace_from_before_version_4_names_no_machine_and_a_version_4_header_m
     objs[0]["data"]["version"] = TRACE_VERSION
     with pytest.raises(TraceError, match="missing key.*machine"):
         load_trace(write_lines(tmp_path / "v4.jsonl", objs))
+
+
+def test_a_trace_from_before_version_5_says_nothing_of_where_the_layers_ran(traced, tmp_path) -> None:
+    path, _ = traced
+    objs = lines_of(path)
+    del objs[0]["data"]["layers"]
+    objs[0]["data"]["version"] = 4
+    assert load_trace(write_lines(tmp_path / "v4.jsonl", objs)).header.layers is None
+    objs[0]["data"]["version"] = TRACE_VERSION
+    with pytest.raises(TraceError, match="missing key.*layers"):
+        load_trace(write_lines(tmp_path / "v5.jsonl", objs))
 
 
 def test_version_1_traces_are_upgraded_as_they_are_read() -> None:

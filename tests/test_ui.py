@@ -71,6 +71,13 @@ def test_each_event_draws_the_shown_tab_and_leaves_the_hidden_ones(handlers):
     assert drawn(out) == {Panel.DETAIL} and "Round 2 of 2" in out[STATUS]
 
 
+def test_the_status_line_says_what_the_target_multiplies_with_and_where_its_layers_run(handlers, builtin_pair):
+    target = builtin_pair[1]
+    assert target.layers_in in ("C++", "Python")                         # the built-in target has a fused forward
+    out = handlers.on_step(None, None, False, *values())
+    assert f"(fp32 weights, layers in {target.layers_in})" in out[STATUS]
+
+
 def test_a_step_from_the_page_leaves_the_baseline_for_after_the_drawing(handlers):
     """The page's Step returns its round before the target-only rounds run, and leaves what reads them (badge,
     summary, charts) as they are; the catch-up the page calls next runs them and draws those, nothing else. The

@@ -84,7 +84,7 @@ def forward_name(target: LoadedModel) -> str:
         name = f"fused, {fused.weights} matrices"
     else:
         name = f"fused + blocked matrices ({fused.blocked_rows}+ rows)" if fused.blocked is not None else "fused"
-    return name + (", layers in C++" if fused.native is not None else f", layers in Python ({fused.native_reason})")
+    return name + (", layers in C++" if target.layers_in == "C++" else f", layers in Python ({fused.native_reason})")
 
 
 def _fmt(x: float | None, spec: str) -> str:

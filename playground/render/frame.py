@@ -93,7 +93,8 @@ def _where(view: RunView | None, cursor: Cursor) -> str:
         (f", recorded on {view.info.machine}" if view.info.machine else "")
     state = "finished" if view.complete and cursor.shown >= total else "running" if view.source == "live" else "replay"
     pending = " — drafts pending: **Step** reveals the verification" if not cursor.revealed else ""
-    models = f"target `{view.info.target}` ({weights_words(view.info.dtypes.get('target'))})" + \
+    layers = f", layers in {view.info.layers}" if view.info.layers else ""
+    models = f"target `{view.info.target}` ({weights_words(view.info.dtypes.get('target'))}{layers})" + \
         (f" · draft `{view.info.draft}`" if view.info.draft else "")
     if view.previous is not None:
         return (f"**Previous run** — the last Reset failed ({view.previous}), so this is the run from before it, "
