@@ -214,8 +214,8 @@ class Int8Weights:
     """The model's matrices as int8 (one scale per output row, symmetric), which `linear` multiplies with in
     their place: each input row is rounded to int8 with its own scale, the product is an exact int32 sum
     (`torch._int_mm`; on a CPU without VNNI the same sums from fp32 products, `exact_int8_product`, which reads
-    fp32 codes: no faster than the fp32 model there), and the two scales bring it back to fp32. Embeddings, norms, attention and the residual
-    stream stay fp32. An integer sum does not depend on its order or on the other rows in the product, so a
+    fp32 codes: no faster than the fp32 model there), and the two scales bring it back to fp32. Embeddings, norms,
+    attention and the residual stream stay fp32. An integer sum does not depend on its order or on the other rows in the product, so a
     row's result is the same alone or inside a verify of K + 1 rows. Attention is the one product whose kernel
     and summation order change with the rows fed (one row, or K + 1 under a mask); with int8 products a
     difference of one fp32 rounding there can move a value across an int8 step, so this forward attends one
@@ -223,7 +223,7 @@ class Int8Weights:
     the same order, bit for bit. Speculative decoding on this target emits what
     target-only decoding on it emits (tested token for token). It is not the fp32 model: each product is off by about 1%
     (relative), and greedy text drifts from the fp32 model's after a while (docs/performance.md measures both).
-    CPU only; 4x less weight memory to read per token than fp32."""
+    CPU only; with VNNI, 4x less weight memory to read per token than fp32."""
 
     def __init__(self, matrices: list[torch.Tensor], integer_products: bool | None = None) -> None:
         """`integer_products`: multiply with `torch._int_mm` (default: where the CPU has VNNI, its fast path);
