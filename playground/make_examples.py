@@ -22,7 +22,7 @@ from engine.prompts import ChatPrompt
 from engine.sampling import SamplingParams
 from engine.sources import BUILTIN, SMOLLM2, smollm2_gguf
 from playground.pages.traces import EXAMPLES_DIR
-from playground.registry import CODE_EXAMPLES, SMOLLM2_RECOMMENDED, app_calibration, local_presets
+from playground.registry import CHAT_EXAMPLES, CODE_EXAMPLES, SMOLLM2_RECOMMENDED, app_calibration, local_presets
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ EXAMPLES = (
 
 
 WELCOME = "welcome_smollm2"     # the first page's example run (playground.ui shows it before a first Step)
-WELCOME_QUESTION = "Why is the sky blue?"
+WELCOME_QUESTION = CHAT_EXAMPLES[0]   # the page's default prompt
 
 
 def welcome_config() -> SpecConfig:

@@ -506,11 +506,14 @@ WELCOME_NOTE = ("**An example run, recorded in advance** with this pair's recomm
 
 
 def welcome_cursor(view: RunView) -> Cursor:
-    """The welcome run shown up to its first round whose every draft was accepted (a bonus token: by then
-    the chips show every outcome), else its first accepted draft, else four rounds."""
+    """The welcome run shown up to its first round by which the chips show every outcome: a round whose every
+    draft was accepted (its bonus token) and a round with a draft rejected (its correction); else up to its
+    first such full round, else its first accepted draft, else four rounds."""
     full = next((i for i, r in enumerate(view.rounds) if r.k and r.accepted == r.k), None)
+    rejected = next((i for i, r in enumerate(view.rounds) if r.accepted < r.k), None)
     some = next((i for i, r in enumerate(view.rounds) if r.accepted), None)
-    upto = full if full is not None else some if some is not None else 3
+    upto = max(full, rejected) if full is not None and rejected is not None else \
+        full if full is not None else some if some is not None else 3
     return Cursor(shown=min(upto + 1, len(view.rounds)))
 
 

@@ -220,8 +220,9 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
     """The first page is a finished example, drawn at once with no session opened; the first Step starts the
     visitor's own live run."""
     from engine.trace import load_trace
-    from playground.make_examples import WELCOME, welcome_config
+    from playground.make_examples import WELCOME, WELCOME_QUESTION, welcome_config
     from playground.pages.traces import EXAMPLES_DIR
+    from playground.registry import CHAT_EXAMPLES
     from playground.ui import WELCOME_NOTE, welcome_cursor
     from playground.view import view_from_trace
 
@@ -230,8 +231,10 @@ def test_a_new_page_shows_the_recorded_welcome_run_until_its_first_step(handlers
     assert trace.calibration is not None and trace.calibration.model == "smollm2"   # so its prediction shows
     handlers.welcome = view_from_trace(trace, f"{WELCOME}.jsonl")
     shown = welcome_cursor(handlers.welcome).shown
-    assert trace.rounds[shown - 1].accepted == trace.rounds[shown - 1].k > 0      # up to a fully accepted round
-    assert not any(r.k and r.accepted == r.k for r in trace.rounds[: shown - 1])
+    def every_outcome(rounds) -> bool:    # a round with every draft accepted (a bonus), and one with a rejection
+        return any(r.k and r.accepted == r.k for r in rounds) and any(r.accepted < r.k for r in rounds)
+    assert every_outcome(trace.rounds[:shown]) and not every_outcome(trace.rounds[: shown - 1])
+    assert trace.header.chat.user == WELCOME_QUESTION == CHAT_EXAMPLES[0]       # the page's default prompt
     from engine.metrics import Prediction
 
     assert isinstance(handlers.welcome.prediction(), Prediction)
