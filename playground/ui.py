@@ -16,6 +16,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from engine.records import RoundRecord
 from engine.sources import SMOLLM2
 from engine.trace import MAX_TRACE_BYTES, TraceError, load_trace
 from playground import controller
@@ -509,11 +510,15 @@ def welcome_cursor(view: RunView) -> Cursor:
     """The welcome run shown up to its first round by which the chips show every outcome: a round whose every
     draft was accepted (its bonus token) and a round with a draft rejected (its correction); else up to its
     first such full round, else its first accepted draft, else four rounds."""
-    full = next((i for i, r in enumerate(view.rounds) if r.k and r.accepted == r.k), None)
-    rejected = next((i for i, r in enumerate(view.rounds) if r.accepted < r.k), None)
-    some = next((i for i, r in enumerate(view.rounds) if r.accepted), None)
-    upto = max(full, rejected) if full is not None and rejected is not None else \
-        full if full is not None else some if some is not None else 3
+    def first(found: Callable[[RoundRecord], bool]) -> int | None:
+        return next((i for i, r in enumerate(view.rounds) if found(r)), None)
+
+    full, rejected = first(lambda r: r.k and r.accepted == r.k), first(lambda r: r.accepted < r.k)
+    if full is not None:
+        upto = full if rejected is None else max(full, rejected)
+    else:
+        some = first(lambda r: r.accepted > 0)
+        upto = some if some is not None else 3
     return Cursor(shown=min(upto + 1, len(view.rounds)))
 
 
