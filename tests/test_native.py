@@ -12,18 +12,26 @@ import torch
 
 from engine import native
 from engine.drafters.eagle import EagleRuntime
+from engine.fused_llama import CodedWeights
 from engine.kv_cache import KVPool
 from engine.models import load_model
 from engine.sources import BUILTIN
-from tests.conftest import tiny_model
+from tests.conftest import builtin_target_from_codes, tiny_model
 
 
-@pytest.fixture(scope="module", params=["int4", "fp32 blocked", "fp32 dense under 4 rows"])
+@pytest.fixture(scope="module", params=["int4", "fp32 blocked", "fp32 dense under 4 rows", "fp32 from codes"])
 def target(request):
     """The built-in target with int4 weights; in fp32 with oneDNN's blocked copies at every row count (the AMD
-    rule); and in fp32 with torch's default product under 4 rows and the blocked copies from 4 (the others')."""
+    rule); in fp32 with torch's default product under 4 rows and the blocked copies from 4 (the others'); and in
+    fp32 rounded to a GGUF file's codes, which its products read (CodedWeights)."""
     if native.layers() is None:
         pytest.skip(f"no C++ loop here: {native.reason()}")
+    if request.param == "fp32 from codes":
+        if not native.layers().coded_supported():
+            pytest.skip("this CPU has no products from codes")
+        loaded = builtin_target_from_codes()
+        assert isinstance(loaded.fused.blocked, CodedWeights) and loaded.fused.blocked_rows == 1
+        return loaded
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SPECPLAY_BLOCKED_MIN_ROWS", "4" if "dense" in request.param else "1")
         loaded = load_model(BUILTIN, "target", dtype="int4" if request.param == "int4" else "float32")

@@ -10,6 +10,10 @@ results are that forward's bit for bit (tests/test_native.py); nothing about the
 calls it. Users: `engine.fused_llama.NativeLayers` (fp32 and int4 targets) and
 `engine.drafters.eagle.NativeEagleStep`.
 
+`coded.cpp` is the one place that computes something of its own: fp32 products that read a matrix from the
+GGUF codes it was dequantized from (`engine.fused_llama.CodedWeights`, SmolLM2's fp32 target); the Python
+forward calls the same function, so both loops still agree bit for bit.
+
 It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
 about 25 s on two cores) into the cache folder, the first time a model that uses it loads (`python -m
 engine.native` builds it ahead). Without a compiler, or with SPECPLAY_NATIVE=0, the Python loop runs and
@@ -27,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).with_name("layers.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("layers.cpp", "coded.cpp")]
 NAME = "specplay_layers"
 STALE_LOCK_S = 600     # a build lock older than this was left by a build that died
 _lock = threading.Lock()
@@ -77,8 +81,11 @@ def _build() -> dict[str, ModuleType | str]:
                   flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # the builder warns about compiler versions it has not seen
-            module = load(NAME, [str(SOURCE)], build_directory=str(folder),
-                          extra_cflags=["-O2"], verbose=False)
+            # -fopenmp: torch's threads share out coded.cpp's products (torch's own OpenMP runtime serves them);
+            # -ffp-contract=off: coded.cpp rebuilds weights with two roundings, as the file's reader does
+            module = load(NAME, [str(s) for s in SOURCES], build_directory=str(folder),
+                          extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
+                          verbose=False)
     except Exception as exc:   # no compiler, headers missing, a failed build: the Python loop serves
         return {"reason": f"the C++ layers did not build ({_first_line(exc)})"}
     return {"module": module}
