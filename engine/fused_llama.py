@@ -437,6 +437,11 @@ class CodedWeights:
         out = self._module.coded_product(x, blocks, rows, q4)
         return out if bias is None else out + bias
 
+    @property
+    def read_from(self) -> str:
+        """"Q4_1 and Q8_0 codes" (layers and head), or "Q4_1 codes" (the head multiplies its fp32 matrix)."""
+        return "Q4_1 and Q8_0 codes" if self.head_format == "Q8_0" else "Q4_1 codes"
+
     def layer_blocks(self, matrices: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
         """The blocks and output sizes of `matrices` (the layers'), for the C++ loop."""
         entries = [self._coded[id(m)] for m in matrices]
@@ -599,6 +604,11 @@ class FusedLlama:
             one_copy_reason(sum(m.numel() * m.element_size() for m in matrices), self.blocked_rows)
         self.blocked = BlockedWeights(matrices) if self.blocked_reason is None else None
         self.native, self.native_reason = NativeLayers.of(self)
+
+    @property
+    def codes(self) -> str | None:
+        """What the products read the matrices from, when they are a GGUF file's codes (CodedWeights.read_from)."""
+        return self.blocked.read_from if isinstance(self.blocked, CodedWeights) else None
 
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:

@@ -69,6 +69,12 @@ class LoadedModel:
         return None if self.fused is None else "C++" if self.fused.native is not None else "Python"
 
     @property
+    def codes(self) -> str | None:
+        """What its fp32 products read the matrices from ("Q4_1 codes", "Q4_1 and Q8_0 codes": a GGUF file's
+        blocks, engine.fused_llama.CodedWeights), or None (the fp32 matrices themselves, or other weights)."""
+        return None if self.fused is None else self.fused.codes
+
+    @property
     def format(self) -> str:
         """What its forward multiplies with, as calibrations and traces name it: "int8" or "int4" for those
         copies, else the module's dtype ("float32", "bfloat16")."""

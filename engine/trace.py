@@ -36,8 +36,8 @@ from engine.prompts import ChatPrompt
 from engine.records import Outcome, RoundRecord, RunSummary
 from engine.sampling import SamplingParams
 
-TRACE_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)   # older traces are upgraded as they are read (see `_upgrade_round`)
+TRACE_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)   # older traces are upgraded as they are read (see `_upgrade_round`)
 # A maximal trace must load and replay in a few seconds on a small CPU (see tests/test_trace.py):
 # about 16 MiB is some 2,500 rounds with candidates recorded, far more than a visitor's run.
 MAX_TRACE_BYTES = 16 * 2**20
@@ -71,6 +71,8 @@ class TraceHeader:
     machine: str | None = None   # what it ran on (engine.clock.machine_name); None in traces before version 4
     layers: str | None = None    # where the target's layers ran: "C++", "Python" (LoadedModel.layers_in); None
                                  # for transformers' forward, and in traces before version 5
+    codes: str | None = None     # what an fp32 target's products read its matrices from ("Q4_1 and Q8_0 codes",
+                                 # LoadedModel.codes); None: the fp32 matrices themselves, or a trace before version 6
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def make_header(prompt: str, prompt_ids: list[int], config: SpecConfig, target: 
         versions={"python": platform.python_version(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "specplay": _specplay_version()},
         seed=config.seed, chat=chat, eagle=eagle if config.uses_eagle else None, machine=machine_name(),
-        layers=target.layers_in)
+        layers=target.layers_in, codes=target.codes)
 
 
 # ---------------------------------------------------------------------------- records <-> dicts
@@ -341,6 +343,8 @@ def header_from_dict(data: dict) -> TraceHeader:
         data = {"machine": None, **data}               # nor, before version 4, the machine's name
     if isinstance(data, dict) and data.get("version") in (1, 2, 3, 4):
         data = {"layers": None, **data}                # nor, before version 5, where the target's layers ran
+    if isinstance(data, dict) and data.get("version") in (1, 2, 3, 4, 5):
+        data = {"codes": None, **data}                 # nor, before version 6, whether products read codes
     header = _decode(TraceHeader, data, "header")
     negative = next((i for i, t in enumerate(header.prompt_ids) if t < 0), None)
     if negative is not None:

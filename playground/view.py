@@ -34,6 +34,7 @@ class RunInfo:
     eagle: str | None = None   # the EAGLE head the run drafted with
     machine: str | None = None   # what it ran on (engine.clock.machine_name), where its trace says
     layers: str | None = None    # where the target's layers ran ("C++", "Python"), where its trace says
+    codes: str | None = None     # what its fp32 products read the matrices from ("Q4_1 and Q8_0 codes"), if codes
 
     @property
     def greedy(self) -> bool:
@@ -145,7 +146,8 @@ def info_from_header(h: TraceHeader, config: SpecConfig) -> RunInfo:
     """The run's info from its header and its parsed config (Trace.config, or a live run's own)."""
     return RunInfo(prompt=h.prompt, prompt_tokens=len(h.prompt_ids), config=config,
                    target=h.target, draft=h.draft, devices=dict(h.devices), dtypes=dict(h.dtypes),
-                   chat=h.chat is not None, eagle=h.eagle, machine=h.machine, layers=h.layers)
+                   chat=h.chat is not None, eagle=h.eagle, machine=h.machine, layers=h.layers,
+                   codes=h.codes)
 
 
 def view_from_trace(trace: Trace, name: str) -> RunView:

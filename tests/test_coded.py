@@ -129,3 +129,23 @@ def test_smollm2s_fp32_target_reads_the_wheels_codes(smol):
     matrices = sum(p.numel() for n, p in smol.model.named_parameters() if n.endswith("proj.weight"))
     head = smol.fused.lm_head.numel()
     assert coded.bytes == matrices // 32 * 24 + head // 32 * 36
+
+
+def test_a_run_on_a_target_read_from_codes_records_it_and_the_status_line_says_so(tmp_path, builtin_pair):
+    from engine.compared import ComparedRun
+    from engine.config import SpecConfig
+    from engine.trace import load_trace
+    from playground.render.frame import render_frame
+    from playground.view import Cursor, view_from_trace
+
+    module()
+    target = builtin_target_from_codes()
+    assert target.codes == "Q4_1 and Q8_0 codes" and builtin_pair[1].codes is None
+    run = ComparedRun(ModelPair(target, builtin_pair[0]), "def add(a, b):\n", SpecConfig(k=2, max_new_tokens=6),
+                      trace_path=tmp_path / "run.jsonl")
+    run.run_to_end()
+    run.close()
+    trace = load_trace(tmp_path / "run.jsonl")
+    assert trace.header.codes == "Q4_1 and Q8_0 codes"
+    status = render_frame(view_from_trace(trace, "run.jsonl"), Cursor(shown=1)).stream.status
+    assert f"(fp32 weights read from Q4_1 and Q8_0 codes, layers in {target.layers_in})" in status

@@ -310,6 +310,18 @@ def test_a_trace_from_before_version_5_says_nothing_of_where_the_layers_ran(trac
         load_trace(write_lines(tmp_path / "v5.jsonl", objs))
 
 
+def test_a_trace_from_before_version_6_says_nothing_of_codes_and_a_version_6_header_must(traced, tmp_path) -> None:
+    path, _ = traced
+    objs = lines_of(path)
+    assert objs[0]["data"]["codes"] is None          # a random model's products read its fp32 matrices
+    del objs[0]["data"]["codes"]
+    objs[0]["data"]["version"] = 5
+    assert load_trace(write_lines(tmp_path / "v5.jsonl", objs)).header.codes is None
+    objs[0]["data"]["version"] = TRACE_VERSION
+    with pytest.raises(TraceError, match="missing key.*codes"):
+        load_trace(write_lines(tmp_path / "v6.jsonl", objs))
+
+
 def test_version_1_traces_are_upgraded_as_they_are_read() -> None:
     """A trace written before the records were typed: drafts after a rejection were REJECTED with
     checked=false, "none" named no drafter, and there was no alpha."""

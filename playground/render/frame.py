@@ -94,7 +94,8 @@ def _where(view: RunView | None, cursor: Cursor) -> str:
     state = "finished" if view.complete and cursor.shown >= total else "running" if view.source == "live" else "replay"
     pending = " — drafts pending: **Step** reveals the verification" if not cursor.revealed else ""
     layers = f", layers in {view.info.layers}" if view.info.layers else ""
-    models = f"target `{view.info.target}` ({weights_words(view.info.dtypes.get('target'))}{layers})" + \
+    codes = f" read from {view.info.codes}" if view.info.codes else ""
+    models = f"target `{view.info.target}` ({weights_words(view.info.dtypes.get('target'))}{codes}{layers})" + \
         (f" · draft `{view.info.draft}`" if view.info.draft else "")
     if view.previous is not None:
         return (f"**Previous run** — the last Reset failed ({view.previous}), so this is the run from before it, "
