@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from engine.sources import SMOLLM2
 from playground.settings import (
@@ -14,6 +15,7 @@ from playground.settings import (
     AppSettings,
     allow_custom_default,
     live_engine_default,
+    one_team,
     pick_default_on,
     proxy_hops_default,
     running_on_space,
@@ -85,9 +87,10 @@ def parse_args(argv: list[str], env: dict[str, str]) -> AppSettings:
 
 
 def main(argv: list[str]) -> None:
+    settings = replace(parse_args(argv, dict(os.environ)), compute_threads=one_team(os.environ))   # torch not loaded
     from playground.serve import serve_forever
 
-    serve_forever(parse_args(argv, dict(os.environ)))
+    serve_forever(settings)
 
 
 if __name__ == "__main__":

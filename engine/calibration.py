@@ -16,12 +16,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from engine.clock import ComputeGate, Now
+from engine.clock import ComputeGate, Now, in_turn
 from engine.metrics import median
 from engine.models import LoadedModel
 from engine.runner import ForwardRequest, ModelRunner, forward_many
@@ -136,16 +135,17 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
     runner, cache = runners[0], caches[0]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(loaded.vocab_size, len(loaded.tokenizer)), (context + grid[-1],), generator=g).tolist()
-    with gate.held() if gate is not None else nullcontext():
+    def prefill() -> None:
         for r, c in zip(runners, caches):
             r.forward(c, ids[:context], last_only=True)
+    in_turn(gate, prefill)
     feed = ids[context:]
     drafting = _Drafting(draft, ids[:context], context + grid[-1], now) if draft is not None else None
 
     def forward(n: int, chain: bool = True) -> float:
         if stop is not None and stop.is_set():
             raise CalibrationStopped(f"the calibration of {loaded.name} was stopped")
-        with gate.held() if gate is not None else nullcontext():
+        def timed() -> float:
             if drafting is not None and chain:
                 drafting.run(n - 1)
             if batch == 1:
@@ -156,6 +156,7 @@ def calibrate(loaded: LoadedModel, context: int = 128, grid: tuple[int, ...] = D
                 c.rollback(n)
                 ms = r.drain_forward_ms()[0]
             return ms
+        return in_turn(gate, timed)
 
     try:
         for _ in range(warmup):

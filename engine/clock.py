@@ -8,14 +8,18 @@ device's rather than the launch's.
 from __future__ import annotations
 
 import platform
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 Now = Callable[[], float]   # seconds, monotonic
+T = TypeVar("T")
 
 
 class PhaseClock:
@@ -42,18 +46,32 @@ class PhaseClock:
 
 
 class ComputeGate:
-    """One timed computation at a time on a process's cores, first come first served.
+    """One timed computation at a time on a process's cores, first come first served, all on one thread.
 
     A timed round and a background measurement (calibration) that ran side by side would each be timed
     sharing the cores with the other: on two cores a target step read twice its cost. Whoever times work holds
     the gate for it, a round for the whole round and the calibration for one forward at a time, so neither ever
     runs beside the other and the calibration goes on between rounds. Tickets keep the order fair: a waiting
-    round goes before the calibration's next forward, and the other way round. Not reentrant."""
+    round goes before the calibration's next forward, and the other way round. Not reentrant.
 
-    def __init__(self) -> None:
+    `run` also does the work on the gate's own thread, whoever asks. torch's CPU threads are OpenMP's, and
+    OpenMP keeps a team of threads for every thread that has computed in parallel: once a server's worker
+    threads had each computed, the process held more such threads than cores, and OpenMP then stops letting
+    idle team threads spin between parallel regions, so each of a forward's 200-odd regions waited for a thread
+    to wake (SmolLM2 target-only on an AVX2-only AMD EPYC, 2 cores: 65 tokens/s from one thread; 38-41 from
+    the same thread once a second thread had computed, 64 again once that thread had ended; a script). One
+    compute thread keeps one team."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        """`threads`: how many OpenMP threads the compute thread computes with (`team_of`), where the process
+        leaves every other thread one (`python app.py` does, so no other thread ever keeps a team); None: as the
+        process has it."""
+        self.threads = threads
         self._turn = threading.Condition()
         self._issued = 0
         self._serving = 0
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -67,6 +85,48 @@ class ComputeGate:
             with self._turn:
                 self._serving += 1
                 self._turn.notify_all()
+
+    def run(self, work: Callable[[], T]) -> T:
+        """`work()` in turn (as under `held`), on the gate's compute thread; its result, or its exception."""
+        with self.held():
+            if threading.current_thread() is self._thread:
+                return work()
+            done: Future = Future()
+            self._work.put((work, done))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="specplay-compute", daemon=True)
+                self._thread.start()
+            return done.result()
+
+    def _serve(self) -> None:
+        if self.threads is not None:
+            team_of(self.threads)
+        while True:
+            work, done = self._work.get()
+            try:
+                done.set_result(work())
+            except BaseException as exc:   # the caller raises it
+                done.set_exception(exc)
+
+
+def team_of(threads: int) -> bool:
+    """Let the calling thread compute with `threads` OpenMP threads, leaving torch's count for every other
+    thread as it is (torch sets a thread's count from its process-wide one when the thread first computes, and
+    its own setter changes that process-wide count); False where torch's OpenMP runtime is not GNU's libgomp
+    (the thread then computes with the process-wide count)."""
+    import ctypes
+
+    torch.zeros(2).sum()   # torch's set-up of this thread first, so that it does not undo the count below
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(threads)
+    except (OSError, AttributeError):
+        return False
+    return torch.get_num_threads() == threads
+
+
+def in_turn(gate: "ComputeGate | None", work: Callable[[], T]) -> T:
+    """`work()` on `gate`'s compute thread in its turn, or right here without a gate."""
+    return gate.run(work) if gate is not None else work()
 
 
 class ForwardTimer:

@@ -20,12 +20,11 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine import metrics
-from engine.clock import ComputeGate
+from engine.clock import ComputeGate, in_turn
 from engine.config import DrafterKind, SpecConfig
 from engine.pair import ModelPair
 from engine.sampling import SamplingParams
@@ -149,13 +148,12 @@ def measure_pick(pair: ModelPair, prompts: Sequence[list[int]], candidates: Sequ
                             drafter=candidate.drafter if candidate else DrafterKind.MODEL,
                             k=candidate.k if candidate else 1, sampling=sampling, max_new_tokens=tokens,
                             stop_at_eos=False, record=False)
-        engine = SpeculativeEngine(pair, ids, config)
+        engine = in_turn(gate, lambda: SpeculativeEngine(pair, ids, config))   # its prefill
         try:
             while not engine.finished:
                 if stop is not None and stop.is_set():
                     raise PickStopped()
-                with gate.held() if gate is not None else nullcontext():
-                    engine.step()
+                in_turn(gate, engine.step)
             return list(engine.rounds)
         finally:
             engine.close()

@@ -150,7 +150,7 @@ def _start_run(ctx: Context, session: Session, req: DecodeRequest, load: bool) -
     ctx.pool.reserve_kv(session, kv_bytes_needed(pair, len(prompt_ids), config))
     trace = session.new_trace_path()
     try:
-        session.run = ComparedRun(pair, prompt, config, trace_path=trace)
+        session.run = ctx.registry.gate.run(lambda: ComparedRun(pair, prompt, config, trace_path=trace))   # its prefill
     except BaseException:
         session.kv_bytes = 0
         trace.unlink(missing_ok=True)
@@ -224,8 +224,7 @@ def step(ctx: Context, session: Session, req: DecodeRequest, reveal: bool = Fals
     elif c.shown < len(view.rounds):
         _advance(session, reveal)
     elif session.live and not session.run.finished:
-        with ctx.registry.gate.held():
-            session.run.step(catch_up=catch_up)
+        ctx.registry.gate.run(lambda: session.run.step(catch_up=catch_up))
         _advance(session, reveal)
         attach_calibration(ctx, session)
     else:
@@ -239,8 +238,7 @@ def catch_up(ctx: Context, session: Session) -> bool:
     run = session.run if session.live else None
     if run is None or not run.behind:
         return False
-    with ctx.registry.gate.held():
-        run.catch_up()
+    ctx.registry.gate.run(run.catch_up)
     return True
 
 
@@ -253,8 +251,7 @@ def run_to_end(ctx: Context, session: Session, req: DecodeRequest,
     if session.live:
         run, total = session.run, session.run.config.max_new_tokens
         while not run.finished:
-            with ctx.registry.gate.held():   # a round at a time: a calibration waiting goes between two
-                run.step()
+            ctx.registry.gate.run(run.step)   # a round at a time: a calibration waiting goes between two
             progress(len(run.spec.generated), total)
         attach_calibration(ctx, session)
     session.cursor = Cursor(shown=len(session.view().rounds))

@@ -318,7 +318,7 @@ class ModelRegistry:
                  inspect: Callable[[str, str, torch.device], int] = weight_bytes,
                  eagle_loader: Callable[[str, LoadedModel], EagleRuntime] = load_eagle,
                  calibrate_fn: Callable[[LoadedModel], RCurve] | None = None,
-                 deadlines: Deadlines = Deadlines()) -> None:
+                 deadlines: Deadlines = Deadlines(), compute_threads: int | None = None) -> None:
         local = local_presets()
         chosen = next((p for p in local if (p.draft, p.target) == (default_draft, default_target)), None)
         if chosen is not None:   # the server's default is a local pair: it goes first, under the key "default"
@@ -335,7 +335,7 @@ class ModelRegistry:
         self._stop = threading.Event()                 # set by close(): background calibrations end
         # the cores' turn: every timed round (playground and lesson) and each calibration forward holds it, so a
         # calibration in the background never runs beside a round being timed (engine.clock.ComputeGate)
-        self.gate = ComputeGate()
+        self.gate = ComputeGate(compute_threads)
         self._measuring: list[threading.Thread] = []
         _OPEN.add(self)
         self.allow_custom, self.allow_local_paths = allow_custom, allow_local_paths

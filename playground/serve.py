@@ -103,12 +103,11 @@ def _warm(ctx: Context, stop: threading.Event) -> None:
     try:
         config = SpecConfig(drafter=DrafterKind(default_drafter(preset, rec)), k=rec.k, max_new_tokens=WARM_TOKENS,
                             sampling=SamplingParams(rec.temperature, 0, rec.top_p))
-        run = ComparedRun(pair, ChatPrompt(text) if preset.chat else text, config)
+        gate = ctx.registry.gate
+        run = gate.run(lambda: ComparedRun(pair, ChatPrompt(text) if preset.chat else text, config))
         try:
             while not run.finished and not stop.is_set():
-                with ctx.registry.gate.held():
-                    if not stop.is_set():
-                        run.step()
+                gate.run(lambda: None if stop.is_set() else run.step())
         finally:
             run.close()
     except Exception as exc:  # a warm-up that fails leaves the first run slower, nothing else

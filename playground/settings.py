@@ -1,7 +1,8 @@
 """Server-wide settings: where to serve, which pair to offer, and the limits that protect a public server."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from engine.sources import BUILTIN
@@ -40,6 +41,8 @@ class AppSettings:
     watch_hosts: tuple[str, ...] = ()    # hosts beyond loopback that page may fetch from
     pick_default: bool = False           # start visitors with the drafter and K measured fastest on this CPU
     #                                      (engine.pick; `python app.py` turns it on, see pick_default_on)
+    compute_threads: int | None = None   # OpenMP threads of the one thread that computes (engine.clock.ComputeGate);
+    #                                      None: the process's count (`python app.py` gives every other thread one)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -103,3 +106,16 @@ def default_pair(draft: str, target: str) -> tuple[str | None, str]:
     if draft == AUTO:
         return (BUILTIN if target == BUILTIN else None), target
     return (None if draft == NONE else draft), target
+
+
+def one_team(env: MutableMapping[str, str]) -> int:
+    """Before torch loads (`python app.py`): every thread computes with one OpenMP thread except the compute
+    thread, which gets the count the environment asked for (OMP_NUM_THREADS, else every core this process may
+    use); returns that count. OpenMP keeps a team for each thread that computed in parallel, and with more such
+    threads than cores it stops letting them spin between parallel regions: a server whose worker threads each
+    computed decoded SmolLM2 at 38-41 tokens/s where one thread did 65 (engine.clock.ComputeGate)."""
+    wanted = env.get("OMP_NUM_THREADS", "").strip()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(wanted) if wanted.isdigit() and int(wanted) > 0 else cores
+    env["OMP_NUM_THREADS"] = "1"
+    return threads

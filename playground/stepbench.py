@@ -154,8 +154,7 @@ async def speedups(demo: Blocks, pool: SessionPool, state: SessionState, gate: C
     spec, base = run.summaries()
     prediction = view.prediction()
     ids = encode_chat(run.pair.target.tokenizer, run.chat)
-    with gate.held():
-        bench = bench_measure(run.pair, [ids], run.config)
+    bench = gate.run(lambda: bench_measure(run.pair, [ids], run.config))   # on the app's compute thread
     return Speedups(spec.tokens, spec.elapsed_s, base.tokens, base.elapsed_s,
                     None if isinstance(prediction, NotMeasured) else prediction.speedup_iid,
                     bench.tokens, bench.tokens / bench.tokens_per_s,

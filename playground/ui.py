@@ -469,7 +469,8 @@ def make_context(settings: AppSettings) -> Context:
     registry = ModelRegistry(draft, target, draft_device=settings.draft_device,
                              target_device=settings.target_device, allow_custom=settings.allow_custom_models,
                              allow_local_paths=settings.allow_local_paths,
-                             deadlines=Deadlines(settings.config_timeout_s, settings.load_timeout_s))
+                             deadlines=Deadlines(settings.config_timeout_s, settings.load_timeout_s),
+                             compute_threads=settings.compute_threads)
     return Context(registry, make_pool(settings), settings)
 
 

@@ -16,7 +16,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,7 +24,7 @@ from engine.batch import BatchEngine, BatchRequest
 from engine.bench.methods import Method
 from engine.bench.prompts import Prompt
 from engine.calibration import RCurve, calibrate
-from engine.clock import ComputeGate
+from engine.clock import ComputeGate, in_turn
 from engine.pair import ModelPair
 from engine.speculative import SpeculativeEngine
 
@@ -280,8 +279,7 @@ def measure(pair: ModelPair, methods: Sequence[Method], prompts: Sequence[Prompt
     def timed(work: Callable[[], T]) -> T:
         if stop is not None and stop.is_set():
             raise StudyStopped("the batch study was stopped")
-        with gate.held() if gate is not None else nullcontext():
-            return work()
+        return in_turn(gate, work)
 
     def prompts_for(b: int) -> list[Prompt]:
         return [prompts[i % len(prompts)] for i in range(b)]

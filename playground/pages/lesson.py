@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -17,6 +16,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from engine import metrics
+from engine.clock import T, in_turn
 from engine.models import ModelLoadError
 from engine.pair import ModelPair, load_pair
 from engine.records import RoundRecord
@@ -259,13 +259,14 @@ class LessonHandlers:
     def start(self, driver: LessonDriver | None, key: str | None = None) -> tuple:
         try:
             pair = lesson_pair(self.registry, key)
-            with self._turn():
+            def begin() -> tuple[LessonDriver, LessonStep]:
                 new = LessonDriver.start(pair, self.text)
                 try:
-                    first = new.go(0)
+                    return new, new.go(0)
                 except BaseException:
                     new.close()
                     raise
+            new, first = self._in_turn(begin)
         except (LessonError, ModelLoadError, ValueError) as exc:
             gr.Warning(str(exc))
             return (driver, *(gr.skip(),) * 9)
@@ -273,10 +274,10 @@ class LessonHandlers:
             driver.close()
         return (new, *self._values(new, first))
 
-    def _turn(self) -> AbstractContextManager:
-        """The cores' turn (ModelRegistry.gate) for the lesson's timed runs, so that no calibration runs beside
-        them; none without a registry."""
-        return self.registry.gate.held() if self.registry is not None else nullcontext()
+    def _in_turn(self, work: Callable[[], T]) -> T:
+        """`work()` in the cores' turn, on their compute thread (ModelRegistry.gate) for the lesson's timed runs,
+        so that no calibration runs beside them; right here without a registry."""
+        return in_turn(self.registry.gate if self.registry is not None else None, work)
 
     def go(self, index: int, driver: LessonDriver | None) -> tuple:
         if driver is None:  # the step headers work before Start; their text says to press it
@@ -301,8 +302,7 @@ class LessonHandlers:
         if driver is None:
             return (gr.skip(),) * 9
         try:
-            with self._turn():
-                shown = action()
+            shown = self._in_turn(action)
             return self._values(driver, shown)
         except LessonError as exc:
             gr.Warning(str(exc))

@@ -231,8 +231,8 @@ class LiveHandlers:
         tok = target.tokenizer
         ids = encode_prompt(tok, prompt)   # as a completions API takes it: the text itself, no chat template
         progress(0.0, desc="computing the exact distribution")
-        with self.ctx.registry.gate.held():
-            joint = exact_joint(target, ids, plan.m, params, min_prob=floor_for(samples))
+        joint = self.ctx.registry.gate.run(lambda: exact_joint(target, ids, plan.m, params,
+                                                                min_prob=floor_for(samples)))
         return audit_exact(endpoint, ids, joint, preset.target, tok.decode, plan, report, stop)
 
     def stop_audit(self, request: gr.Request) -> None:
