@@ -857,15 +857,15 @@ class NativeLayers:
             indices = [torch.empty(0, dtype=torch.long) if isinstance(n, int) else n for n in seen]
             out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, keys, values,
                                            *where, *self._geometry, wanted, counts, indices)
-        elif self._coded is not None:   # from one row on (blocked_rows 1)
-            out = self._module.coded_layers(x, *self._coded, self._norms, keys, values, *where, mask,
-                                            *self._geometry, wanted)
-        elif blocked:
-            out = self._module.fp32_layers(x, self._blocked, self._is_blocked, self._norms, keys, values, *where,
-                                           mask, *self._geometry, wanted)
-        else:
-            out = self._module.fp32_layers(x, self._dense, [False] * len(self._dense), self._norms, keys, values,
-                                           *where, mask, *self._geometry, wanted)
+        else:   # Fp32Product in layers.cpp: 0 torch's default linear, 1 oneDNN's blocked copy, 2 from codes
+            if self._coded is not None:   # from one row on (blocked_rows 1)
+                matrices, kinds, rows = self._coded[0], [2] * len(self._coded[0]), self._coded[1]
+            elif blocked:
+                matrices, kinds, rows = self._blocked, [int(b) for b in self._is_blocked], [0] * len(self._blocked)
+            else:
+                matrices, kinds, rows = self._dense, [0] * len(self._dense), [0] * len(self._dense)
+            out = self._module.fp32_layers(x, matrices, kinds, rows, self._norms, keys, values, *where, mask,
+                                           *self._geometry, wanted)
         return out[0], dict(zip(wanted, out[1:]))
 
 

@@ -164,14 +164,19 @@ std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>&
                      });
 }
 
-// The fp32 target's layers: weights[4i..4i+3] are layer i's QKV, O, gate/up and down matrices, each a blocked
-// copy (blocked[...] true: oneDNN's product) or the dense matrix (torch's default linear); attention is one SDPA
-// call under `mask` (None for one row). Returns as int4_layers does.
+// How an fp32 layer matrix is multiplied: as it is (torch's default linear), as oneDNN's blocked copy, or from a
+// GGUF file's Q4_1 codes (CodedWeights; coded.cpp).
+enum Fp32Product : int64_t { DENSE = 0, BLOCKED = 1, CODED = 2 };
+
+// The fp32 target's layers: weights[4i..4i+3] are layer i's QKV, O, gate/up and down matrices, each multiplied as
+// kinds[...] says (Fp32Product; CODED: weights[...] are the blocks, rows[...] the output size); attention is one
+// SDPA call under `mask` (None for one row). Returns as int4_layers does.
 std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
-                                    const std::vector<bool>& blocked, const std::vector<at::Tensor>& norms,
-                                    const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                    const at::Tensor& write, const at::Tensor& slots, int64_t span_start,
-                                    int64_t span_end, const at::Tensor& cos, const at::Tensor& sin,
+                                    const std::vector<int64_t>& kinds, const std::vector<int64_t>& rows,
+                                    const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& keys,
+                                    const std::vector<at::Tensor>& values, const at::Tensor& write,
+                                    const at::Tensor& slots, int64_t span_start, int64_t span_end,
+                                    const at::Tensor& cos, const at::Tensor& sin,
                                     const std::optional<at::Tensor>& mask, int64_t heads, int64_t kv_heads,
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
                                     const std::vector<int64_t>& taps) {
@@ -182,28 +187,11 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
                      RowKeys{no_counts, no_indices}, taps, [&](size_t i) {
                        return [&, i](const at::Tensor& in, int64_t m) {
                          const auto& w = weights[4 * i + m];
-                         return blocked[4 * i + m] ? blocked_product(in, w, std::nullopt, false) : at::linear(in, w);
-                       };
-                     });
-}
-
-// The fp32 target's layers multiplied from their Q4_1 codes (CodedWeights): blocks[4i..4i+3] are layer i's QKV,
-// O, gate/up and down matrices' blocks, rows[...] their output sizes; attention as in fp32_layers.
-std::vector<at::Tensor> coded_layers(at::Tensor x, const std::vector<at::Tensor>& blocks,
-                                     const std::vector<int64_t>& rows, const std::vector<at::Tensor>& norms,
-                                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                                     const at::Tensor& write, const at::Tensor& slots, int64_t span_start,
-                                     int64_t span_end, const at::Tensor& cos, const at::Tensor& sin,
-                                     const std::optional<at::Tensor>& mask, int64_t heads, int64_t kv_heads,
-                                     int64_t head_dim, int64_t inter, double scaling, double eps,
-                                     const std::vector<int64_t>& taps) {
-  const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
-  const std::vector<int64_t> no_counts;
-  const std::vector<at::Tensor> no_indices;
-  return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, mask, false,
-                     RowKeys{no_counts, no_indices}, taps, [&](size_t i) {
-                       return [&, i](const at::Tensor& in, int64_t m) {
-                         return coded_product(in, blocks[4 * i + m], rows[4 * i + m], true);
+                         switch (kinds[4 * i + m]) {
+                           case BLOCKED: return blocked_product(in, w, std::nullopt, false);
+                           case CODED: return coded_product(in, w, rows[4 * i + m], true);
+                           default: return at::linear(in, w);
+                         }
                        };
                      });
 }
@@ -234,8 +222,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("int4_layers", &int4_layers, "the int4 target's decoder layers over one sequence's chain of rows", release());
   m.def("fp32_layers", &fp32_layers, "the fp32 target's decoder layers over one sequence's chain of rows", release());
-  m.def("coded_layers", &coded_layers, "the fp32 target's decoder layers multiplied from their Q4_1 codes",
-        release());
   m.def("coded_product", &coded_product, "x times a matrix kept as Q4_1 or Q8_0 codes, in fp32", release());
   m.def("coded_supported", &coded_supported, "whether this CPU multiplies from codes (AVX2 and FMA)");
   m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with blocked products",
