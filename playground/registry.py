@@ -451,7 +451,8 @@ class ModelRegistry:
         from engine.pick import load_pick
 
         preset, sampling, candidates, preferred = self._pick_of(key)
-        pick = load_pick(machine_name(), preset.target, preset.weights, sampling, candidates, preferred)
+        pick = load_pick(self.gate.run(machine_name), preset.target, preset.weights, sampling, candidates,
+                         preferred)   # the compute thread's count of torch threads
         if pick is not None:
             with self._lock:
                 self.picks[key] = pick
@@ -475,7 +476,7 @@ class ModelRegistry:
         try:
             prompts = make_prompts(BenchSettings(prompt_set="chat-heldout" if preset.chat else "heldout",
                                                  num_prompts=PICK_PROMPTS, new_tokens=NEW_TOKENS), pair.target)
-            pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, machine_name(),
+            pick = measure_pick(pair, [p.ids for p in prompts], candidates, sampling, self.gate.run(machine_name),
                                 preferred=preferred, new_tokens=NEW_TOKENS, gate=self.gate, stop=stop,
                                 progress=progress)
             pick = replace(pick, model=preset.target, weights=preset.weights)   # kept by source: read before loading

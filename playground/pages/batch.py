@@ -139,7 +139,7 @@ class BatchHandlers:
             progress((done, total), desc=what, unit="steps")
 
         return measure(pair, study_methods(drafter), prompts, batches, tokens, repeats=1, warmup=1,
-                       calibration_repeats=2, progress=report, machine=machine_name(),
+                       calibration_repeats=2, progress=report, machine=self.ctx.registry.gate.run(machine_name),
                        prompt_set=settings.prompt_set, gate=self.ctx.registry.gate, stop=self._stop)
 
     def stop(self) -> None:

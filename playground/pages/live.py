@@ -172,12 +172,14 @@ class LiveHandlers:
             config = SpecConfig(drafter=kind, k=k, sampling=SamplingParams(temperature=0.0), seed=0,
                                 max_new_tokens=SIDE_TOKENS)
             text = ChatPrompt(prompt) if preset.chat else prompt
-            run = ComparedRun(pair, text, config)
-            try:
-                rounds = run.run_to_end()
-                baseline = run.baseline.rounds if run.baseline is not None else []
-            finally:
-                run.close()
+            def side_run() -> tuple[list, list]:
+                run = ComparedRun(pair, text, config)
+                try:
+                    done = run.run_to_end()
+                    return done, run.baseline.rounds if run.baseline is not None else []
+                finally:
+                    run.close()
+            rounds, baseline = self.ctx.registry.gate.run(side_run)   # on the compute thread, in turn
         except (ModelLoadError, PromptError, ValueError) as exc:
             gr.Warning(str(exc))
             return (live, gr.skip(), gr.skip(), *render_all(live, model, c, r))
