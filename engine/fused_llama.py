@@ -447,6 +447,15 @@ class CodedWeights:
         """"Q4_1 and Q8_0 codes" (layers and head), or "Q4_1 codes" (the head multiplies its fp32 matrix)."""
         return "Q4_1 and Q8_0 codes" if self.head_format == "Q8_0" else "Q4_1 codes"
 
+    def product_by(self, m: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """(x -> x m^T read from `m`'s own Q8_0 or Q4_1 codes, the bytes it reads) for a matrix beside the
+        model's (an EAGLE head's kept rows of the LM head), where `m` is such a file's values bit for bit."""
+        for q4, make in ((False, q8_blocks), (True, q4_blocks)):
+            blocks = make(m)
+            if blocks is not None:
+                return lambda x: self._module.coded_product(x, blocks, m.shape[0], q4), blocks.numel()
+        return None
+
     def layer_blocks(self, matrices: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
         """The blocks and output sizes of `matrices` (the layers'), for the C++ loop."""
         entries = [self._coded[id(m)] for m in matrices]

@@ -149,3 +149,22 @@ def test_a_run_on_a_target_read_from_codes_records_it_and_the_status_line_says_s
     assert trace.header.codes == "Q4_1 and Q8_0 codes"
     status = render_frame(view_from_trace(trace, "run.jsonl"), Cursor(shown=1)).stream.status
     assert f"(fp32 weights read from Q4_1 and Q8_0 codes, layers in {target.layers_in})" in status
+
+
+def test_an_eagle_heads_kept_rows_of_a_coded_head_are_read_as_codes_too():
+    """The kept rows of a Q8_0 head are Q8_0 rows: the draft's logits read them from their codes (a quarter of the
+    memory a draft step reads for them), and are the product by those rows to float rounding."""
+    from tests.test_eagle import random_head
+
+    module()
+    target = builtin_target_from_codes()
+    runtime = random_head(target, kept=600, seed=2)
+    assert runtime._head_product is not None
+    rows = runtime.head_weight.shape[0]
+    own = sum(p.numel() * p.element_size() for p in runtime.head.parameters())
+    assert runtime.weight_bytes - own == rows * target.fused.embed.shape[1] // 32 * 36     # the rows as Q8_0 blocks
+    feats = torch.randn(5, target.fused.embed.shape[1], generator=torch.Generator().manual_seed(3))
+    exact = feats.double() @ runtime.head_weight.double().T
+    logits = runtime.logits(feats)
+    assert logits.shape == (5, rows) and (logits.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+    assert all(torch.equal(runtime.logits(feats[i:i + 1])[0], logits[i]) for i in range(5))   # alone or among rows

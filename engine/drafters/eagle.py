@@ -35,7 +35,7 @@ from torch import nn
 from engine.clock import ForwardTimer, Now, native_bf16
 from engine.config import DrafterKind, TreeSpec
 from engine.drafters.base import DraftCache, DraftSteps, Proposal, TreeProposal, drive
-from engine.fused_llama import BlockedWeights, _rms_norm, attend_with, decoder_layer, segmented_attend
+from engine.fused_llama import BlockedWeights, CodedWeights, _rms_norm, attend_with, decoder_layer, segmented_attend
 from engine.kv_cache import KVPool, KVShape, PagedCache
 from engine.models import LoadedModel
 from engine.runner import pool_blocks
@@ -223,10 +223,15 @@ class EagleRuntime:
         else:
             self.head_weight = target.fused.lm_head.detach().index_select(0, self.kept_ids)  # [kept, d], a copy
         self._rope = target.fused._rope
+        # a target read from a GGUF's codes: the kept rows of its head are Q8_0 rows too, and the draft reads them so
+        coded = target.fused.blocked if isinstance(target.fused.blocked, CodedWeights) else None
+        by_codes = coded.product_by(self.head_weight) if coded is not None and not head.config.own_head else None
+        self._head_product = by_codes[0] if by_codes is not None else None
         self._blocked = self._blocked_copies(target, draft_in_bf16() if bf16 is None else bf16)
         self.native, self.native_reason = NativeEagleStep.of(self)
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
-        borrowed = 0 if head.config.own_head else self.head_weight.numel() * self.head_weight.element_size()
+        borrowed = 0 if head.config.own_head else by_codes[1] if by_codes is not None else \
+            self.head_weight.numel() * self.head_weight.element_size()
         self.weight_bytes = own + borrowed   # counted once: read every round for the cache panel
         if self._blocked is not None and self._blocked.bf16:   # its matrices are read as bf16 copies: half
             self.weight_bytes -= self._blocked.bytes           # their fp32 bytes (the copies' count)
@@ -243,7 +248,9 @@ class EagleRuntime:
         if target.fused.blocked is None:
             return None
         layer = self.layer
-        matrices = [layer.qkv, layer.o, layer.gate_up, layer.down, self.head.fc.weight, self.head_weight]
+        matrices = [layer.qkv, layer.o, layer.gate_up, layer.down, self.head.fc.weight]
+        if self._head_product is None:
+            matrices.append(self.head_weight)
         if self.config.feature_layers:
             matrices.append(self.head.fuse.weight)
         if BlockedWeights.unsupported(matrices) is not None:
@@ -322,6 +329,8 @@ class EagleRuntime:
     @torch.inference_mode()
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Logits [n, kept] float32 over the pruned vocabulary."""
+        if self._head_product is not None:
+            return self._head_product(feats.float())
         return self.linear(feats.shape[0])(feats, self.head_weight).float()
 
 
