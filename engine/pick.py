@@ -30,8 +30,8 @@ from engine.pair import ModelPair
 from engine.sampling import SamplingParams
 from engine.sources import cache_root
 
-PICK_FORMAT = 3     # 3: fp32 products read from a GGUF's codes where a model is one (CodedWeights); 2: layers and the
-                    # head's step in C++ (engine.native); 1 weighed c and r otherwise
+PICK_FORMAT = 4     # 4: 8 prompts a candidate; 3: fp32 products from a GGUF's codes (CodedWeights); 2: layers and
+                    # the head's step in C++ (engine.native); 1 weighed c and r otherwise
 NEW_TOKENS = 48
 TIE = 0.10          # a candidate this close to the fastest is as fast, as far as a pick of a few prompts can tell
 

@@ -270,7 +270,9 @@ def check_room(source: str, role: str, device: torch.device, need: int, have: in
                              f"{have / 2**30:.1f} GiB is free there. Pick a smaller pair.")
 
 
-PICK_PROMPTS = 3   # held-out prompts each candidate of a pick decodes (engine.pick)
+# held-out prompts each candidate of a pick decodes (engine.pick): with 3, prompt lookup K=2 won at 1.34-1.38x on
+# two starts and 1.09x on a third, where 8 gave every candidate 1.03-1.09x and kept the bench default (AVX2 EPYC)
+PICK_PROMPTS = 8
 ModelKey = tuple[str, str, str, str]   # (source, role for the built-in pair else "", device, weights)
 
 
