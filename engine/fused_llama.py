@@ -462,6 +462,43 @@ class CodedWeights:
         return [e[0] for e in entries], [e[1] for e in entries]
 
 
+class DraftCodes:
+    """A drafter's matrices as 8-bit codes in Q8_0's layout, rounded here (each block of 32: a step of its
+    largest |value| / 127, codes -127..127), multiplied by engine/native/coded.cpp: a quarter of the memory a draft
+    step reads. Like bf16 copies, a draft's rounding changes which tokens it proposes, never which ones
+    verification emits (the target's weights are untouched). Where the target's own products read codes
+    (CodedWeights: the C++ module and AVX2 are there)."""
+
+    bf16 = False   # (BlockedWeights' question, asked of a head's copies)
+
+    def __init__(self, module, matrices: list[torch.Tensor]) -> None:
+        self._module = module
+        self._coded = {id(m): (q8_rounded(m), m.shape[0]) for m in matrices if _groups(m) is not None}
+        self._keep = matrices
+        fp32 = sum(m.numel() * 4 for m in matrices if id(m) in self._coded)
+        self.bytes = sum(blocks.numel() for blocks, _ in self._coded.values())
+        self.saved = fp32 - self.bytes      # what a step no longer reads, against the fp32 matrices
+
+    def blocks(self, m: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """(`m`'s blocks, its rows), or None when it multiplies as it is."""
+        return self._coded.get(id(m))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self._coded.get(id(weight))
+        if entry is None:
+            return F.linear(x, weight, bias)
+        out = self._module.coded_product(x, entry[0], entry[1], False)
+        return out if bias is None else out + bias
+
+
+def q8_rounded(m: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k / 32 * 36]: `m` [n, k] rounded to Q8_0 blocks of its own (fp32 steps), for a drafter."""
+    groups = _groups(m)
+    step = groups.abs().amax(dim=-1) / 127
+    codes = torch.round(groups / torch.where(step > 0, step, 1.0)[..., None]).clamp(-127, 127).to(torch.int8)
+    return torch.cat([_as_bytes(step), codes.view(torch.uint8)], dim=-1).view(m.shape[0], -1).contiguous()
+
+
 def _groups(m: torch.Tensor) -> torch.Tensor | None:
     """[n, k / 32, 32] view of an fp32 CPU matrix whose rows split into blocks of 32, else None."""
     if m.dim() != 2 or m.shape[1] % CodedWeights.GROUP or m.dtype != torch.float32 or m.device.type != "cpu":

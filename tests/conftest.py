@@ -28,6 +28,7 @@ fused_llama.ONE_COPY_BELOW_BYTES = 0
 # (engine.drafters.eagle.draft_in_bf16). The tests that compare a head's state or rows with a recomputation to
 # fp32 tolerances must not depend on the machine: they draft in fp32, and test_eagle tests the bf16 copies.
 os.environ.setdefault("SPECPLAY_DRAFT_BF16", "0")
+os.environ.setdefault("SPECPLAY_DRAFT_CODES", "0")   # and so do 8-bit codes (DraftCodes), tested in test_native
 # `python app.py` measures its default drafter and K on the CPU it runs on (engine.pick) and keeps the result under
 # the cache; the servers the tests start offer the presets' own defaults, whatever a machine measured before.
 os.environ.setdefault("SPECPLAY_PICK_DEFAULT", "0")

@@ -83,12 +83,15 @@ def test_the_cxx_loop_computes_what_the_python_loop_computes_bit_for_bit(target,
     assert python[5].shape[-1] == 3 * python[3].shape[-1]       # three taps side by side
 
 
-@pytest.mark.parametrize("bf16", [True, False], ids=["bf16 copies", "fp32 copies"])
-def test_the_eagle_heads_cxx_step_computes_what_its_python_step_computes_bit_for_bit(target, bf16):
+@pytest.mark.parametrize("copies", ["bf16 copies", "fp32 copies", "8-bit codes"])
+def test_the_eagle_heads_cxx_step_computes_what_its_python_step_computes_bit_for_bit(target, copies):
     from tests.test_eagle import random_head
 
     runtime = random_head(target, kept=600, seed=2)
-    runtime = EagleRuntime(runtime.head, runtime.kept_ids, target, bf16=bf16)
+    runtime = EagleRuntime(runtime.head, runtime.kept_ids, target, bf16=copies == "bf16 copies",
+                           codes=copies == "8-bit codes")
+    if copies == "8-bit codes":     # a head drafts from codes where its target's products read codes
+        assert (runtime.matrices == "8-bit codes") == isinstance(target.fused.blocked, CodedWeights)
     assert runtime.native is not None     # (under the target's blocked_rows a head's steps run in Python)
     d = target.fused.embed.shape[1]
     feats = torch.randn(40, d, generator=torch.Generator().manual_seed(5))

@@ -35,7 +35,15 @@ from torch import nn
 from engine.clock import ForwardTimer, Now, native_bf16
 from engine.config import DrafterKind, TreeSpec
 from engine.drafters.base import DraftCache, DraftSteps, Proposal, TreeProposal, drive
-from engine.fused_llama import BlockedWeights, CodedWeights, _rms_norm, attend_with, decoder_layer, segmented_attend
+from engine.fused_llama import (
+    BlockedWeights,
+    CodedWeights,
+    DraftCodes,
+    _rms_norm,
+    attend_with,
+    decoder_layer,
+    segmented_attend,
+)
 from engine.kv_cache import KVPool, KVShape, PagedCache
 from engine.models import LoadedModel
 from engine.runner import pool_blocks
@@ -204,12 +212,19 @@ def draft_in_bf16() -> bool:
     return override == "1" if override in ("0", "1") else native_bf16()
 
 
+def draft_in_codes() -> bool:
+    """Whether a head drafts with 8-bit codes of its matrices (DraftCodes) where its target's products read codes
+    and it has no bf16 copies, unless SPECPLAY_DRAFT_CODES is 0. On SmolLM2 (AVX2-only AMD EPYC) a draft step
+    read 20 MB of fp32 matrices for its fc and layer; as codes it reads 6."""
+    return os.environ.get("SPECPLAY_DRAFT_CODES", "").strip() != "0"
+
+
 class EagleRuntime:
     """A trained head bound to its target: the head's layer, the target's embeddings and the kept slice
     of its LM head, on the target's device and dtype. Read-only; shared by every drafter of the target."""
 
     def __init__(self, head: EagleHead, kept_ids: torch.Tensor, target: LoadedModel, name: str = "eagle",
-                 bf16: bool | None = None) -> None:
+                 bf16: bool | None = None, codes: bool | None = None) -> None:
         if target.fused is None:
             raise EagleLoadError(f"The EAGLE drafter reads the target's features through the engine's fused "
                                  f"forward, which {target.name!r} does not have.")
@@ -227,7 +242,8 @@ class EagleRuntime:
         coded = target.fused.blocked if isinstance(target.fused.blocked, CodedWeights) else None
         by_codes = coded.product_by(self.head_weight) if coded is not None and not head.config.own_head else None
         self._head_product = by_codes[0] if by_codes is not None else None
-        self._blocked = self._blocked_copies(target, draft_in_bf16() if bf16 is None else bf16)
+        self._blocked = self._blocked_copies(target, draft_in_bf16() if bf16 is None else bf16,
+                                             draft_in_codes() if codes is None else codes)
         self.native, self.native_reason = NativeEagleStep.of(self)
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
         borrowed = 0 if head.config.own_head else by_codes[1] if by_codes is not None else \
@@ -235,13 +251,18 @@ class EagleRuntime:
         self.weight_bytes = own + borrowed   # counted once: read every round for the cache panel
         if self._blocked is not None and self._blocked.bf16:   # its matrices are read as bf16 copies: half
             self.weight_bytes -= self._blocked.bytes           # their fp32 bytes (the copies' count)
+        if isinstance(self._blocked, DraftCodes):              # or as 8-bit codes
+            self.weight_bytes -= self._blocked.saved
 
     @property
     def matrices(self) -> str:
-        """How a draft step multiplies, for reports: "bf16 copies", "fp32 copies" (oneDNN-blocked) or "fp32"."""
+        """How a draft step multiplies, for reports: "bf16 copies", "fp32 copies" (oneDNN-blocked), "8-bit codes"
+        (DraftCodes) or "fp32"."""
+        if isinstance(self._blocked, DraftCodes):
+            return "8-bit codes"
         return "fp32" if self._blocked is None else ("bf16" if self._blocked.bf16 else "fp32") + " copies"
 
-    def _blocked_copies(self, target: LoadedModel, bf16: bool) -> BlockedWeights | None:
+    def _blocked_copies(self, target: LoadedModel, bf16: bool, codes: bool) -> BlockedWeights | DraftCodes | None:
         """oneDNN blocked copies of the head's matrices (its layer, fc, the fusion and the LM head rows) when the
         target's own forward uses them: the head reads them once per draft, where the blocked product is the
         faster one (engine.fused_llama.blocked_min_rows). `bf16`: bfloat16 copies (see draft_in_bf16)."""
@@ -255,8 +276,12 @@ class EagleRuntime:
             matrices.append(self.head.fuse.weight)
         if BlockedWeights.unsupported(matrices) is not None:
             return None
+        bf16 = bf16 and BlockedWeights.unsupported(matrices, bf16=True) is None
+        if codes and not bf16 and isinstance(target.fused.blocked, CodedWeights):   # (the C++ module is there)
+            from engine import native
+            return DraftCodes(native.layers(), matrices)
         # where the CPU has no bf16 products (AVX2 only), the copies stay fp32: the same tokens emitted
-        return BlockedWeights(matrices, bf16 and BlockedWeights.unsupported(matrices, bf16=True) is None)
+        return BlockedWeights(matrices, bf16)
 
     def linear(self, rows: int):
         """The matrix product for `rows` rows at once: the blocked copies' from the target's threshold on."""
@@ -340,9 +365,11 @@ class NativeEagleStep:
     some 40 small operations from Python each draft step: a chain's rows, or a tree's nodes under their mask.
     Batches draft together (`draft_many`), in Python."""
 
-    def __init__(self, runtime: "EagleRuntime", module, blocked: list[torch.Tensor]) -> None:
+    def __init__(self, runtime: "EagleRuntime", module, blocked: list[torch.Tensor], kinds: list[int],
+                 rows: list[int]) -> None:
         head, layer, c = runtime.head, runtime.layer, runtime.config
         self._module, self._blocked, self._bf16 = module, blocked, runtime._blocked.bf16
+        self._kinds, self._rows = kinds, rows
         self._fc_bias = head.fc.bias.detach() if head.fc.bias is not None else None
         self._norms = [layer.norm_in[0].detach(), layer.norm_post[0].detach(), head.norm_out.detach()]
         self._geometry = (c.heads, c.kv_heads, c.head_dim, layer.inter, float(layer.scaling), float(c.rms_eps))
@@ -354,21 +381,26 @@ class NativeEagleStep:
             return None, "the C++ step multiplies with blocked copies, and this head has none"
         layer = runtime.layer
         matrices = [runtime.head.fc.weight, layer.qkv, layer.o, layer.gate_up, layer.down]
-        blocked = [runtime._blocked._blocked.get(id(m)) for m in matrices]
+        if isinstance(runtime._blocked, DraftCodes):   # Fp32Product in layers.cpp: 1 blocked, 2 from codes
+            coded = [runtime._blocked.blocks(m) for m in matrices]
+            blocked, kinds, rows = [c[0] if c else None for c in coded], [2] * 5, [c[1] if c else 0 for c in coded]
+        else:
+            blocked, kinds, rows = [runtime._blocked._blocked.get(id(m)) for m in matrices], [1] * 5, [0] * 5
         if any(b is None for b in blocked):
             return None, "a matrix of the head has no blocked copy"
         if layer.qkv_bias is not None or layer.o_bias is not None or runtime.target.dtype != torch.float32:
             return None, "the C++ step takes an fp32 layer without biases"
         from engine import native
         module = native.layers()
-        return (cls(runtime, module, blocked), None) if module is not None else (None, native.reason())
+        return (cls(runtime, module, blocked, kinds, rows), None) if module is not None else (None, native.reason())
 
     def step(self, cache: PagedCache, emb: torch.Tensor, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
         """Predicted features [1, q, d] from emb and feats [1, q, d]; writes the rows' K/V into `cache`."""
         write = cache.begin_write(emb.shape[1])
         span = cache.span
-        return self._module.eagle_step(emb, feats, self._blocked, self._fc_bias, self._bf16, self._norms,
+        return self._module.eagle_step(emb, feats, self._blocked, self._kinds, self._rows, self._fc_bias, self._bf16,
+                                       self._norms,
                                        cache.pool.keys[0], cache.pool.values[0], write, cache.slots,
                                        span[0] if span else 0, span[1] if span else -1, cos, sin, mask,
                                        *self._geometry)

@@ -196,19 +196,24 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
                      });
 }
 
-// EagleHead.step with the blocked copies' products: fc over [emb, feats] (blocked[0], with fc_bias), the layer
-// (blocked[1..4]), then the output norm. emb and feats [1, q, d]; norms: in, post, out.
-at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std::vector<at::Tensor>& blocked,
+// EagleHead.step with the head's copies' products: fc over [emb, feats] (weights[0], with fc_bias), the layer
+// (weights[1..4]), then the output norm; each multiplied as kinds[...] says (BLOCKED: oneDNN's blocked copy, bf16
+// or fp32; CODED: Q8_0 blocks of rows[...] outputs, DraftCodes). emb and feats [1, q, d]; norms: in, post, out.
+at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std::vector<at::Tensor>& weights,
+                      const std::vector<int64_t>& kinds, const std::vector<int64_t>& rows,
                       const std::optional<at::Tensor>& fc_bias, bool bf16, const std::vector<at::Tensor>& norms,
                       const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write,
                       const at::Tensor& slots, int64_t span_start, int64_t span_end, const at::Tensor& cos,
                       const at::Tensor& sin, const std::optional<at::Tensor>& mask, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, int64_t inter, double scaling, double eps) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
-  auto x = blocked_product(at::cat({emb, feats}, -1), blocked[0], fc_bias, bf16);
-  auto product = [&](const at::Tensor& in, int64_t m) {
-    return blocked_product(in, blocked[1 + m], std::nullopt, bf16);
+  auto multiply = [&](const at::Tensor& in, size_t i, const std::optional<at::Tensor>& bias) {
+    if (kinds[i] != CODED) return blocked_product(in, weights[i], bias, bf16);
+    auto out = coded_product(in, weights[i], rows[i], false);
+    return bias ? out + *bias : out;
   };
+  auto x = multiply(at::cat({emb, feats}, -1), 0, fc_bias);
+  auto product = [&](const at::Tensor& in, int64_t m) { return multiply(in, 1 + m, std::nullopt); };
   const Cache cache{keys, values, write, slots, span_start, span_end};
   const std::vector<int64_t> no_counts;
   const std::vector<at::Tensor> no_indices;
@@ -224,6 +229,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_layers", &fp32_layers, "the fp32 target's decoder layers over one sequence's chain of rows", release());
   m.def("coded_product", &coded_product, "x times a matrix kept as Q4_1 or Q8_0 codes, in fp32", release());
   m.def("coded_supported", &coded_supported, "whether this CPU multiplies from codes (AVX2 and FMA)");
-  m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with blocked products",
+  m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with its copies' products",
         release());
 }
