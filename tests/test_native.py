@@ -185,3 +185,22 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_
     native._clear_stale_lock(tmp_path)
     assert not lock.exists()               # left by a build that died: the next start does not wait on it
     native._clear_stale_lock(tmp_path)     # and no lock at all is fine
+
+
+def test_a_compiler_without_openmp_builds_the_module_without_it(monkeypatch, tmp_path):
+    """-fopenmp lets torch's threads share out the coded products; a compiler that refuses it still builds the
+    module (those products then run on one thread) rather than leaving every layer to Python."""
+    import types
+
+    monkeypatch.setenv("SPECPLAY_CACHE", str(tmp_path))
+    asked, built = [], types.ModuleType("specplay_layers")
+
+    def load(name, sources, **kwargs):
+        asked.append(kwargs["extra_cflags"])
+        if "-fopenmp" in kwargs["extra_cflags"]:
+            raise RuntimeError("Error building extension 'specplay_layers'\nclang: unsupported option '-fopenmp'")
+        return built
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
+    assert native._build() == {"module": built}
+    assert asked == [["-O3", "-ffp-contract=off", "-fopenmp"], ["-O3", "-ffp-contract=off"]]

@@ -79,14 +79,22 @@ def _build() -> dict[str, ModuleType | str]:
         if not any(folder.glob(f"{NAME}*.so")):
             print(f"specplay: compiling the C++ layer loops into {folder} (once, about 25 s)", file=sys.stderr,
                   flush=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # the builder warns about compiler versions it has not seen
-            # -fopenmp: torch's threads share out coded.cpp's products (torch's own OpenMP runtime serves them);
-            # -ffp-contract=off: coded.cpp rebuilds weights with two roundings, as the file's reader does
-            module = load(NAME, [str(s) for s in SOURCES], build_directory=str(folder),
-                          extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
-                          verbose=False)
-    except Exception as exc:   # no compiler, headers missing, a failed build: the Python loop serves
+        # -fopenmp: torch's threads share out coded.cpp's products (torch's own OpenMP runtime serves them); a
+        # compiler without OpenMP builds it again without (those products then run on one thread).
+        # -ffp-contract=off: coded.cpp rebuilds weights with two roundings, as the file's reader does
+        for openmp in (["-fopenmp"], []):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")     # the builder warns about compiler versions it has not seen
+                    module = load(NAME, [str(s) for s in SOURCES], build_directory=str(folder),
+                                  extra_cflags=["-O3", "-ffp-contract=off", *openmp], extra_ldflags=openmp,
+                                  verbose=False)
+                break
+            except Exception as exc:   # no compiler, headers missing, a failed build: the Python loop serves
+                failure = exc
+        else:
+            return {"reason": f"the C++ layers did not build ({_first_line(failure)})"}
+    except OSError as exc:   # the cache folder cannot be made
         return {"reason": f"the C++ layers did not build ({_first_line(exc)})"}
     return {"module": module}
 
