@@ -271,8 +271,11 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
               "is rounded to int8 with its own scale, and integer products cost more per row; int4: each group of "
               "32 codes is unpacked and scaled again for every row) make a "
               "verify of K + 1 rows cost more target steps, so the best K falls and speculation gains less over a "
-              "target step that got cheaper. c is the same draft's milliseconds over each curve's own step: the "
-              "cheaper the step, the more a draft weighs.")
+              "target step that got cheaper. SmolLM2's float32 weights are read from its file's own codes where "
+              "the CPU allows (the same weights, a quarter of the memory): each group of 32 is rebuilt once per "
+              "forward and then multiplied for every row, so its one-row step is cheaper and each further row "
+              "costs its multiply-adds. c is the same draft's milliseconds over "
+              "each curve's own step: the cheaper the step, the more a draft weighs.")
     if study.peer:
         lesson += (" Dotted: llama.cpp's own forward on the same files, timed by its llama-bench in the same sitting "
                    "(its logits for the last row only, so its verify costs at least this)"
