@@ -87,10 +87,11 @@ class ComputeGate:
                 self._turn.notify_all()
 
     def run(self, work: Callable[[], T]) -> T:
-        """`work()` in turn (as under `held`), on the gate's compute thread; its result, or its exception."""
+        """`work()` in turn (as under `held`), on the gate's compute thread; its result, or its exception. Called
+        from work already running there, it runs at once (that work holds the turn)."""
+        if threading.current_thread() is self._thread:
+            return work()
         with self.held():
-            if threading.current_thread() is self._thread:
-                return work()
             done: Future = Future()
             self._work.put((work, done))
             if self._thread is None:

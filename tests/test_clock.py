@@ -41,6 +41,11 @@ def test_work_given_to_the_gate_runs_on_its_one_thread_one_at_a_time_and_its_err
     with pytest.raises(ValueError, match="a prompt too long"):
         gate.run(fails)
     assert gate.run(lambda: threading.current_thread().name) == "specplay-compute"   # the thread serves on
+    nested: list[int] = []                                  # work that asks for the gate again runs in its turn
+    asker = threading.Thread(target=lambda: nested.append(gate.run(lambda: gate.run(lambda: 7))), daemon=True)
+    asker.start()
+    asker.join(timeout=30)                                  # (a bound against a deadlock, not a timing)
+    assert nested == [7]
     assert in_turn(None, lambda: threading.current_thread().name) == threading.current_thread().name
 
 
