@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -72,6 +73,7 @@ class ComputeGate:
         self._serving = 0
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._taken: Future | None = None      # the work the compute thread took last
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -88,22 +90,31 @@ class ComputeGate:
 
     def run(self, work: Callable[[], T]) -> T:
         """`work()` in turn (as under `held`), on the gate's compute thread; its result, or its exception. Called
-        from work already running there, it runs at once (that work holds the turn)."""
+        from work already running there, it runs at once (that work holds the turn). A compute thread that has
+        ended (it never should) is replaced, and work it took with it fails with a RuntimeError, not a hang."""
         if threading.current_thread() is self._thread:
             return work()
         with self.held():
             done: Future = Future()
             self._work.put((work, done))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="specplay-compute", daemon=True)
-                self._thread.start()
-            return done.result()
+            while True:
+                thread = self._thread
+                if thread is None or not thread.is_alive():
+                    if thread is not None and self._taken is done:
+                        raise RuntimeError("the compute thread ended while it ran this work")
+                    self._thread = threading.Thread(target=self._serve, name="specplay-compute", daemon=True)
+                    self._thread.start()
+                try:
+                    return done.result(timeout=1.0)
+                except FutureTimeout:    # still running, or its thread is gone: look again
+                    continue
 
     def _serve(self) -> None:
         if self.threads is not None:
             team_of(self.threads)
         while True:
             work, done = self._work.get()
+            self._taken = done
             try:
                 done.set_result(work())
             except BaseException as exc:   # the caller raises it

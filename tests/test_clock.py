@@ -80,3 +80,13 @@ def test_one_team_keeps_the_count_asked_for_and_leaves_other_threads_one():
     assert one_team(env) == 3 and env["OMP_NUM_THREADS"] == "1"
     env = {}
     assert one_team(env) == len(os.sched_getaffinity(0)) and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_compute_thread_that_ended_is_replaced_rather_than_waited_for():
+    gate = ComputeGate()
+    assert gate.run(lambda: 1) == 1
+    ended = threading.Thread(target=lambda: None, name="specplay-compute")
+    ended.start()
+    ended.join()
+    gate._thread = ended                     # as if the compute thread had ended
+    assert gate.run(lambda: 2) == 2 and gate._thread is not ended and gate._thread.is_alive()
