@@ -299,27 +299,20 @@ def test_a_trace_from_before_version_4_names_no_machine_and_a_version_4_header_m
         load_trace(write_lines(tmp_path / "v4.jsonl", objs))
 
 
-def test_a_trace_from_before_version_5_says_nothing_of_where_the_layers_ran(traced, tmp_path) -> None:
+@pytest.mark.parametrize("key, before", [("layers", 4), ("codes", 5)],
+                         ids=["where the layers ran (version 5)", "whether products read codes (version 6)"])
+def test_a_trace_from_before_a_header_field_reads_without_it_and_a_newer_header_must_have_it(traced, tmp_path, key,
+                                                                                             before) -> None:
     path, _ = traced
     objs = lines_of(path)
-    del objs[0]["data"]["layers"]
-    objs[0]["data"]["version"] = 4
-    assert load_trace(write_lines(tmp_path / "v4.jsonl", objs)).header.layers is None
+    if key == "codes":
+        assert objs[0]["data"]["codes"] is None      # a random model's products read its fp32 matrices
+    del objs[0]["data"][key]
+    objs[0]["data"]["version"] = before
+    assert getattr(load_trace(write_lines(tmp_path / "old.jsonl", objs)).header, key) is None
     objs[0]["data"]["version"] = TRACE_VERSION
-    with pytest.raises(TraceError, match="missing key.*layers"):
-        load_trace(write_lines(tmp_path / "v5.jsonl", objs))
-
-
-def test_a_trace_from_before_version_6_says_nothing_of_codes_and_a_version_6_header_must(traced, tmp_path) -> None:
-    path, _ = traced
-    objs = lines_of(path)
-    assert objs[0]["data"]["codes"] is None          # a random model's products read its fp32 matrices
-    del objs[0]["data"]["codes"]
-    objs[0]["data"]["version"] = 5
-    assert load_trace(write_lines(tmp_path / "v5.jsonl", objs)).header.codes is None
-    objs[0]["data"]["version"] = TRACE_VERSION
-    with pytest.raises(TraceError, match="missing key.*codes"):
-        load_trace(write_lines(tmp_path / "v6.jsonl", objs))
+    with pytest.raises(TraceError, match=f"missing key.*{key}"):
+        load_trace(write_lines(tmp_path / "new.jsonl", objs))
 
 
 def test_version_1_traces_are_upgraded_as_they_are_read() -> None:
