@@ -6,6 +6,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from engine.sources import BUILTIN
+from engine.watch import is_loopback
 
 AUTO, NONE = "auto", "none"
 
@@ -56,6 +57,12 @@ class AppSettings:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.proxy_hops < 0:
             raise ValueError(f"proxy_hops must be >= 0, got {self.proxy_hops}")
+
+    @property
+    def browsers_here(self) -> bool:
+        """Whether every visitor's browser runs on this machine: the server listens on loopback only, with no
+        public link and no proxy in front (a Space has one), so its pages draw on the cores its rounds are timed on."""
+        return is_loopback(self.host) and not self.share and self.proxy_hops == 0
 
 
 def running_on_space(env: Mapping[str, str]) -> bool:

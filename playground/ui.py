@@ -414,6 +414,12 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     # the rounds are timed on (the target step read 55 ms against 38 ms without a page open, on 2 cores).
     busy = dict(concurrency_id="decode", concurrency_limit=handlers.ctx.settings.concurrency, show_progress="full",
                 show_progress_on=[pages.stream.status])
+    # A browser on the server's own machine draws that timer on every frame while a round is timed, on the cores
+    # the round needs, and more while the Step's round runs than while its target-only rounds catch up after the
+    # drawing: on 2 cores the page then measured speculation slower than its own prediction said (measured /
+    # predicted 0.73-0.89 with the timer, 0.94-0.99 without; docs/performance.md). The page's Step and Play's
+    # ticks show it only where browsers run elsewhere, where a classroom waits in the queue and needs its place.
+    stepping = busy | dict(show_progress="hidden" if handlers.ctx.settings.browsers_here else "full")
     # Reset loads models and allocates KV but runs no forward: it has its own, wider group, so a slow load
     # for one visitor (the registry holds no lock while loading) never queues another visitor's Reset.
     loads = dict(concurrency_id="reset", concurrency_limit=handlers.ctx.settings.max_sessions, show_progress="full")
@@ -423,7 +429,7 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     # not share the cores with them. The API's /step (a button never shown) returns both, as it always did.
     # A catch-up still pending in the page (its reply being drawn) when the next Step's reply lands would have
     # Gradio drop the next one (trigger mode "once") and leave the charts a round behind: "always_last" runs it after.
-    c.step.click(handlers.on_page_step, [state, c.reveal, *decode], out, api_name=False, **busy).then(
+    c.step.click(handlers.on_page_step, [state, c.reveal, *decode], out, api_name=False, **stepping).then(
         handlers.on_catch_up, [state], out, api_name=False, js=AFTER_PAINT_JS, concurrency_id="decode",
         concurrency_limit=handlers.ctx.settings.concurrency, show_progress="hidden", trigger_mode="always_last")
     gr.Button(visible=False).click(handlers.on_step, [state, c.reveal, *decode], out, api_name="step", **busy)
@@ -443,7 +449,8 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     timer = gr.Timer(1.0, active=False)
     c.play.click(handlers.on_play, [playing, c.speed], [timer, c.play, playing], api_name=False)
     c.speed.change(handlers.on_speed, [c.speed, playing], [timer], api_name=False)
-    timer.tick(handlers.on_tick, [state, playing, *decode], [*out, timer, c.play, playing], api_name=False, **busy)
+    timer.tick(handlers.on_tick, [state, playing, *decode], [*out, timer, c.play, playing], api_name=False,
+               **stepping)
     for tab, panel in shows:  # a tab's views are rendered when it is shown, not on every event before
         tab.select(handlers.on_show(panel), [state], out,
                    api_name=False if panel is Panel.OTHER else f"show_{panel.value}")

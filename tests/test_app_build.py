@@ -62,6 +62,19 @@ def test_decoding_events_queue_and_show_each_visitor_their_place():
     assert fns["reset"].concurrency_id != "decode" and fns["reset"].concurrency_limit == 30
 
 
+@pytest.mark.parametrize("args, env, shown", [([], {}, "hidden"), (["--host", "0.0.0.0"], {}, "full"),
+                                              (["--share"], {}, "full"), ([], {"SPACE_ID": "u/space"}, "full")])
+def test_the_pages_step_shows_its_timer_only_to_browsers_on_other_machines(args, env, shown):
+    """A browser beside a loopback server draws the pending Step's timer on the cores the round is timed on; where
+    browsers run elsewhere (a public host, a shared link, a Space's proxy) it shows their place in the queue."""
+    ctx = make_context(app.parse_args(args, env))
+    fns = [f for f in build_app(ctx).fns.values()]
+    ctx.pool.shutdown()
+    by_name = {f.name: f for f in fns}
+    assert by_name["on_page_step"].show_progress == by_name["on_tick"].show_progress == shown
+    assert by_name["on_run_to_end"].show_progress == by_name["on_step"].show_progress == "full"   # the API's /step
+
+
 def test_flags_and_environment_reach_the_settings():
     s = app.parse_args([], {})
     assert (s.host, s.port, s.share, s.draft, s.target) == ("127.0.0.1", 7860, False, "auto", "auto")
