@@ -6,7 +6,6 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from engine.sources import BUILTIN
-from engine.watch import is_loopback
 
 AUTO, NONE = "auto", "none"
 
@@ -62,6 +61,8 @@ class AppSettings:
     def browsers_here(self) -> bool:
         """Whether every visitor's browser runs on this machine: the server listens on loopback only, with no
         public link and no proxy in front (a Space has one), so its pages draw on the cores its rounds are timed on."""
+        from engine.watch import is_loopback   # here: this module is read before torch loads (see one_team)
+
         return is_loopback(self.host) and not self.share and self.proxy_hops == 0
 
 
