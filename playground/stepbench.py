@@ -23,11 +23,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+
+# Run as a command, the threads are laid out as `python app.py` lays them out before torch loads: every thread
+# computes with one OpenMP thread but the compute thread (playground.settings.one_team).
+COMPUTE_THREADS: int | None = None
+if __name__ == "__main__":
+    from playground.settings import one_team
+
+    COMPUTE_THREADS = one_team(os.environ)
 
 import torch
 from gradio.blocks import BlockFunction, Blocks
@@ -161,15 +170,16 @@ async def speedups(demo: Blocks, pool: SessionPool, state: SessionState, gate: C
                     bench.tokens, bench.tokens / bench.baseline_tokens_per_s)
 
 
-def speedup_main(count: int, tokens: int) -> None:
+def speedup_main(count: int, tokens: int, threads: int | None = None) -> None:
     from engine.train.chat_prompts import chat_prompts
     from playground.settings import AppSettings
     from playground.ui import build_app, make_context
 
-    ctx = make_context(AppSettings(max_new_tokens=tokens, max_sessions=1))
+    ctx = make_context(AppSettings(max_new_tokens=tokens, max_sessions=1, compute_threads=threads))
     demo = build_app(ctx)
     state = SessionState(demo)
-    print(f"{machine_name()} · python {platform.python_version()} · torch {torch.__version__}", flush=True)
+    print(f"{ctx.registry.gate.run(machine_name)} · python {platform.python_version()} · torch {torch.__version__}",
+          flush=True)
     start, target = time.perf_counter(), ctx.registry.pair("default").target
     while (curve := ctx.registry.calibration(target)) is None:   # as on a server up for a minute (serve._warm)
         time.sleep(0.2)
@@ -211,7 +221,8 @@ WATCH_STEPS = """() => {
 PAGE_WAIT_S = 300   # the longest the page may take to show a round (a first Step on a cold, slow machine)
 
 
-def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", pause: float = 1.0) -> int:
+def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", pause: float = 1.0,
+                 threads: int | None = None) -> int:
     """`--browser N`: the app served in this process on a free loopback port, as `python app.py` serves it, and
     headless Chromium on the same machine pressing Reset, then Step N times, `pause` seconds apart (a second: as
     a reader would);
@@ -237,9 +248,10 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    served = start(make_context(AppSettings(port=port, max_new_tokens=tokens, max_sessions=2, target=target)),
-                   quiet=True)
-    print(f"{machine_name()} · python {platform.python_version()} · torch {torch.__version__} · {chromium}", flush=True)
+    served = start(make_context(AppSettings(port=port, max_new_tokens=tokens, max_sessions=2, target=target,
+                                            compute_threads=threads)), quiet=True)
+    print(f"{served.ctx.registry.gate.run(machine_name)} · python {platform.python_version()} · "
+          f"torch {torch.__version__} · {chromium}", flush=True)
     try:
         begun = time.perf_counter()
         if served.warming is not None:   # as on a server up for a minute: the pair loaded, r(n) and the pick done
@@ -306,7 +318,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description="Server-side time per Step click on the default pair.")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="Max new tokens of each run")
     ap.add_argument("--tab", choices=TABS, nargs="+", default=list(TABS), help="the tab shown while stepping")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--threads", type=int, default=None, help="the compute thread's CPU threads (default: every core, as `python app.py`)")
     ap.add_argument("--speedup", type=int, default=0, metavar="N",
                     help="instead: the app's measured speed-up against the engine's sampled bench on N held-out "
                          "chat prompts (default settings, --tokens' first value)")
@@ -318,16 +330,16 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--target", default="auto", help="the default pair's target, e.g. builtin (default: the app's, "
                                                      "SmolLM2 where its wheel is installed; --speedup runs SmolLM2's)")
     a = ap.parse_args(argv)
-    if a.threads is not None:
-        torch.set_num_threads(a.threads)
+    threads = a.threads or COMPUTE_THREADS   # the compute thread's; torch's own count where imported
     if a.browser:
-        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium, a.target, a.pause))
+        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium, a.target, a.pause, threads))
     if a.speedup:
-        speedup_main(a.speedup, a.tokens[0])
+        speedup_main(a.speedup, a.tokens[0], threads)
         return
-    ctx = make_context(AppSettings(max_new_tokens=max(a.tokens), max_sessions=1, target=a.target))
+    ctx = make_context(AppSettings(max_new_tokens=max(a.tokens), max_sessions=1, target=a.target,
+                                   compute_threads=threads))
     demo = build_app(ctx)
-    print(f"{machine_name()} · python {platform.python_version()} · "
+    print(f"{ctx.registry.gate.run(machine_name)} · python {platform.python_version()} · "
           f"torch {torch.__version__}", flush=True)
     asyncio.run(measure(demo, ctx.pool, min(a.tokens), a.tab[0]))  # warm-up: loads the pair
     ctx.registry.settle()   # r(n), measured in the background from the load on, takes turns with Steps until done
