@@ -25,10 +25,10 @@ def build() -> ChartsPage:
         speedup = gr.Plot(elem_id="chart-speedup", show_label=False)
     gr.Markdown("Target-only decoding is really run on the same prompt, settings and hardware, interleaved with "
                 "the speculative rounds; each clock counts only its own work: its forwards, drafting, verification "
-                "and the round's record. Rendering, the trace file and the page are outside the clocks, and the "
-                "background measurement of r(n) waits for a round to end rather than run beside it. c (draft "
-                "forward / target step) is measured from this run. A browser on the same machine shares its cores: "
-                "a Step's round runs while the page handles the click, and the target-only steps that catch up "
-                "with it run once the page has drawn the round, so the page's drawing slows neither; the click's "
-                "own work in the page still shares the cores with the speculative round.")
+                "and the KV cache's bookkeeping. The round's record, rendering, the trace file and the page are "
+                "outside the clocks, and the background measurement of r(n) waits for a round to end rather than "
+                "run beside it. c (draft forward / target step) is measured from this run. A browser on the same "
+                "machine shares its cores: a Step's round runs while the page handles the click (a page served on "
+                "loopback shows no progress timer for a Step, which it would redraw on every frame), and the "
+                "target-only steps that catch up with it run once the page has drawn the round.")
     return ChartsPage(acceptance, per_position, lengths, tokens_time, speedup)
