@@ -61,7 +61,7 @@ class AppSettings:
     def browsers_here(self) -> bool:
         """Whether every visitor's browser runs on this machine: the server listens on loopback only, with no
         public link and no proxy in front (a Space has one), so its pages draw on the cores its rounds are timed on."""
-        from engine.watch import is_loopback   # here: this module is read before torch loads (see one_team)
+        from engine.watch import is_loopback  # here: this module is read before torch loads (see one_team)
 
         return is_loopback(self.host) and not self.share and self.proxy_hops == 0
 
