@@ -222,12 +222,13 @@ PAGE_WAIT_S = 300   # the longest the page may take to show a round (a first Ste
 
 
 def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", pause: float = 1.0,
-                 threads: int | None = None) -> int:
+                 threads: int | None = None, to_end: bool = False) -> int:
     """`--browser N`: the app served in this process on a free loopback port, as `python app.py` serves it, and
     headless Chromium on the same machine pressing Reset, then Step N times, `pause` seconds apart (a second: as
     a reader would);
     each Step timed in the page from the click to the status line showing the new round, and to the round
-    detail's plot naming it. What a local visitor waits for, the browser's drawing included."""
+    detail's plot naming it. What a local visitor waits for, the browser's drawing included. `to_end`: Step until
+    the run finishes, then also print the speed-up the page measured and predicted for it (`run_figures`)."""
     import socket
     from pathlib import Path
 
@@ -269,7 +270,7 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
                                    "(document.querySelector('#status').innerText)")
             page.evaluate(WATCH_STEPS)
             done = 0
-            for n in range(1, steps + 1):
+            for n in range(1, (MAX_STEPS if to_end else steps) + 1):
                 time.sleep(pause)
                 page.click("#step-btn")
                 page.wait_for_function(f"(s => (s.match(/Round (\\d+) of/) || [0, 0])[1] >= {n} || "
@@ -281,13 +282,14 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
             time.sleep(0.5)
             clicks, status, plot = page.evaluate("[window.specplayClicks, window.specplayStatus, window.specplayPlot]")
             said = page.locator("#status").inner_text()
+            figures = run_figures(served.ctx.pool.sessions()) if to_end and "finished" in said else None
             browser.close()
     except PlaywrightTimeout:
         print(f"error: the page did not show the next round within {PAGE_WAIT_S} s", file=sys.stderr)
         return 1
     finally:
         served.close()
-    if done < steps and "finished" not in said:
+    if done < steps and "finished" not in said or to_end and figures is None:
         print(f"error: Step {done + 1} did not show its round; the status line reads: {said[:300]}", file=sys.stderr)
         return 1
     shown = [(status[str(n)] - clicks[n - 1]) / 1000 for n in range(1, done + 1) if str(n) in status]
@@ -300,7 +302,41 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
             later = xs[1:] or xs
             print(f"{len(xs)} Steps, click to {what}: first {_ms(xs[0])} · after it: median "
                   f"{_ms(statistics.median(later))}, p95 {_ms(p95(later))}, max {_ms(max(later))}", flush=True)
+    if figures:
+        print(figures, flush=True)
     return 0
+
+
+MAX_STEPS = 1000          # --to-end's bound on Steps (a run of max_new_tokens rounds at most)
+CATCH_UP_WAIT_S = 60      # how long --to-end waits for the page to ask for the last target-only rounds
+
+
+def run_figures(sessions: list[Session]) -> str | None:
+    """The finished live run's speed-up as its page reads it, once the page has had its target-only rounds caught
+    up: measured, predicted (Leviathan's, from the run's α, c and the calibrated r(n)) and measured / predicted
+    taken apart (metrics.PredictionGap); with the target step and the verify forward's median, ms. None without
+    such a run."""
+    from engine import metrics
+
+    runs = [s for s in sessions if s.live and s.run.finished]
+    if not runs:
+        return None
+    run = runs[0].run
+    end = time.monotonic() + CATCH_UP_WAIT_S
+    while run.behind and time.monotonic() < end:
+        time.sleep(0.1)
+    view = runs[0].view()
+    curve = view.calibration.at if view.calibration else None
+    measured = metrics.measured_speedup(view.rounds, view.baseline)
+    predicted = metrics.Tally.of(view.rounds, view.baseline).speedup_iid(curve)
+    gap = metrics.prediction_gap(view.rounds, view.baseline, curve)
+    if measured is None or predicted is None or gap is None:
+        return None
+    verify = statistics.median(r.timings.target_forward_ms for r in metrics.decode_rounds(view.rounds) if r.k)
+    return (f"the run in the page: {len(view.rounds)} rounds, measured {measured:.2f}× · predicted {predicted:.2f}× · "
+            f"measured / predicted {measured / predicted:.2f} = {gap.tokens:.2f} tokens × {gap.verify:.2f} verify × "
+            f"{gap.rest:.2f} the rest · target step {metrics.target_step_ms(view.baseline):.1f} ms, verify forward "
+            f"{verify:.1f} ms (medians)")
 
 
 def _x(x: float | None) -> str:
@@ -327,12 +363,15 @@ def main(argv: list[str]) -> None:
                          "click to the new round on screen (--tokens' first value)")
     ap.add_argument("--chromium", default="/usr/bin/chromium", help="the Chromium --browser drives")
     ap.add_argument("--pause", type=float, default=1.0, help="seconds between Steps with --browser (default 1)")
+    ap.add_argument("--to-end", action="store_true",
+                    help="with --browser: Step until the run finishes, then print the speed-up the page measured "
+                         "and predicted for it, taken apart")
     ap.add_argument("--target", default="auto", help="the default pair's target, e.g. builtin (default: the app's, "
                                                      "SmolLM2 where its wheel is installed; --speedup runs SmolLM2's)")
     a = ap.parse_args(argv)
     threads = a.threads or COMPUTE_THREADS   # the compute thread's; torch's own count where imported
     if a.browser:
-        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium, a.target, a.pause, threads))
+        sys.exit(browser_main(a.browser, a.tokens[0], a.chromium, a.target, a.pause, threads, a.to_end))
     if a.speedup:
         speedup_main(a.speedup, a.tokens[0], threads)
         return
