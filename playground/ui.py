@@ -417,7 +417,7 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     # A browser on the server's own machine draws that timer on every frame while a round is timed, on the cores
     # the round needs, and more while the Step's round runs than while its target-only rounds catch up after the
     # drawing: on 2 cores the page then measured speculation slower than its own prediction said (measured /
-    # predicted 0.73-0.89 with the timer, 0.94-0.99 without; docs/performance.md). The page's Step and Play's
+    # predicted 0.61-0.77 with the timer, 0.81-1.08 without; docs/performance.md). The page's Step and Play's
     # ticks show it only where browsers run elsewhere, where a classroom waits in the queue and needs its place.
     stepping = busy | dict(show_progress="hidden" if handlers.ctx.settings.browsers_here else "full")
     # Reset loads models and allocates KV but runs no forward: it has its own, wider group, so a slow load
