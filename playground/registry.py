@@ -400,9 +400,7 @@ class ModelRegistry:
             raise ModelLoadError(f"{preset.label} needs {preset.gpus} GPUs; this server has "
                                  f"{torch.cuda.device_count()}.")
         draft_dev, target_dev = default_devices(preset.draft_device, preset.target_device)
-        needed = [(preset.target, "target", target_dev, preset.weights)] + \
-            ([(preset.draft, "draft", draft_dev)] if preset.draft else [])
-        if not load and preset is not self.presets[0] and not all(self._has(*m) for m in needed):
+        if not load and preset is not self.presets[0] and not self._loaded(preset):
             raise ModelLoadError(f"{preset.label} is not loaded yet: press Reset to load it (Step only decodes, "
                                  "so that a download never holds up other visitors' steps).")
         draft = self._get(preset.draft, "draft", draft_dev) if preset.draft else None
@@ -563,6 +561,16 @@ class ModelRegistry:
         with self._lock:
             done = [job.future.result() for job in self._models.values() if _succeeded(job.future)]
         return [f"{m.name}{f' ({m.weights} weights)' if m.weights != 'fp32' else ''} on {m.device}" for m in done]
+
+    def ready(self, key: str) -> bool:
+        """Whether preset `key`'s models are loaded, so that a Step on it decodes without waiting for a load."""
+        return self._loaded(self.resolve(key))
+
+    def _loaded(self, preset: PairPreset) -> bool:
+        draft_dev, target_dev = default_devices(preset.draft_device, preset.target_device)
+        needed = [(preset.target, "target", target_dev, preset.weights)] + \
+            ([(preset.draft, "draft", draft_dev)] if preset.draft else [])
+        return all(self._has(*m) for m in needed)
 
     def _has(self, source: str, role: str, device: torch.device, weights: str = "fp32") -> bool:
         with self._lock:

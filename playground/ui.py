@@ -239,6 +239,21 @@ class Handlers:
     def decode_request(self, values: tuple) -> DecodeRequest:
         return DecodeRequest(*values)
 
+    def loading_notice(self, values: tuple) -> str | None:
+        """A Step or Play tick from the page that will first wait for the server's default pair to load (its first
+        minute on a new machine) says so at once, in a notice: the page shows no timer for them where the browser
+        runs beside the server (see `_wire`). Returns the notice, or None when the pair is loaded (or the request
+        names another pair, which a Step does not load: it says so itself)."""
+        try:
+            req = self.decode_request(values)
+            waits = req.preset == self.ctx.registry.presets[0].key and not self.ctx.registry.ready(req.preset)
+        except Exception:   # a request the Step itself refuses with its sentence
+            return None
+        if not waits:
+            return None
+        gr.Info(LOADING_NOTICE, duration=None)
+        return LOADING_NOTICE
+
     # -- events -------------------------------------------------------------------------------------
     def on_load(self, state: Session | None) -> tuple:
         """A new page shows the welcome run at once, finished and drawn (no session is opened for it)."""
@@ -262,6 +277,7 @@ class Handlers:
         """Step, as the page's button calls it: the round alone, its target-only rounds left for `on_catch_up`,
         which the page calls once it has drawn the round, and which draws what reads them (left as they are
         here, so that the Charts tab's figures are drawn once a Step, not twice)."""
+        self.loading_notice(values)
         out = self.guarded(state, request, self.decoding(
             lambda s: controller.step(self.ctx, s, self.decode_request(values), bool(reveal), catch_up=False)),
             name="Step")
@@ -354,6 +370,7 @@ class Handlers:
         if not playing:  # a tick already queued when Pause was pressed: what is on screen stays as it is
             return (state, *_skip(FRAME_OUTPUTS), *play_controls(False))
         notes: list[str | None] = []
+        self.loading_notice(values)
         out = self.guarded(state, request, self.decoding(
             lambda s: notes.append(controller.step(self.ctx, s, self.decode_request(values)))), name="Play")
         session = out[0]
@@ -463,6 +480,9 @@ def _baseline_part(frame: tuple, keep: bool) -> tuple:
     rest with those skipped."""
     return tuple(v if (i in BASELINE_OUTPUTS) == keep else gr.skip() for i, v in enumerate(frame))
 
+
+LOADING_NOTICE = ("The models are still loading: on a new machine the first minute converts them and compiles "
+                  "the C++ layer loop. This Step runs as soon as they are in.")
 
 # resolves once the page has painted what the Step returned (the frame after next has begun)
 # (or after a second, in a tab in the background, where animation frames wait until it is shown)

@@ -398,3 +398,22 @@ def test_a_damaged_gguf_as_custom_target_is_one_sentence_and_the_old_run_stays(b
                                            custom_target=str(gguf)))
     assert str(gguf) not in loads and s.view().previous and len(s.view().rounds) == 1   # the target never loaded
     assert not list((cache_root() / "models").glob("mine-*"))                              # nor was it converted
+
+
+def test_a_step_that_waits_for_the_default_pair_to_load_says_so(ctx):
+    """The page shows no timer for a Step where its browser runs beside the server, so a Step that first waits for
+    the default pair's load (a new machine's first minute) says so in a notice; once it is loaded, or for a pair
+    a Step would not load, nothing is said."""
+    import dataclasses
+    import warnings
+
+    from playground.ui import LOADING_NOTICE, Handlers
+
+    handlers = Handlers(ctx)
+    values = dataclasses.astuple(request())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # gr.Info outside an event only warns
+        assert handlers.loading_notice(values) == LOADING_NOTICE
+        assert handlers.loading_notice(dataclasses.astuple(request(preset="no such pair"))) is None
+        ctx.registry.pair("default")
+        assert handlers.loading_notice(values) is None
