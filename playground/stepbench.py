@@ -289,8 +289,12 @@ def browser_main(steps: int, tokens: int, chromium: str, target: str = "auto", p
         return 1
     finally:
         served.close()
-    if done < steps and "finished" not in said or to_end and figures is None:
+    if done < steps and "finished" not in said:
         print(f"error: Step {done + 1} did not show its round; the status line reads: {said[:300]}", file=sys.stderr)
+        return 1
+    if to_end and figures is None:
+        print(f"error: the run has no measured and predicted speed-up to read (not finished, nothing drafted, or "
+              f"r(n) not measured); the status line reads: {said[:300]}", file=sys.stderr)
         return 1
     shown = [(status[str(n)] - clicks[n - 1]) / 1000 for n in range(1, done + 1) if str(n) in status]
     drawn = [(plot[str(n)] - clicks[n - 1]) / 1000 for n in range(1, done + 1) if str(n) in plot]
@@ -354,7 +358,8 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description="Server-side time per Step click on the default pair.")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="Max new tokens of each run")
     ap.add_argument("--tab", choices=TABS, nargs="+", default=list(TABS), help="the tab shown while stepping")
-    ap.add_argument("--threads", type=int, default=None, help="the compute thread's CPU threads (default: every core, as `python app.py`)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the compute thread's CPU threads (default: every core, as `python app.py`)")
     ap.add_argument("--speedup", type=int, default=0, metavar="N",
                     help="instead: the app's measured speed-up against the engine's sampled bench on N held-out "
                          "chat prompts (default settings, --tokens' first value)")

@@ -244,12 +244,8 @@ class Handlers:
         minute on a new machine) says so at once, in a notice: the page shows no timer for them where the browser
         runs beside the server (see `_wire`). Returns the notice, or None when the pair is loaded (or the request
         names another pair, which a Step does not load: it says so itself)."""
-        try:
-            req = self.decode_request(values)
-            waits = req.preset == self.ctx.registry.presets[0].key and not self.ctx.registry.ready(req.preset)
-        except Exception:   # a request the Step itself refuses with its sentence
-            return None
-        if not waits:
+        default = self.ctx.registry.presets[0].key
+        if self.decode_request(values).preset != default or self.ctx.registry.ready(default):
             return None
         gr.Info(LOADING_NOTICE, duration=None)
         return LOADING_NOTICE
