@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device for the target (default: cuda:1 with 2+ GPUs, cuda:0 with one, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights dtype; auto = fp32 on CPU, bf16 on CUDA; int8: int8 copies of the matrices, "
-                        "products in integers; int4: 4-bit groups (a Q4_1 GGUF's own), bf16 products (CPU)")
+                        "products in integers; int4: 4-bit groups (a Q4_1 GGUF's own), multiplied as llama.cpp does, "
+                        "with 8-bit inputs in integers (x86 with AVX2; else bf16) (CPU)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow Hub models that ship their own modelling code (runs that code)")
     p.add_argument("--no-compare", action="store_true", help="skip the interleaved target-only baseline")

