@@ -268,8 +268,9 @@ def formats_html(study: FormatCurves | None, view: RunView | None, k_max: int = 
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     lesson = ("A forward that only reads its weights costs about the same for a few rows as for one (r near 1): "
               "the weights are read once either way. Weights that spend work on every row (int8: each input row "
-              "is rounded to int8 with its own scale, and integer products cost more per row; int4: each group of "
-              "32 codes is unpacked and scaled again for every row) make a "
+              "is rounded to int8 with its own scale, and integer products cost more per row; int4: each row is "
+              "rounded to 8-bit codes too, and each group of 32 products is summed, converted and scaled for every "
+              "row) make a "
               "verify of K + 1 rows cost more target steps, so the best K falls and speculation gains less over a "
               "target step that got cheaper. SmolLM2's float32 weights are read from its file's own codes where "
               "the CPU allows (the same weights, a quarter of the memory): each group of 32 is rebuilt once per "
