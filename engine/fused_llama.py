@@ -1077,22 +1077,39 @@ def rows_apart(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     keys] for a batch; None: all): a chain's row reads a prefix of the cached keys, as a one-row forward at its
     position reads its whole cache, and a tree's node the keys of its path, gathered. Every row then computes
     what a one-row forward computes, bit for bit, whatever else the forward holds (a verify's K + 1 rows, a
-    tree's nodes, a batch's sequences), where SDPA over several rows under a mask sums in another order."""
+    tree's nodes, a batch's sequences), where SDPA over several rows under a mask sums in another order. Where
+    engine.native runs (AVX2), its `rows_attention` computes every row in one call, as the C++ layer loop does;
+    else SDPA is called once per row."""
     b, q = qs.shape[0], qs.shape[2]
-    if b == 1 and q == 1 and mask is None:     # a one-row forward: itself
+    module = _rows_module() if qs.dtype == torch.float32 and keys.dtype == torch.float32 else None
+    if module is None and b == 1 and q == 1 and mask is None:     # a one-row forward: itself
         return F.scaled_dot_product_attention(qs, keys, values, scale=scaling, enable_gqa=gqa)
     seen = _rows_seen(mask, b, q) if mask is not None else None
     out = torch.empty_like(qs)
     for s in range(b):
-        for i in range(q):
-            k, v = keys[s:s + 1], values[s:s + 1]
-            if seen is not None:
-                row = seen[s * q + i]
-                k, v = (k[:, :, :row], v[:, :, :row]) if isinstance(row, int) else \
-                    (k.index_select(2, row), v.index_select(2, row))
-            out[s:s + 1, :, i:i + 1] = F.scaled_dot_product_attention(qs[s:s + 1, :, i:i + 1], k, v, scale=scaling,
-                                                                      enable_gqa=gqa)
+        k, v = keys[s:s + 1], values[s:s + 1]
+        rows = [keys.shape[2]] * q if seen is None else seen[s * q:(s + 1) * q]
+        if module is not None and all(isinstance(n, int) for n in rows):   # prefixes: one call for the sequence
+            out[s:s + 1] = module.rows_attention(qs[s:s + 1], k, v, rows, scaling)
+            continue
+        for i, row in enumerate(rows):
+            ki, vi = (k[:, :, :row], v[:, :, :row]) if isinstance(row, int) else \
+                (k.index_select(2, row), v.index_select(2, row))
+            qi = qs[s:s + 1, :, i:i + 1]
+            out[s:s + 1, :, i:i + 1] = module.rows_attention(qi, ki, vi, [ki.shape[2]], scaling) if module else \
+                F.scaled_dot_product_attention(qi, ki, vi, scale=scaling, enable_gqa=gqa)
     return out
+
+
+_ROWS: list = []    # [engine.native's module, or None where `rows_attention` does not run], once asked
+
+
+def _rows_module():
+    if not _ROWS:
+        from engine import native
+        module = native.layers()
+        _ROWS.append(module if module is not None and module.rows_supported() else None)
+    return _ROWS[0]
 
 
 _SEEN: dict[int, tuple[weakref.ref, list]] = {}

@@ -204,3 +204,31 @@ def test_a_compiler_without_openmp_builds_the_module_without_it(monkeypatch, tmp
     monkeypatch.setattr("torch.utils.cpp_extension.load", load)
     assert native._build() == {"module": built}
     assert asked == [["-O3", "-ffp-contract=off", "-fopenmp"], ["-O3", "-ffp-contract=off"]]
+
+
+def test_attention_row_by_row_is_sdpas_and_a_row_is_the_same_alone():
+    """engine/native/attention.cpp (the int8 and int4 targets' attention): each row over a prefix of the keys, or
+    over a tree node's gathered keys, within float rounding of torch's SDPA on the same keys (grouped heads read
+    their own key head), and the same bits alone as beside other rows, whatever the rows' count."""
+    module = native.layers()
+    if module is None or not module.rows_supported():
+        pytest.skip("no attention row by row here (no C++ module or no AVX2)")
+    g = torch.Generator().manual_seed(0)
+    qs, keys, values = torch.randn(1, 9, 6, 64, generator=g), torch.randn(1, 3, 300, 64, generator=g), \
+        torch.randn(1, 3, 300, 64, generator=g)
+    qs[:, :, 5] *= 40                                    # scores far apart: weights that round to 0 in fp32
+    counts = [1, 7, 8, 9, 150, 300]                      # one key, and counts around the kernel's groups of 4 and 8
+    together = module.rows_attention(qs, keys, values, counts, 0.125)
+    for r, n in enumerate(counts):
+        row = qs[:, :, r:r + 1].contiguous()
+        sdpa = torch.nn.functional.scaled_dot_product_attention(row, keys[:, :, :n], values[:, :, :n], scale=0.125,
+                                                                enable_gqa=True)
+        assert (together[:, :, r:r + 1] - sdpa).abs().max() < 1e-5, n
+        assert torch.equal(module.rows_attention(row, keys, values, [n], 0.125), together[:, :, r:r + 1])
+    path = torch.tensor([0, 4, 17, 299])                # a tree node's keys, gathered
+    gathered = module.rows_attention(qs[:, :, :1], keys.index_select(2, path), values.index_select(2, path), [4], 0.125)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(qs[:, :, :1], keys.index_select(2, path),
+                                                            values.index_select(2, path), scale=0.125, enable_gqa=True)
+    assert (gathered - sdpa).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match="sees 1 to 300 keys"):
+        module.rows_attention(qs[:, :, :1], keys, values, [301], 0.125)

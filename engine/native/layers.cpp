@@ -16,6 +16,10 @@
 bool coded_supported();
 at::Tensor coded_product(const at::Tensor& x, const at::Tensor& blocks, int64_t n, bool q4);
 bool integer_supported();
+// attention.cpp: attention row by row, each row over a prefix of the keys
+bool rows_supported();
+at::Tensor rows_attention(const at::Tensor& qs, const at::Tensor& keys, const at::Tensor& values,
+                          const std::vector<int64_t>& counts, double scaling);
 at::Tensor q4_packed(const at::Tensor& blocks, int64_t n);
 at::Tensor integer_product(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 
@@ -98,7 +102,23 @@ at::Tensor layer(at::Tensor x, Product&& product, const at::Tensor& norm_in, con
                .unsqueeze(0).to(vs.scalar_type());
   at::Tensor attn;
   const bool tree = !seen.counts.empty();
-  if (!rows_apart || (q == 1 && !tree)) {   // rows_apart's one row alone, without a mask, is this same call
+  if (rows_apart && rows_supported()) {   // fused_llama.rows_apart: attention.cpp's rows, each over its keys
+    const int64_t past = k.size(2) - q;
+    if (!tree) {
+      std::vector<int64_t> counts(q);
+      for (int64_t r = 0; r < q; ++r) counts[r] = past + r + 1;
+      attn = rows_attention(qs, k, v, counts, g.scaling);
+    } else {
+      attn = at::empty_like(qs);
+      for (int64_t r = 0; r < q; ++r) {
+        auto row = qs.slice(2, r, r + 1);
+        attn.slice(2, r, r + 1).copy_(seen.counts[r] >= 0
+            ? rows_attention(row, k, v, {seen.counts[r]}, g.scaling)
+            : rows_attention(row, k.index_select(2, seen.indices[r]), v.index_select(2, seen.indices[r]),
+                             {seen.indices[r].size(0)}, g.scaling));
+      }
+    }
+  } else if (!rows_apart || (q == 1 && !tree)) {   // rows_apart's one row alone, without a mask, is this same call
     attn = at::scaled_dot_product_attention(qs, k, v, rows_apart ? std::nullopt : mask, 0.0, false, g.scaling, gqa);
   } else {
     attn = at::empty_like(qs);
@@ -234,6 +254,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_layers", &fp32_layers, "the fp32 target's decoder layers over one sequence's chain of rows", release());
   m.def("coded_product", &coded_product, "x times a matrix kept as Q4_1 or Q8_0 codes, in fp32", release());
   m.def("coded_supported", &coded_supported, "whether this CPU multiplies from codes (AVX2 and FMA)");
+  m.def("rows_supported", &rows_supported, "whether this CPU runs rows_attention (AVX2 and FMA)");
+  m.def("rows_attention", &rows_attention, "attention one query row at a time, each over a prefix of the keys",
+        release());
   m.def("integer_supported", &integer_supported, "whether this CPU takes the integer products (AVX2, FMA, F16C)");
   m.def("q4_packed", &q4_packed, "a matrix's Q4_1 blocks repacked four output rows together", release());
   m.def("integer_product", &integer_product, "x rounded to 8 bits times a packed Q4_1 matrix, as llama.cpp does",
