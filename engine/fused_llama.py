@@ -676,6 +676,11 @@ class FusedLlama:
         matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         matrices.append(self.lm_head)
         self.weights = weights
+        # attention one query row at a time (`rows_apart`): int8 and int4 always, so that a verify's rows are
+        # one-row forwards'; an fp32 model on the CPU too where engine.native's `rows_attention` runs, which
+        # costs less than one SDPA call (the same rows within float rounding)
+        self.rows_apart = weights != "fp32" or (self.device.type == "cpu" and self.embed.dtype == torch.float32
+                                                and _rows_module() is not None)
         self.native: NativeLayers | None = None     # the layers' C++ loop (engine.native), where it runs
         self.native_reason: str | None = "int8 layers run from Python"
         self.coded_reason: str | None = f"{weights} weights"      # why the matrices are not read from codes
@@ -812,7 +817,7 @@ class FusedLlama:
                 if i in taps:
                     tapped[i] = x[0]
                 x = decoder_block(x, layer, lambda ks, vs, i=i: cache.layer_update(i, ks, vs), cos, sin, mask,
-                                  self.heads, self.kv_heads, self.head_dim, linear, self.weights != "fp32")
+                                  self.heads, self.kv_heads, self.head_dim, linear, self.rows_apart)
         features = _rms_norm(x, self.norm)[0]
         head_in = features[-1:] if last_only else features
         tapped[len(self.layers)] = features   # tap L (past the last layer): the post-norm output, as in HF
@@ -848,7 +853,7 @@ class FusedLlama:
         cos, sin = torch.cat(cos_parts)[None, None], torch.cat(sin_parts)[None, None]
         rows = sum(sizes)
         linear = self.blocked.linear if self.blocked is not None and rows >= self.blocked_rows else F.linear
-        exact, scaling = self.weights != "fp32", self.layers[0].scaling
+        exact, scaling = self.rows_apart, self.layers[0].scaling
         caches = [s.cache for s in segments]
         pooled = PooledAttention.of(caches, masks, sizes)
 
@@ -906,6 +911,7 @@ class NativeLayers:
     def __init__(self, fused: "FusedLlama", module) -> None:
         matrices = [m for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self._int4 = isinstance(fused.blocked, Int4Weights)
+        self._rows_apart = fused.rows_apart
         self._coded = fused.blocked.layer_blocks(matrices) if isinstance(fused.blocked, CodedWeights) else None
         if self._int4:
             packed = [fused.blocked._int4[id(m)] for m in matrices]
@@ -950,10 +956,10 @@ class NativeLayers:
         where = (write, cache.slots, span[0] if span else 0, span[1] if span else -1, cos, sin)
         wanted = sorted({t for t in taps if t < self._count})
         keys, values = cache.pool.keys, cache.pool.values
+        seen = _rows_seen(mask, 1, x.shape[1]) if tree and self._rows_apart else []
+        counts = [n if isinstance(n, int) else -1 for n in seen]
+        indices = [torch.empty(0, dtype=torch.long) if isinstance(n, int) else n for n in seen]
         if self._int4:
-            seen = _rows_seen(mask, 1, x.shape[1]) if tree else []
-            counts = [n if isinstance(n, int) else -1 for n in seen]
-            indices = [torch.empty(0, dtype=torch.long) if isinstance(n, int) else n for n in seen]
             out = self._module.int4_layers(x, self._packed, self._pairs, self._rows, self._norms, keys, values,
                                            *where, *self._geometry, wanted, counts, indices, self._integer)
         else:   # Fp32Product in layers.cpp: 0 torch's default linear, 1 oneDNN's blocked copy, 2 from codes
@@ -964,7 +970,7 @@ class NativeLayers:
             else:
                 matrices, kinds, rows = self._dense, [0] * len(self._dense), [0] * len(self._dense)
             out = self._module.fp32_layers(x, matrices, kinds, rows, self._norms, keys, values, *where, mask,
-                                           *self._geometry, wanted)
+                                           *self._geometry, wanted, self._rows_apart, counts, indices)
         return out[0], dict(zip(wanted, out[1:]))
 
 

@@ -13,8 +13,9 @@ calls it. Users: `engine.fused_llama.NativeLayers` (fp32 and int4 targets) and
 `coded.cpp` is the one place that computes something of its own: fp32 products that read a matrix from the
 GGUF codes it was dequantized from (`engine.fused_llama.CodedWeights`, SmolLM2's fp32 target), and the int4
 target's integer products, llama.cpp's arithmetic for a Q4_1 matrix (`Int4Weights`); the Python forward calls
-the same functions, so both loops still agree bit for bit. `attention.cpp` likewise: the int8 and int4 targets'
-attention one query row at a time (`engine.fused_llama.rows_apart`), every row of a forward in one call.
+the same functions, so both loops still agree bit for bit. `attention.cpp` likewise: attention one query row at a
+time (`engine.fused_llama.rows_apart`; the int8 and int4 targets', and fp32 models' on the CPU), every row of a
+forward in one call.
 
 It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
 about 25 s on two cores) into the cache folder, the first time a model that uses it loads (`python -m

@@ -1,10 +1,11 @@
-// Attention one query row at a time, each row over a prefix of the keys (engine.fused_llama.rows_apart, the int8
-// and int4 targets' attention): a verify's row then computes what a one-row forward at its position computes,
-// bit for bit, whatever rows are beside it. torch's SDPA gives that only when called once per row (about 30 us a
-// call at SmolLM2's size, most of it the call); here every row of a forward is one pass of a few loops, in a fixed
-// order that depends on nothing but the row and its keys: each head's scores (a 64-wide dot product, 8 lanes then
-// the lanes added), their largest, exp(score - largest) from a polynomial, the weights' sum in key order, and the
-// values summed in key order, divided by that sum at the end. The Python forward and the C++ layer loop both call it.
+// Attention one query row at a time, each row over a prefix of the keys (engine.fused_llama.rows_apart: the int8
+// and int4 targets' attention, and fp32 models' on the CPU): a verify's row then computes what a one-row forward at
+// its position computes, bit for bit, whatever rows are beside it. torch's SDPA gives that only when called once
+// per row (about 30 us a call at SmolLM2's size, most of it the call); here every row of a forward is one pass of a
+// few loops, in a fixed order that depends on nothing but the row and its keys: each head's scores (a 64-wide dot
+// product, 8 lanes then the lanes added), their largest, exp(score - largest) from a polynomial, the weights' sum
+// in key order, and the values summed in key order, divided by that sum at the end. The Python forward and the C++
+// layer loop both call it.
 #include <torch/extension.h>
 
 #include <algorithm>

@@ -195,7 +195,8 @@ enum Fp32Product : int64_t { DENSE = 0, BLOCKED = 1, CODED = 2 };
 
 // The fp32 target's layers: weights[4i..4i+3] are layer i's QKV, O, gate/up and down matrices, each multiplied as
 // kinds[...] says (Fp32Product; CODED: weights[...] are the blocks, rows[...] the output size); attention is one
-// SDPA call under `mask` (None for one row). Returns as int4_layers does.
+// SDPA call under `mask` (None for one row), or with `rows_apart` row by row as int4_layers attends (a tree's rows'
+// keys in row_counts / row_indices). Returns as int4_layers does.
 std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
                                     const std::vector<int64_t>& kinds, const std::vector<int64_t>& rows,
                                     const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& keys,
@@ -204,12 +205,11 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
                                     const at::Tensor& cos, const at::Tensor& sin,
                                     const std::optional<at::Tensor>& mask, int64_t heads, int64_t kv_heads,
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
-                                    const std::vector<int64_t>& taps) {
+                                    const std::vector<int64_t>& taps, bool rows_apart,
+                                    const std::vector<int64_t>& row_counts, const std::vector<at::Tensor>& row_indices) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
-  const std::vector<int64_t> no_counts;
-  const std::vector<at::Tensor> no_indices;
-  return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, mask, false,
-                     RowKeys{no_counts, no_indices}, taps, [&](size_t i) {
+  return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, mask, rows_apart,
+                     RowKeys{row_counts, row_indices}, taps, [&](size_t i) {
                        return [&, i](const at::Tensor& in, int64_t m) {
                          const auto& w = weights[4 * i + m];
                          switch (kinds[4 * i + m]) {
