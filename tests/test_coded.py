@@ -168,3 +168,24 @@ def test_an_eagle_heads_kept_rows_of_a_coded_head_are_read_as_codes_too():
     logits = runtime.logits(feats)
     assert logits.shape == (5, rows) and (logits.double() - exact).abs().max() < 1e-4 * exact.abs().max()
     assert all(torch.equal(runtime.logits(feats[i:i + 1])[0], logits[i]) for i in range(5))   # alone or among rows
+
+
+def test_a_verifys_rows_are_one_row_forwards_bit_for_bit():
+    """Products read from codes are one fixed sum a row, and an fp32 model on the CPU attends row by row
+    (engine/native/attention.cpp): so a verify's K + 1 rows give the logits that one-row forwards at their
+    positions give, bit for bit (with SDPA over the verify's rows under a mask they differed in the last digits)."""
+    from engine.runner import ModelRunner
+
+    module()
+    target = builtin_target_from_codes()
+    if not target.fused.rows_apart:
+        pytest.skip("no attention row by row here")
+    prompt = target.tokenizer.encode("def mean(values):\n    return")
+    fed = target.tokenizer.encode(" sum(values) / len(values)\n")[:5]
+    runner = ModelRunner(target, 256)
+    alone, together = runner.new_sequence(), runner.new_sequence()
+    runner.forward(alone, prompt)
+    runner.forward(together, prompt)
+    one_by_one = torch.cat([runner.forward(alone, [t]).reshape(1, -1) for t in fed])
+    verify = runner.forward(together, fed).reshape(len(fed), -1)
+    assert torch.equal(verify, one_by_one)
