@@ -18,7 +18,7 @@ time (`engine.fused_llama.rows_apart`; the int8 and int4 targets', and fp32 mode
 forward in one call.
 
 It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
-about 25 s on two cores) into the cache folder, the first time a model that uses it loads (`python -m
+about a minute on two cores) into the cache folder, the first time a model that uses it loads (`python -m
 engine.native` builds it ahead). Without a compiler, or with SPECPLAY_NATIVE=0, the Python loop runs and
 `reason()` says why.
 """
@@ -80,7 +80,7 @@ def _build() -> dict[str, ModuleType | str]:
         folder.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(folder)
         if not any(folder.glob(f"{NAME}*.so")):
-            print(f"specplay: compiling the C++ layer loops into {folder} (once, about 25 s)", file=sys.stderr,
+            print(f"specplay: compiling the C++ layer loops into {folder} (once, about a minute)", file=sys.stderr,
                   flush=True)
         # -fopenmp: torch's threads share out coded.cpp's products (torch's own OpenMP runtime serves them); a
         # compiler without OpenMP builds it again without (those products then run on one thread).
