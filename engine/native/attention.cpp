@@ -14,6 +14,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+
+#include "lanes.h"
 #define SPECPLAY_ROWS 1
 #endif
 
@@ -21,13 +23,6 @@ namespace {
 
 #ifdef SPECPLAY_ROWS
 #define AVX2 __attribute__((target("avx2,fma")))
-
-AVX2 inline float lanes_added(__m256 s) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
 
 // e^x for x <= 0, eight at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r from its Taylor terms to r^7 (under
 // 2 ulp), times 2^n built in the exponent bits; below -87 (where fp32 has no normal result) 0.

@@ -25,6 +25,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+
+#include "lanes.h"
 #define SPECPLAY_CODED 1
 #endif
 
@@ -62,13 +64,6 @@ AVX2 inline void rebuild_q8(const uint8_t* block, float* w) {
     const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + 8 * j));
     _mm256_storeu_ps(w + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), s));
   }
-}
-
-AVX2 inline float lanes_added(__m256 s) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
 }
 
 // O output rows (rebuilt in w, k apart) times R input rows (x, k apart) into out (n apart). Every output of every
