@@ -291,11 +291,11 @@ class Int4Weights:
     on this target emits what target-only decoding on it emits. CPU only; about 5x less to read per token.
 
     Greedy decoding reads nothing of a row but its highest logit, so beside a bf16 or fp32 head it can take
-    `argmax_logits` instead: a 4-bit copy of the head (14 MB against the bf16 copy's 56; on SmolLM2 0.95 against 2.6-3.2 ms a row,
-    AMD EPYC) names each row's 64 likeliest tokens, their logits are computed in fp32 as above, and every other
-    entry is -inf. The 4-bit head is too coarse for a distribution (its logits are 0.43 off on average, up to
-    4.7), but on 384 rows of held-out chat the fp32 head's top token was never below third place in its ranking:
-    64 candidates leave a wide margin, and greedy picks what the fp32 head's highest logit picks."""
+    `argmax_logits` instead: a 4-bit copy of the head (14 MB against the bf16 copy's 56; on SmolLM2 0.95 against
+    2.6-3.2 ms a row, AMD EPYC) names each row's 64 likeliest tokens, their logits are computed in fp32 as above,
+    and every other entry is -inf. The 4-bit head is too coarse for a distribution (its logits are 0.43 off on
+    average, up to 4.7), but on 384 rows of held-out chat the fp32 head's top token was never below third place
+    in its ranking: 64 candidates leave a wide margin, and greedy picks what the fp32 head's highest logit picks."""
 
     GROUP = 32
     REFINED = 64   # logits per row that the bf16 head's result hands to an fp32 product
@@ -680,7 +680,7 @@ class FusedLlama:
         # one-row forwards'; an fp32 model on the CPU too where engine.native's `rows_attention` runs, which
         # costs less than one SDPA call (the same rows within float rounding)
         self.rows_apart = weights != "fp32" or (self.device.type == "cpu" and self.embed.dtype == torch.float32
-                                                and _rows_module() is not None)
+                                                and self.head_dim % 8 == 0 and _rows_module() is not None)
         self.native: NativeLayers | None = None     # the layers' C++ loop (engine.native), where it runs
         self.native_reason: str | None = "int8 layers run from Python"
         self.coded_reason: str | None = f"{weights} weights"      # why the matrices are not read from codes
@@ -1087,7 +1087,7 @@ def rows_apart(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     engine.native runs (AVX2), its `rows_attention` computes every row in one call, as the C++ layer loop does;
     else SDPA is called once per row."""
     b, q = qs.shape[0], qs.shape[2]
-    module = _rows_module() if qs.dtype == torch.float32 and keys.dtype == torch.float32 else None
+    module = _rows_module() if _rows_take(qs, keys) else None
     if module is None and b == 1 and q == 1 and mask is None:     # a one-row forward: itself
         return F.scaled_dot_product_attention(qs, keys, values, scale=scaling, enable_gqa=gqa)
     seen = _rows_seen(mask, b, q) if mask is not None else None
@@ -1108,6 +1108,11 @@ def rows_apart(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 
 _ROWS: list = []    # [engine.native's module, or None where `rows_attention` does not run], once asked
+
+
+def _rows_take(qs: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `rows_attention` takes these: float32 on the CPU, heads a multiple of 8 wide."""
+    return qs.dtype == keys.dtype == torch.float32 and qs.device.type == "cpu" and qs.shape[-1] % 8 == 0
 
 
 def _rows_module():

@@ -141,7 +141,8 @@ AVX2_F16C void rounded_row(const float* x, int64_t groups, int8_t* codes, float*
     const __m256 scale = _mm256_set1_ps(largest != 0.f ? 127.f / largest : 0.f);
     __m256i c[4];
     for (int j = 0; j < 4; ++j)
-      c[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      c[j] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[j], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_hadd_epi32(t, t);

@@ -206,7 +206,8 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
                                     const std::optional<at::Tensor>& mask, int64_t heads, int64_t kv_heads,
                                     int64_t head_dim, int64_t inter, double scaling, double eps,
                                     const std::vector<int64_t>& taps, bool rows_apart,
-                                    const std::vector<int64_t>& row_counts, const std::vector<at::Tensor>& row_indices) {
+                                    const std::vector<int64_t>& row_counts,
+                                    const std::vector<at::Tensor>& row_indices) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
   return every_layer(x, norms, keys, values, write, slots, span_start, span_end, cos, sin, g, mask, rows_apart,
                      RowKeys{row_counts, row_indices}, taps, [&](size_t i) {
