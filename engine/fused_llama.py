@@ -1107,20 +1107,16 @@ def rows_apart(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return out
 
 
-_ROWS: list = []    # [engine.native's module, or None where `rows_attention` does not run], once asked
-
-
 def _rows_take(qs: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether `rows_attention` takes these: float32 on the CPU, heads a multiple of 8 wide."""
     return qs.dtype == keys.dtype == torch.float32 and qs.device.type == "cpu" and qs.shape[-1] % 8 == 0
 
 
 def _rows_module():
-    if not _ROWS:
-        from engine import native
-        module = native.layers()
-        _ROWS.append(module if module is not None and module.rows_supported() else None)
-    return _ROWS[0]
+    """engine.native's module where `rows_attention` runs (it says when SPECPLAY_NATIVE=0 turns it off), else None."""
+    from engine import native
+    module = native.layers()
+    return module if module is not None and module.rows_supported() else None
 
 
 _SEEN: dict[int, tuple[weakref.ref, list]] = {}

@@ -96,14 +96,10 @@ AVX2 void one_head(const float* q, const float* k, const float* v, int64_t key_s
 
 }  // namespace
 
-// Whether this build and CPU run `rows_attention` (x86-64 with AVX2 and FMA).
-bool rows_supported() {
-#ifdef SPECPLAY_ROWS
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
+bool coded_supported();   // coded.cpp: x86-64 with AVX2 and FMA, what this file needs too
+
+// Whether this build and CPU run `rows_attention`.
+bool rows_supported() { return coded_supported(); }
 
 // qs [1, heads, q, d] float32; keys and values [1, kv_heads, N, d] float32 (heads a multiple of kv_heads, each
 // head reading kv head h / (heads / kv_heads); the last dimension contiguous); row r attends to the first
