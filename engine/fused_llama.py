@@ -639,10 +639,34 @@ def _size(n: int) -> str:
 def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     weight, eps = norm  # as LlamaRMSNorm: in fp32, then back to the input dtype, then the weight
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        module = _pointwise_module(x, weight)
+        if module is not None:     # one pass a row, as the C++ layer loop norms
+            return module.rms_rows(x, weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps)  # the same arithmetic in one kernel
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def _gated(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """The MLP's silu(gate) * up from the gate/up product's rows [..., 2 * inter]."""
+    module = _pointwise_module(gate_up)
+    if module is not None:     # one pass a row, as the C++ layer loop gates
+        return module.gated_rows(gate_up, inter)
+    gate, up = gate_up.split(inter, dim=-1)
+    return F.silu(gate) * up
+
+
+def _pointwise_module(*tensors: torch.Tensor):
+    """engine.native's module where its `rms_rows` and `gated_rows` take these tensors: float32 on the CPU, with no
+    gradient to carry (training keeps ATen's, which autograd follows); else None. The C++ layer loop norms and
+    gates float32 rows the same way, so both loops agree bit for bit."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    module = _rows_module()
+    return module if module is not None and module.pointwise_supported() else None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -902,8 +926,8 @@ class FusedLlama:
 
 
 class NativeLayers:
-    """The layers of an fp32 or int4 target run by engine.native's C++ loop: the same ATen calls as
-    `decoder_block` makes with the forward's products (`Int4Weights.linear` and exact attention; the blocked
+    """The layers of an fp32 or int4 target run by engine.native's C++ loop: the same calls as
+    `decoder_block` makes (ATen's, and engine.native's norm, gate and attention) with the forward's products (`Int4Weights.linear` and exact attention; the blocked
     copies' or torch's default product and one SDPA call), for one sequence's rows written to its cache (a chain,
     or a tree under its mask), bit for bit (tests/test_native.py). v1's read-only verify, batches of sequences and
     int8 weights run the Python loop."""
@@ -1156,8 +1180,8 @@ def decoder_layer(x: torch.Tensor, layer: "_Layer", attend, cos: torch.Tensor, s
     vs = vs.view(b, q, kv_heads, head_dim).transpose(1, 2)
     attn = attend(qs, ks, vs)
     x = x + linear(attn.transpose(1, 2).reshape(b, q, heads * head_dim), layer.o, layer.o_bias)
-    gate, up = linear(_rms_norm(x, layer.norm_post), layer.gate_up).split(layer.inter, dim=-1)
-    return x + linear(F.silu(gate) * up, layer.down)
+    gate_up = linear(_rms_norm(x, layer.norm_post), layer.gate_up)
+    return x + linear(_gated(gate_up, layer.inter), layer.down)
 
 
 class BatchForward:

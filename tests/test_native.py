@@ -232,3 +232,50 @@ def test_attention_row_by_row_is_sdpas_and_a_row_is_the_same_alone():
     assert (gathered - sdpa).abs().max() < 1e-5
     with pytest.raises(RuntimeError, match="sees 1 to 300 keys"):
         module.rows_attention(qs[:, :, :1], keys, values, [301], 0.125)
+
+
+@pytest.mark.parametrize("width", [64, 13], ids=["lanes full", "a partial last group"])
+def test_the_norm_and_the_gate_are_torchs_within_rounding_and_a_row_is_the_same_alone(width):
+    """engine/native/pointwise.cpp (every float32 layer's norm and gate on the CPU): LlamaRMSNorm and silu(gate) * up
+    within float rounding of torch's, for rows whose width is not a multiple of 8 too, for gates far out on either
+    side, and a row's bits do not depend on the rows beside it."""
+    module = native.layers()
+    if module is None or not module.pointwise_supported():
+        pytest.skip("no pointwise steps here (no C++ module or no AVX2)")
+    g = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(2, 5, width, generator=g) * 3, torch.randn(width, generator=g)
+    normed = module.rms_rows(x, weight, 1e-5)
+    assert normed.shape == x.shape
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x, (width,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+    assert torch.equal(module.rms_rows(x[1, 3], weight, 1e-5), normed[1, 3])
+    gate_up = torch.randn(2, 5, 2 * width, generator=g) * 4
+    gate_up[0, 0, :width] = torch.linspace(-120, 120, width)       # past exp's range on both sides
+    gated = module.gated_rows(gate_up, width)
+    gate, up = gate_up.split(width, dim=-1)
+    torch.testing.assert_close(gated, torch.nn.functional.silu(gate) * up, rtol=3e-6, atol=1e-6)
+    assert torch.equal(module.gated_rows(gate_up[1, 3], width), gated[1, 3])
+    with pytest.raises(RuntimeError, match="not 2 x 7"):
+        module.gated_rows(gate_up, 7)
+
+
+def test_the_python_forward_norms_and_gates_as_the_cxx_loop_and_training_keeps_its_gradients(monkeypatch):
+    """fused_llama's _rms_norm and _gated call the C++ steps for float32 rows without a gradient (the C++ layer loop's
+    results then match the Python loop's); with a gradient wanted (training a head) they stay torch's, which autograd
+    follows, and with SPECPLAY_NATIVE=0 too."""
+    from engine.fused_llama import _gated, _rms_norm
+
+    module = native.layers()
+    if module is None or not module.pointwise_supported():
+        pytest.skip("no pointwise steps here (no C++ module or no AVX2)")
+    g = torch.Generator().manual_seed(2)
+    x, weight, gate_up = torch.randn(3, 40, generator=g), torch.randn(40, generator=g), torch.randn(3, 80, generator=g)
+    assert torch.equal(_rms_norm(x, (weight, 1e-6)), module.rms_rows(x, weight, 1e-6))
+    assert torch.equal(_gated(gate_up, 40), module.gated_rows(gate_up, 40))
+    trained = weight.clone().requires_grad_()
+    out = _rms_norm(x, (trained, 1e-6))
+    assert torch.equal(out, torch.nn.functional.rms_norm(x, (40,), trained, 1e-6))
+    out.sum().backward()
+    assert trained.grad is not None and trained.grad.abs().sum() > 0
+    monkeypatch.setenv("SPECPLAY_NATIVE", "0")
+    gate, up = gate_up.split(40, dim=-1)
+    assert torch.equal(_gated(gate_up, 40), torch.nn.functional.silu(gate) * up)

@@ -6,16 +6,18 @@ attention, residuals); called one by one from Python, the small ones cost about 
 SmolLM2's int4 weights (AMD EPYC, 2 cores, one-row forwards at a 100-token context, both loops alternating in
 one process) the 30 layers took 9.8-10.6 ms from Python and 6.1-6.4 ms from C++; a whole fp32 step about 34
 against 29 ms. `layers.cpp` makes the Python forward's calls, with the same arguments in the same order, so its
-results are that forward's bit for bit (tests/test_native.py); nothing about the arithmetic changes, only who
-calls it. Users: `engine.fused_llama.NativeLayers` (fp32 and int4 targets) and
-`engine.drafters.eagle.NativeEagleStep`.
+results are that forward's bit for bit (tests/test_native.py); only who calls them changes. Users:
+`engine.fused_llama.NativeLayers` (fp32 and int4 targets) and `engine.drafters.eagle.NativeEagleStep`.
 
-`coded.cpp` is the one place that computes something of its own: fp32 products that read a matrix from the
-GGUF codes it was dequantized from (`engine.fused_llama.CodedWeights`, SmolLM2's fp32 target), and the int4
-target's integer products, llama.cpp's arithmetic for a Q4_1 matrix (`Int4Weights`); the Python forward calls
-the same functions, so both loops still agree bit for bit. `attention.cpp` likewise: attention one query row at a
-time (`engine.fused_llama.rows_apart`; the int8 and int4 targets', and fp32 models' on the CPU), every row of a
-forward in one call.
+Four files compute something of their own, and the Python forward calls the same functions, so both loops still
+agree bit for bit:
+- `coded.cpp`: fp32 products that read a matrix from the GGUF codes it was dequantized from
+  (`engine.fused_llama.CodedWeights`, SmolLM2's fp32 target), and the int4 target's integer products, llama.cpp's
+  arithmetic for a Q4_1 matrix (`Int4Weights`);
+- `attention.cpp`: attention one query row at a time (`engine.fused_llama.rows_apart`; the int8 and int4
+  targets', and fp32 models' on the CPU), every row of a forward in one call;
+- `pointwise.cpp`: the norm, the MLP's gate and the rotary turn of float32 rows, one pass a row (even from C++,
+  torch's CPU norm was six calls; at one row these steps took SmolLM2's int4 layers from 7.3 to 4.8 ms).
 
 It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
 about a minute on two cores) into the cache folder, the first time a model that uses it loads (`python -m
@@ -34,7 +36,7 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("layers.cpp", "coded.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("layers.cpp", "coded.cpp", "attention.cpp", "pointwise.cpp")]
 NAME = "specplay_layers"
 STALE_LOCK_S = 600     # a build lock older than this was left by a build that died
 _lock = threading.Lock()

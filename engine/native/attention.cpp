@@ -24,29 +24,6 @@ namespace {
 #ifdef SPECPLAY_ROWS
 #define AVX2 __attribute__((target("avx2,fma")))
 
-// e^x for x <= 0, eight at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r from its Taylor terms to r^7 (under
-// 2 ulp), times 2^n built in the exponent bits; below -87 (where fp32 has no normal result) 0.
-AVX2 inline __m256 exp_negative(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, floor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln 2, with ln 2 in two parts so that the product loses nothing
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
-}
-
 // One head of one row: q [d] against keys k (n of them, `key_stride` apart) and values v (`value_stride` apart);
 // out [d]. d is a multiple of 8; `scores` holds n rounded up to 8 floats.
 AVX2 void one_head(const float* q, const float* k, const float* v, int64_t key_stride, int64_t value_stride,

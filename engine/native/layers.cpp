@@ -1,14 +1,17 @@
 // Decoder layers for one sequence's chain of rows, as one call from Python: an fp32 or int4 target's layers, and
 // the EAGLE head's draft step (its fc, its one layer, its norm).
 //
-// Every operation is the ATen call that the Python forward makes (engine/fused_llama.py: decoder_layer,
-// Int4Weights.linear, BlockedWeights.linear, PagedCache.layer_update, attention and rows_apart;
-// engine/drafters/eagle.py: EagleHead.step), with the same arguments in the same order, so the results are the
-// Python forward's bit for bit; only the cost of calling some 40 small operations a layer from Python is gone.
+// Every operation is the call that the Python forward makes (engine/fused_llama.py: decoder_layer,
+// Int4Weights.linear, BlockedWeights.linear, PagedCache.layer_update, attention and rows_apart, _rms_norm and
+// _gated; engine/drafters/eagle.py: EagleHead.step), with the same arguments in the same order, so the results are
+// the Python forward's bit for bit; only the cost of calling some 40 small operations a layer from Python is gone.
+// Where the arithmetic is ATen's, some steps are written out here with the same products and sums: the rotary
+// turn (pointwise.cpp's `rotated`) and the cache write (`stored`).
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -22,6 +25,12 @@ at::Tensor rows_attention(const at::Tensor& qs, const at::Tensor& keys, const at
                           const std::vector<int64_t>& counts, double scaling);
 at::Tensor q4_packed(const at::Tensor& blocks, int64_t n);
 at::Tensor integer_product(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+// pointwise.cpp: the norm, the gate and the rotary turn, a row at a time
+bool pointwise_supported();
+at::Tensor rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor gated_rows(const at::Tensor& gate_up, int64_t inter);
+at::Tensor rotated(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim);
 
 namespace {
 
@@ -75,6 +84,27 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
+// pool.index_copy_(1, write, rows.to(pool's dtype)) for one layer's pool [kv_heads, slots, head_dim] and rows
+// [kv_heads, q, head_dim]: where both are float32 with rows of head_dim in a line, row by row with memcpy (the
+// same bytes, without the call's cost).
+void stored(const at::Tensor& pool, const at::Tensor& write, const at::Tensor& rows) {
+  const int64_t kv = pool.size(0), slots = pool.size(1), d = pool.size(2), q = write.numel();
+  if (pool.scalar_type() != at::kFloat || rows.scalar_type() != at::kFloat || write.scalar_type() != at::kLong ||
+      !write.is_contiguous() || pool.stride(2) != 1 || rows.stride(2) != 1 || rows.size(0) != kv ||
+      rows.size(1) != q || rows.size(2) != d) {
+    pool.index_copy_(1, write, rows.to(pool.scalar_type()));
+    return;
+  }
+  const int64_t* at = write.data_ptr<int64_t>();
+  for (int64_t r = 0; r < q; ++r) TORCH_CHECK(at[r] >= 0 && at[r] < slots, "a cache slot out of range: ", at[r]);
+  float* out = pool.data_ptr<float>();
+  const float* in = rows.data_ptr<float>();
+  for (int64_t h = 0; h < kv; ++h)
+    for (int64_t r = 0; r < q; ++r)
+      std::memcpy(out + h * pool.stride(0) + at[r] * pool.stride(1), in + h * rows.stride(0) + r * rows.stride(1),
+                  d * sizeof(float));
+}
+
 // decoder_layer for x [1, q, d]; product(input, i) multiplies by the layer's QKV (0), O (1), gate/up (2) or
 // down (3) matrix. With rows_apart, attention runs one query row at a time over the keys it sees (rows_apart in
 // Python); otherwise one SDPA call under `mask` (None: every key), as `attention` without `exact`.
@@ -84,16 +114,27 @@ at::Tensor layer(at::Tensor x, Product&& product, const at::Tensor& norm_in, con
                  const std::optional<at::Tensor>& mask, bool rows_apart, const RowKeys& seen) {
   const int64_t d = x.size(-1), q = x.size(1);
   const bool gqa = g.kv_heads != g.heads;
-  auto qkv = product(at::rms_norm(x, {d}, norm_in, g.eps), 0);
+  // float32 rows: pointwise.cpp's norm and gate, as fused_llama's _rms_norm and _gated pick them
+  const bool pointwise = pointwise_supported() && x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                         cos.numel() == q * g.head_dim;
+  auto normed = [&](const at::Tensor& in, const at::Tensor& w) {
+    return pointwise ? rms_rows(in, w, g.eps) : at::rms_norm(in, {d}, w, g.eps);
+  };
+  auto qkv = product(normed(x, norm_in), 0);
   auto parts = qkv.split_with_sizes({(g.heads + g.kv_heads) * g.head_dim, g.kv_heads * g.head_dim}, -1);
-  auto qk = parts[0].view({1, q, g.heads + g.kv_heads, g.head_dim}).transpose(1, 2);
-  qk = qk * cos + rotate_half(qk) * sin;
+  at::Tensor qk;
+  if (pointwise) {
+    qk = rotated(qkv, cos, sin, g.heads, g.kv_heads, g.head_dim);
+  } else {
+    qk = parts[0].view({1, q, g.heads + g.kv_heads, g.head_dim}).transpose(1, 2);
+    qk = qk * cos + rotate_half(qk) * sin;
+  }
   auto split = qk.split_with_sizes({g.heads, g.kv_heads}, 1);
   auto qs = split[0];
   auto vs = parts[1].view({1, q, g.kv_heads, g.head_dim}).transpose(1, 2);
   // PagedCache.layer_update: write this step's K/V, gather the sequence's
-  cache.keys.index_copy_(1, cache.write, split[1][0].to(cache.keys.scalar_type()));
-  cache.values.index_copy_(1, cache.write, vs[0].to(cache.values.scalar_type()));
+  stored(cache.keys, cache.write, split[1][0]);
+  stored(cache.values, cache.write, vs[0]);
   const bool view = cache.span_end >= 0;
   auto k = (view ? cache.keys.slice(1, cache.span_start, cache.span_end) : cache.keys.index_select(1, cache.slots))
                .unsqueeze(0).to(split[1].scalar_type());
@@ -138,8 +179,10 @@ at::Tensor layer(at::Tensor x, Product&& product, const at::Tensor& norm_in, con
     }
   }
   x = x + product(attn.transpose(1, 2).reshape({1, q, g.heads * g.head_dim}), 1);
-  auto gate_up = product(at::rms_norm(x, {d}, norm_post, g.eps), 2).split(g.inter, -1);
-  return x + product(at::silu(gate_up[0]) * gate_up[1], 3);
+  auto gate_up = product(normed(x, norm_post), 2);
+  if (pointwise) return x + product(gated_rows(gate_up, g.inter), 3);
+  auto halves = gate_up.split(g.inter, -1);
+  return x + product(at::silu(halves[0]) * halves[1], 3);
 }
 
 // Every layer in turn: products_of(i) gives layer i's product(input, matrix); norms[2i], norms[2i + 1] its norms,
@@ -244,7 +287,8 @@ at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std:
   const std::vector<int64_t> no_counts;
   const std::vector<at::Tensor> no_indices;
   x = layer(x, product, norms[0], norms[1], cache, cos, sin, g, mask, false, RowKeys{no_counts, no_indices});
-  return at::rms_norm(x, {x.size(-1)}, norms[2], eps);
+  return pointwise_supported() && x.scalar_type() == at::kFloat ? rms_rows(x, norms[2], eps)
+                                                                 : at::rms_norm(x, {x.size(-1)}, norms[2], eps);
 }
 
 // Each call lets go of Python's lock while it computes, as each ATen call from Python does: the server's other
@@ -258,6 +302,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_supported", &rows_supported, "whether this CPU runs rows_attention (AVX2 and FMA)");
   m.def("rows_attention", &rows_attention, "attention one query row at a time, each over a prefix of the keys",
         release());
+  m.def("pointwise_supported", &pointwise_supported, "whether this CPU runs rms_rows and gated_rows (AVX2 and FMA)");
+  m.def("rms_rows", &rms_rows, "LlamaRMSNorm over float32 rows, a row at a time", release());
+  m.def("gated_rows", &gated_rows, "silu(gate) * up over float32 rows of [gate, up]", release());
   m.def("integer_supported", &integer_supported, "whether this CPU takes the integer products (AVX2, FMA, F16C)");
   m.def("q4_packed", &q4_packed, "a matrix's Q4_1 blocks repacked four output rows together", release());
   m.def("integer_product", &integer_product, "x rounded to 8 bits times a packed Q4_1 matrix, as llama.cpp does",
