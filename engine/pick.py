@@ -30,10 +30,12 @@ from engine.pair import ModelPair
 from engine.sampling import SamplingParams
 from engine.sources import cache_root
 
-PICK_FORMAT = 4     # 4: 8 prompts a candidate; 3: fp32 products from a GGUF's codes (CodedWeights); 2: layers and
+PICK_FORMAT = 5     # 5: the layers' norms and gates in one pass (engine/native/pointwise.cpp), a step a quarter
+                    # shorter, so a verify's rows cost more steps; 4: 8 prompts a candidate; 3: fp32 products from a GGUF's codes (CodedWeights); 2: layers and
                     # the head's step in C++ (engine.native); 1 weighed c and r otherwise
 NEW_TOKENS = 48
 TIE = 0.10          # a candidate this close to the fastest is as fast, as far as a pick of a few prompts can tell
+SLIM = 1.2          # a winner below this speed-up is explained too: α, c and r say why it is not more
 
 
 class PickStopped(Exception):
@@ -94,24 +96,24 @@ class Pick:
         return self.winner.candidate if self.winner.speedup > 1.0 else None
 
     def explain(self) -> str:
-        """What the pick found, in a sentence or two: the winner and its margin, or why nothing won."""
+        """What the pick found, in a sentence or two: the winner and its margin (and why, when it is below SLIM),
+        or why nothing won."""
         b = self.winner
         where = f"on this CPU ({self.cpu})"
+        figures = ", ".join(f"{name} {value:{form}}" for name, value, form in
+                            (("α", b.alpha, ".2f"), ("c", b.c, ".3f"), ("r(K+1)", b.r, ".2f")) if value is not None)
         if self.chosen is not None:
             among = (f"the fastest of {len(self.tried)} candidates" if b is self.best else
                      f"the fastest, {self.best.candidate.label} at {self.best.speedup:.2f}×, is within {TIE:.0%}, so "
                      "the bench default stays")
-            return (f"Measured {where}: {b.candidate.label} decoded {b.speedup:.2f}× as fast as target-only "
+            said = (f"Measured {where}: {b.candidate.label} decoded {b.speedup:.2f}× as fast as target-only "
                     f"({self.prompts} prompts, T = {self.temperature:g}); {among}.")
-        why = []
-        if b.alpha is not None:
-            why.append(f"α {b.alpha:.2f}")
-        if b.c is not None:
-            why.append(f"c {b.c:.3f}")
-        if b.r is not None:
-            why.append(f"r(K+1) {b.r:.2f}")
+            if b.speedup < SLIM and figures:
+                said += (f" A slim margin ({figures}): a round's accepted tokens pay for little more than its draft "
+                         "and its verify of K + 1 rows, which costs r(K+1) target steps here.")
+            return said
         return (f"No drafter beat target-only {where} at T = {self.temperature:g}: the best, {b.candidate.label}, "
-                f"decoded {b.speedup:.2f}× ({', '.join(why)}). A round here yields too few accepted tokens for what "
+                f"decoded {b.speedup:.2f}× ({figures}). A round here yields too few accepted tokens for what "
                 "its draft and its verify forward cost in target steps; speculation pays where α is higher or "
                 "a verify of several rows costs nearer one step.")
 

@@ -86,6 +86,9 @@ def a_pick(*speedups: float) -> Pick:
 def test_the_fastest_candidate_wins_only_when_it_beats_target_only():
     assert a_pick(0.9, 1.31, 1.2).chosen == Candidate(DrafterKind.EAGLE_HYBRID.value, 2)
     assert "eagle-hybrid, K=2 decoded 1.31× as fast as target-only" in a_pick(0.9, 1.31, 1.2).explain()
+    assert "slim" not in a_pick(0.9, 1.31, 1.2).explain()
+    slim = a_pick(0.9, 1.08).explain()                    # a win, but a small one: why, in α, c and r
+    assert "decoded 1.08× as fast" in slim and "A slim margin (α 0.31, c 0.072, r(K+1) 1.39)" in slim
     lost = a_pick(0.56, 0.8, 0.7)
     assert lost.chosen is None
     assert lost.explain().startswith("No drafter beat target-only on this CPU (Test CPU 9000, 2 torch threads) "
