@@ -272,3 +272,19 @@ def test_a_tie_past_a_small_nucleus_takes_no_full_sort(monkeypatch):
     assert torch.equal(sampling._top_k_top_p_mask(scaled, params), by_sorting(scaled, params)) and sorts == []
     scaled[:, 3:] = 13.0 / params.temperature            # now the tie is inside the nucleus: the full sort decides
     assert torch.equal(sampling._top_k_top_p_mask(scaled, params), by_sorting(scaled, params)) and sorts
+
+
+def test_the_nucleus_total_is_logsumexps_in_float64_within_float32_rounding():
+    """top-p's total (the log of a row's exp sum) from float32 terms held at e^-87 and a float32 sum: within float32
+    rounding of float64's logsumexp for a low temperature's spread, a flat row and padded -inf logits alike."""
+    from engine.sampling import _log_total
+
+    gen = torch.Generator().manual_seed(7)
+    scaled = torch.randn(4, 49152, generator=gen) * 4 / 0.05       # T = 0.05: almost every term underflows
+    scaled[1] = 3.0                                                 # flat: every term counts
+    scaled[2, 40000:] = -math.inf                                   # a padded vocabulary
+    scaled[3] = torch.randn(49152, generator=gen)                   # T = 1
+    total = _log_total(scaled, scaled.max(-1, keepdim=True).values)
+    want = scaled.double().logsumexp(-1, keepdim=True)
+    assert total.dtype == torch.float64 and total.shape == (4, 1)
+    assert (total - want).abs().max() < 1e-6
