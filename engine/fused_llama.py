@@ -926,11 +926,11 @@ class FusedLlama:
 
 
 class NativeLayers:
-    """The layers of an fp32 or int4 target run by engine.native's C++ loop: the same calls as
-    `decoder_block` makes (ATen's, and engine.native's norm, gate and attention) with the forward's products (`Int4Weights.linear` and exact attention; the blocked
-    copies' or torch's default product and one SDPA call), for one sequence's rows written to its cache (a chain,
-    or a tree under its mask), bit for bit (tests/test_native.py). v1's read-only verify, batches of sequences and
-    int8 weights run the Python loop."""
+    """The layers of an fp32 or int4 target run by engine.native's C++ loop: the same calls as `decoder_block`
+    makes (ATen's, and engine.native's norm, gate and attention) with the forward's products (`Int4Weights.linear`
+    and exact attention; the blocked copies' or torch's default product and one SDPA call), for one sequence's rows
+    written to its cache (a chain, or a tree under its mask), bit for bit (tests/test_native.py). v1's read-only
+    verify, batches of sequences and int8 weights run the Python loop."""
 
     def __init__(self, fused: "FusedLlama", module) -> None:
         matrices = [m for layer in fused.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]

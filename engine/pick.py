@@ -31,8 +31,9 @@ from engine.sampling import SamplingParams
 from engine.sources import cache_root
 
 PICK_FORMAT = 5     # 5: the layers' norms and gates in one pass (engine/native/pointwise.cpp), a step a quarter
-                    # shorter, so a verify's rows cost more steps; 4: 8 prompts a candidate; 3: fp32 products from a GGUF's codes (CodedWeights); 2: layers and
-                    # the head's step in C++ (engine.native); 1 weighed c and r otherwise
+                    # shorter, so a verify's rows cost more steps; 4: 8 prompts a candidate; 3: fp32 products from
+                    # a GGUF's codes (CodedWeights); 2: layers and the head's step in C++ (engine.native); 1 weighed
+                    # c and r otherwise
 NEW_TOKENS = 48
 TIE = 0.10          # a candidate this close to the fastest is as fast, as far as a pick of a few prompts can tell
 SLIM = 1.2          # a winner below this speed-up is explained too: α, c and r say why it is not more
