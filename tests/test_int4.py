@@ -87,6 +87,42 @@ def test_the_integer_product_is_llamacpps_q4_1_arithmetic():
         assert (got - want).abs().max() < 1e-5 * want.abs().max(), (rows, cols)
 
 
+@pytest.mark.skipif(not INTEGER, reason="no integer products here")
+def test_the_integer_head_is_llamacpps_q8_0_arithmetic_and_a_row_is_the_same_alone():
+    """A Q8_0 head (signed 8-bit codes, a float16 step per block of 32) times rows rounded to Q8_0 blocks, summed
+    as integers and scaled by the two steps, as written out in float64 here; a code of -128 (which llama.cpp's
+    quantizer never writes, but a file may hold) multiplies as -128; each row's outputs are the same alone as among
+    others, so a verify's logits are one-row forwards'."""
+    from engine import native
+    from engine.fused_llama import q8_blocks
+
+    module = native.layers()
+    g = torch.Generator().manual_seed(4)
+    rows, cols = 64, 576
+    codes = torch.randint(-127, 128, (rows, cols // 32, 32), generator=g)
+    codes[..., 0] = 127                                   # each block's largest |code|, as the file's
+    step = (torch.rand(rows, cols // 32, generator=g) * 0.02 + 1e-4).half().float()
+    head = (codes * step[..., None]).view(rows, cols)
+    blocks = q8_blocks(head)
+    assert blocks is not None
+    blocks.view(rows, cols // 32, 36)[3, 2, 4 + 5] = 128  # one code of -128 (0x80), past q8_blocks' check
+    codes[3, 2, 5] = -128
+    int4 = Int4Weights([q4_1_matrix(32, cols)[0]], head=head, integer=True)
+    assert int4.head_format == "Q8_0" and int4.read_from == "Q4_1 and Q8_0 codes with 8-bit inputs"
+    x = torch.randn(5, cols, generator=g) * 3
+    x[1, 64:96] = 0                                       # a block of zeros: step 0
+    got = module.integer_product(x, module.q8_packed(blocks, rows), rows).double()
+    groups = x.view(5, -1, 32).double()
+    largest = groups.abs().amax(dim=-1, keepdim=True)
+    q = torch.round(groups * torch.where(largest > 0, 127 / largest.float(), 0.0).double())
+    d = (largest.float() / 127).half().double()
+    want = (torch.einsum("rgk,ngk->rng", q, codes.double()) * step.double()[None] * d[:, None, :, 0]).sum(-1)
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    logits = int4.linear(x, head)
+    assert all(torch.equal(int4.linear(x[i:i + 1], head)[0], logits[i]) for i in range(5))
+    assert (logits - x @ head.T).norm() / (x @ head.T).norm() < 0.01   # 8-bit inputs: well under 1%
+
+
 def test_without_bf16_products_the_head_stays_fp32_and_multiplies_as_before(monkeypatch):
     """An AVX2-only CPU has no bf16 products in oneDNN: the head is an fp32 blocked copy, its logits the fp32
     product's, alone as among rows."""
@@ -270,7 +306,7 @@ def test_smollm2_int4_multiplies_with_the_wheels_own_codes_and_speculation_emits
     # with integer products the head is read from its own codes, faster than greedy's candidate head
     assert target.fused.blocked.head_format == ("Q8_0" if INTEGER else "bf16" if bf16_products() else "fp32")
     assert target.fused.blocked.argmax_head is not INTEGER
-    assert target.codes == ("Q4_1 codes with 8-bit inputs and Q8_0 codes" if INTEGER else None)   # the status line
+    assert target.codes == ("Q4_1 and Q8_0 codes with 8-bit inputs" if INTEGER else None)   # the status line
     pair = ModelPair(target, eagle=load_eagle(SMOLLM2, target))
     prompt = encode_chat(target.tokenizer, ChatPrompt("Why is the sky blue?"))
     alone = decode(pair, prompt, mode=Mode.TARGET, max_new_tokens=32)

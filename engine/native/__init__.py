@@ -13,7 +13,7 @@ Four files compute something of their own, and the Python forward calls the same
 agree bit for bit:
 - `coded.cpp`: fp32 products that read a matrix from the GGUF codes it was dequantized from
   (`engine.fused_llama.CodedWeights`, SmolLM2's fp32 target), and the int4 target's integer products, llama.cpp's
-  arithmetic for a Q4_1 matrix (`Int4Weights`);
+  arithmetic for a Q4_1 matrix and for its Q8_0 head (`Int4Weights`);
 - `attention.cpp`: attention one query row at a time (`engine.fused_llama.rows_apart`; the int8 and int4
   targets', and fp32 models' on the CPU), every row of a forward in one call;
 - `pointwise.cpp`: the norm, the MLP's gate and the rotary turn of float32 rows, one pass a row (even from C++,

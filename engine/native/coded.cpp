@@ -15,6 +15,8 @@
 // of 4-bit and 8-bit codes are summed as integers, scaled by the two steps, and the weights' minimums are added
 // times the input block's sum. The weights are repacked once, four output rows together (`q4_packed`), so that
 // one pass over memory reads them in order and each group of four is multiplied with all input rows at once.
+// Its LM head, a Q8_0 matrix, multiplies likewise as llama.cpp computes one (`q8_packed`, `integer_tile_q8`): the
+// input rounded as a Q8_0 block (the same codes and step, no sum), signed codes times signed codes.
 #include <ATen/ATen.h>   // not torch/extension.h: a third of the compile time
 
 #include <ATen/Parallel.h>
@@ -119,6 +121,7 @@ AVX2 void outputs(const float* x, int64_t m, int64_t k, const uint8_t* blocks, f
 // -- integer products from Q4_1 codes ---------------------------------------------------------------------------
 
 constexpr int64_t PACKED = 96;     // four output rows' block: 4 x 16 bytes of codes, 4 steps, 4 minimums
+constexpr int64_t PACKED8 = 144;   // four Q8_0 output rows' block: 4 x 32 signed codes (see q8_packed), 4 steps
 constexpr int64_t ROW_CODES = 64;  // an input row's block: columns 0..15 twice, then columns 16..31 twice
 
 AVX2_F16C inline float half_rounded(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
@@ -203,6 +206,52 @@ AVX2 void integer_tile(const uint8_t* w, int64_t groups, const int8_t* codes, co
     y[3] = lanes[6] + lanes[7];
   }
 }
+
+// Four Q8_0 output rows (one packed group, `w`: rows a, b, c, d as [a 0..15 | b 0..15], [a 16..31 | b 16..31],
+// then c and d alike, then the four steps) times R rounded input rows, as llama.cpp multiplies a Q8_0 matrix with
+// inputs rounded to Q8_0 blocks: per block and row, the codes' 32 products summed as integers (signed times signed:
+// |w| times x with w's sign, at most 2 * 128 * 127 per 16-bit lane), scaled by the two steps. Lanes as in
+// integer_tile, so the outputs are folded the same way, in an order that does not depend on R.
+template <int R>
+AVX2 void integer_tile_q8(const uint8_t* w, int64_t groups, const int8_t* codes, const float* steps, float* out,
+                          int64_t n) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i pairs = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = w + g * PACKED8;
+    __m256i rows[4], size[4];
+    for (int j = 0; j < 4; ++j) {
+      rows[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j));
+      size[j] = _mm256_sign_epi8(rows[j], rows[j]);   // |w| (-128 stays 0x80: 128 read unsigned)
+    }
+    const __m256 wsteps = _mm256_permutevar8x32_ps(
+        _mm256_castps128_ps256(_mm_loadu_ps(reinterpret_cast<const float*>(block + 128))), pairs);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = codes + (r * groups + g) * ROW_CODES;
+      const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      const __m256i sab = _mm256_add_epi32(
+          _mm256_madd_epi16(_mm256_maddubs_epi16(size[0], _mm256_sign_epi8(first, rows[0])), ones),
+          _mm256_madd_epi16(_mm256_maddubs_epi16(size[1], _mm256_sign_epi8(second, rows[1])), ones));
+      const __m256i scd = _mm256_add_epi32(
+          _mm256_madd_epi16(_mm256_maddubs_epi16(size[2], _mm256_sign_epi8(first, rows[2])), ones),
+          _mm256_madd_epi16(_mm256_maddubs_epi16(size[3], _mm256_sign_epi8(second, rows[3])), ones));
+      const __m256 products = _mm256_cvtepi32_ps(_mm256_hadd_epi32(sab, scd));
+      acc[r] = _mm256_fmadd_ps(products, _mm256_mul_ps(wsteps, _mm256_set1_ps(steps[r * groups + g])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    float* y = out + r * n;
+    y[0] = lanes[0] + lanes[1];
+    y[1] = lanes[4] + lanes[5];
+    y[2] = lanes[2] + lanes[3];
+    y[3] = lanes[6] + lanes[7];
+  }
+}
 #endif
 
 }  // namespace
@@ -248,13 +297,40 @@ at::Tensor q4_packed(const at::Tensor& blocks, int64_t n) {
   return out;
 }
 
-// x [..., k] float32 times the packed Q4_1 matrix [n, k] (q4_packed), transposed, with 8-bit inputs: [..., n].
+// Q8_0 blocks (uint8 [n, k / 32 * 36], as q8_blocks keeps them: a float32 step, then 32 signed codes) repacked for
+// `integer_product`: uint8 [n / 4, k / 32, 144], each block of four output rows holding their codes two rows to a
+// 32-byte line (columns 0..15 of rows 0 and 1, columns 16..31 of rows 0 and 1, then rows 2 and 3), then their steps.
+at::Tensor q8_packed(const at::Tensor& blocks, int64_t n) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && n > 0 && n % 4 == 0 &&
+                  blocks.numel() % (n * Q8_BLOCK) == 0,
+              "q8_packed takes the uint8 Q8_0 blocks of a matrix whose rows are a multiple of 4");
+  const int64_t row_bytes = blocks.numel() / n, groups = row_bytes / Q8_BLOCK;
+  auto out = at::empty({n / 4, groups, PACKED8}, blocks.options());
+  const uint8_t* from = blocks.data_ptr<uint8_t>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < n / 4; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* block = to + (t * groups + g) * PACKED8;
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* source = from + (4 * t + j) * row_bytes + g * Q8_BLOCK;
+        const int64_t line = 64 * (j / 2) + 16 * (j % 2);   // row j's columns 0..15; 32 bytes on, its 16..31
+        std::memcpy(block + line, source + 4, 16);
+        std::memcpy(block + line + 32, source + 20, 16);
+        std::memcpy(block + 128 + 4 * j, source, 4);
+      }
+    }
+  return out;
+}
+
+// x [..., k] float32 times a packed matrix [n, k], transposed, with 8-bit inputs: [..., n]. The packing says which:
+// Q4_1 blocks from q4_packed (the input rounded as a Q8_1 block) or Q8_0 blocks from q8_packed (as a Q8_0 block).
 at::Tensor integer_product(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const int64_t k = x.size(-1), groups = k / GROUP;
   TORCH_CHECK(integer_supported(), "integer products need an x86-64 CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "integer_product takes float32 rows and uint8 packed blocks");
-  TORCH_CHECK(k % GROUP == 0 && n % 4 == 0 && packed.numel() == n / 4 * groups * PACKED,
+  const bool q8 = packed.dim() == 3 && packed.size(2) == PACKED8;
+  TORCH_CHECK(k % GROUP == 0 && n % 4 == 0 && packed.numel() == n / 4 * groups * (q8 ? PACKED8 : PACKED),
               "the packed blocks do not cover an [", n, ", ", k, "] matrix");
   auto rows = x.reshape({-1, k}).contiguous();
   const int64_t m = rows.size(0);
@@ -269,13 +345,18 @@ at::Tensor integer_product(const at::Tensor& x, const at::Tensor& packed, int64_
   float* y = out.data_ptr<float>();
   at::parallel_for(0, n / 4, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* group = w + t * groups * PACKED;
+      const uint8_t* group = w + t * groups * (q8 ? PACKED8 : PACKED);
       for (int64_t r = 0; r < m;) {   // four rows at a time, then three, two or one
         const int64_t step = std::min<int64_t>(4, m - r);
         const int8_t* c = codes.data() + r * groups * ROW_CODES;
         const float *s = steps.data() + r * groups, *u = sums.data() + r * groups;
         float* o = y + r * n + 4 * t;
-        if (step == 4) integer_tile<4>(group, groups, c, s, u, o, n);
+        if (q8) {
+          if (step == 4) integer_tile_q8<4>(group, groups, c, s, o, n);
+          else if (step == 3) integer_tile_q8<3>(group, groups, c, s, o, n);
+          else if (step == 2) integer_tile_q8<2>(group, groups, c, s, o, n);
+          else integer_tile_q8<1>(group, groups, c, s, o, n);
+        } else if (step == 4) integer_tile<4>(group, groups, c, s, u, o, n);
         else if (step == 3) integer_tile<3>(group, groups, c, s, u, o, n);
         else if (step == 2) integer_tile<2>(group, groups, c, s, u, o, n);
         else integer_tile<1>(group, groups, c, s, u, o, n);

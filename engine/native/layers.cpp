@@ -24,6 +24,7 @@ bool rows_supported();
 at::Tensor rows_attention(const at::Tensor& qs, const at::Tensor& keys, const at::Tensor& values,
                           const std::vector<int64_t>& counts, double scaling);
 at::Tensor q4_packed(const at::Tensor& blocks, int64_t n);
+at::Tensor q8_packed(const at::Tensor& blocks, int64_t n);
 at::Tensor integer_product(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 // pointwise.cpp: the norm, the gate and the rotary turn, a row at a time
 bool pointwise_supported();
@@ -307,8 +308,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_rows", &gated_rows, "silu(gate) * up over float32 rows of [gate, up]", release());
   m.def("integer_supported", &integer_supported, "whether this CPU takes the integer products (AVX2, FMA, F16C)");
   m.def("q4_packed", &q4_packed, "a matrix's Q4_1 blocks repacked four output rows together", release());
-  m.def("integer_product", &integer_product, "x rounded to 8 bits times a packed Q4_1 matrix, as llama.cpp does",
-        release());
+  m.def("q8_packed", &q8_packed, "a matrix's Q8_0 blocks repacked four output rows together", release());
+  m.def("integer_product", &integer_product,
+        "x rounded to 8 bits times a packed Q4_1 or Q8_0 matrix, as llama.cpp does", release());
   m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with its copies' products",
         release());
 }
