@@ -92,6 +92,9 @@ def test_the_eagle_heads_cxx_step_computes_what_its_python_step_computes_bit_for
                            codes=copies == "8-bit codes")
     if copies == "8-bit codes":     # a head drafts from codes where its target's products read codes
         assert (runtime.matrices == "8-bit codes") == isinstance(target.fused.blocked, CodedWeights)
+        if runtime.matrices == "8-bit codes":   # with 8-bit inputs where the CPU takes the integer products
+            integer = native.layers().integer_supported()
+            assert runtime.native._kinds == [3 if integer else 2] * 5 and runtime._blocked.integer == integer
     assert runtime.native is not None     # (under the target's blocked_rows a head's steps run in Python)
     d = target.fused.embed.shape[1]
     feats = torch.randn(40, d, generator=torch.Generator().manual_seed(5))

@@ -244,6 +244,8 @@ class EagleRuntime:
         self._head_product = by_codes[0] if by_codes is not None else None
         self._blocked = self._blocked_copies(target, draft_in_bf16() if bf16 is None else bf16,
                                              draft_in_codes() if codes is None else codes)
+        if by_codes is not None and isinstance(self._blocked, DraftCodes) and self._blocked.integer:
+            self._head_product = coded.product_by(self.head_weight, integer=True)[0]   # as the draft's layer
         self.native, self.native_reason = NativeEagleStep.of(self)
         own = sum(p.numel() * p.element_size() for p in self.head.parameters())
         borrowed = 0 if head.config.own_head else by_codes[1] if by_codes is not None else \
@@ -381,9 +383,9 @@ class NativeEagleStep:
             return None, "the C++ step multiplies with blocked copies, and this head has none"
         layer = runtime.layer
         matrices = [runtime.head.fc.weight, layer.qkv, layer.o, layer.gate_up, layer.down]
-        if isinstance(runtime._blocked, DraftCodes):   # Fp32Product in layers.cpp: 1 blocked, 2 from codes
+        if isinstance(runtime._blocked, DraftCodes):   # Fp32Product in layers.cpp: 1 blocked, 2 or 3 from codes
             coded = [runtime._blocked.blocks(m) for m in matrices]
-            blocked, kinds, rows = [c[0] if c else None for c in coded], [2] * 5, [c[1] if c else 0 for c in coded]
+            blocked, rows, kinds = ([c[j] if c else None for c in coded] for j in range(3))
         else:
             blocked, kinds, rows = [runtime._blocked._blocked.get(id(m)) for m in matrices], [1] * 5, [0] * 5
         if any(b is None for b in blocked):

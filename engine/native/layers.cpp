@@ -233,9 +233,10 @@ std::vector<at::Tensor> int4_layers(at::Tensor x, const std::vector<at::Tensor>&
                      });
 }
 
-// How an fp32 layer matrix is multiplied: as it is (torch's default linear), as oneDNN's blocked copy, or from a
-// GGUF file's Q4_1 codes (CodedWeights; coded.cpp).
-enum Fp32Product : int64_t { DENSE = 0, BLOCKED = 1, CODED = 2 };
+// How an fp32 layer matrix is multiplied: as it is (torch's default linear), as oneDNN's blocked copy, from a
+// GGUF file's Q4_1 codes (CodedWeights; coded.cpp), or (a drafter's, DraftCodes) from Q8_0 codes packed by
+// q8_packed, with 8-bit inputs.
+enum Fp32Product : int64_t { DENSE = 0, BLOCKED = 1, CODED = 2, INTEGER = 3 };
 
 // The fp32 target's layers: weights[4i..4i+3] are layer i's QKV, O, gate/up and down matrices, each multiplied as
 // kinds[...] says (Fp32Product; CODED: weights[...] are the blocks, rows[...] the output size); attention is one
@@ -268,7 +269,7 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
 
 // EagleHead.step with the head's copies' products: fc over [emb, feats] (weights[0], with fc_bias), the layer
 // (weights[1..4]), then the output norm; each multiplied as kinds[...] says (BLOCKED: oneDNN's blocked copy, bf16
-// or fp32; CODED: Q8_0 blocks of rows[...] outputs, DraftCodes). emb and feats [1, q, d]; norms: in, post, out.
+// or fp32; CODED: Q8_0 blocks of rows[...] outputs, DraftCodes; INTEGER: those blocks packed, with 8-bit inputs). emb and feats [1, q, d]; norms: in, post, out.
 at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std::vector<at::Tensor>& weights,
                       const std::vector<int64_t>& kinds, const std::vector<int64_t>& rows,
                       const std::optional<at::Tensor>& fc_bias, bool bf16, const std::vector<at::Tensor>& norms,
@@ -278,8 +279,9 @@ at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std:
                       int64_t kv_heads, int64_t head_dim, int64_t inter, double scaling, double eps) {
   const Geometry g{heads, kv_heads, head_dim, inter, scaling, eps};
   auto multiply = [&](const at::Tensor& in, size_t i, const std::optional<at::Tensor>& bias) {
-    if (kinds[i] != CODED) return blocked_product(in, weights[i], bias, bf16);
-    auto out = coded_product(in, weights[i], rows[i], false);
+    if (kinds[i] != CODED && kinds[i] != INTEGER) return blocked_product(in, weights[i], bias, bf16);
+    auto out = kinds[i] == INTEGER ? integer_product(in, weights[i], rows[i])
+                                   : coded_product(in, weights[i], rows[i], false);
     return bias ? out + *bias : out;
   };
   auto x = multiply(at::cat({emb, feats}, -1), 0, fc_bias);
