@@ -161,6 +161,16 @@ AVX2_F16C void rounded_row(const float* x, int64_t groups, int8_t* codes, float*
   }
 }
 
+// An integer tile's sums [o0 o0 o2 o2 | o1 o1 o3 o3] folded into its four outputs y[0..3], each its two lanes added.
+AVX2 inline void folded(__m256 acc, float* y) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  y[0] = lanes[0] + lanes[1];
+  y[1] = lanes[4] + lanes[5];
+  y[2] = lanes[2] + lanes[3];
+  y[3] = lanes[6] + lanes[7];
+}
+
 // Four output rows (one packed group, `w`) times R rounded input rows. Per block and row: the codes' products
 // summed as integers into [o0 o0 o2 o2 | o1 o1 o3 o3], scaled by the weights' and the row's steps, plus the
 // minimums times the row's sum (in one lane of each pair); each output is its two lanes added at the end. The
@@ -196,15 +206,7 @@ AVX2 void integer_tile(const uint8_t* w, int64_t groups, const int8_t* codes, co
       acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[r * groups + g]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    float* y = out + r * n;
-    y[0] = lanes[0] + lanes[1];
-    y[1] = lanes[4] + lanes[5];
-    y[2] = lanes[2] + lanes[3];
-    y[3] = lanes[6] + lanes[7];
-  }
+  for (int r = 0; r < R; ++r) folded(acc[r], out + r * n);
 }
 
 // Four Q8_0 output rows (one packed group, `w`: rows a, b, c, d as [a 0..15 | b 0..15], [a 16..31 | b 16..31],
@@ -242,15 +244,7 @@ AVX2 void integer_tile_q8(const uint8_t* w, int64_t groups, const int8_t* codes,
       acc[r] = _mm256_fmadd_ps(products, _mm256_mul_ps(wsteps, _mm256_set1_ps(steps[r * groups + g])), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    float* y = out + r * n;
-    y[0] = lanes[0] + lanes[1];
-    y[1] = lanes[4] + lanes[5];
-    y[2] = lanes[2] + lanes[3];
-    y[3] = lanes[6] + lanes[7];
-  }
+  for (int r = 0; r < R; ++r) folded(acc[r], out + r * n);
 }
 #endif
 
@@ -274,52 +268,49 @@ bool integer_supported() {
 #endif
 }
 
-// Q4_1 blocks (uint8 [n, k / 32 * 24], as CodedWeights keeps them) repacked for `integer_product`: uint8
-// [n / 4, k / 32, 96], each block of four output rows holding their codes, then their steps, then their minimums.
-at::Tensor q4_packed(const at::Tensor& blocks, int64_t n) {
+namespace {
+
+// A matrix's blocks (uint8 [n, k / 32 * block], a row's blocks in a line) regrouped four output rows together:
+// [n / 4, k / 32, packed], where place(to, j, from) puts row j's block `from` into its group's block `to`.
+template <class Place>
+at::Tensor regrouped(const at::Tensor& blocks, int64_t n, int64_t block, int64_t packed, const char* what,
+                     Place&& place) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && n > 0 && n % 4 == 0 &&
-                  blocks.numel() % (n * Q4_BLOCK) == 0,
-              "q4_packed takes the uint8 Q4_1 blocks of a matrix whose rows are a multiple of 4");
-  const int64_t row_bytes = blocks.numel() / n, groups = row_bytes / Q4_BLOCK;
-  auto out = at::empty({n / 4, groups, PACKED}, blocks.options());
+                  blocks.numel() % (n * block) == 0,
+              what, " takes the uint8 blocks of a matrix whose rows are a multiple of 4");
+  const int64_t row_bytes = blocks.numel() / n, groups = row_bytes / block;
+  auto out = at::empty({n / 4, groups, packed}, blocks.options());
   const uint8_t* from = blocks.data_ptr<uint8_t>();
   uint8_t* to = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < n / 4; ++t)
-    for (int64_t g = 0; g < groups; ++g) {
-      uint8_t* block = to + (t * groups + g) * PACKED;
-      for (int j = 0; j < 4; ++j) {
-        const uint8_t* source = from + (4 * t + j) * row_bytes + g * Q4_BLOCK;
-        std::memcpy(block + 16 * j, source, 16);
-        std::memcpy(block + 64 + 4 * j, source + 16, 4);
-        std::memcpy(block + 80 + 4 * j, source + 20, 4);
-      }
-    }
+    for (int64_t g = 0; g < groups; ++g)
+      for (int j = 0; j < 4; ++j)
+        place(to + (t * groups + g) * packed, j, from + (4 * t + j) * row_bytes + g * block);
   return out;
+}
+
+}  // namespace
+
+// Q4_1 blocks (uint8 [n, k / 32 * 24], as CodedWeights keeps them) repacked for `integer_product`: uint8
+// [n / 4, k / 32, 96], each block of four output rows holding their codes, then their steps, then their minimums.
+at::Tensor q4_packed(const at::Tensor& blocks, int64_t n) {
+  return regrouped(blocks, n, Q4_BLOCK, PACKED, "q4_packed", [](uint8_t* to, int j, const uint8_t* from) {
+    std::memcpy(to + 16 * j, from, 16);
+    std::memcpy(to + 64 + 4 * j, from + 16, 4);
+    std::memcpy(to + 80 + 4 * j, from + 20, 4);
+  });
 }
 
 // Q8_0 blocks (uint8 [n, k / 32 * 36], as q8_blocks keeps them: a float32 step, then 32 signed codes) repacked for
 // `integer_product`: uint8 [n / 4, k / 32, 144], each block of four output rows holding their codes two rows to a
 // 32-byte line (columns 0..15 of rows 0 and 1, columns 16..31 of rows 0 and 1, then rows 2 and 3), then their steps.
 at::Tensor q8_packed(const at::Tensor& blocks, int64_t n) {
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && n > 0 && n % 4 == 0 &&
-                  blocks.numel() % (n * Q8_BLOCK) == 0,
-              "q8_packed takes the uint8 Q8_0 blocks of a matrix whose rows are a multiple of 4");
-  const int64_t row_bytes = blocks.numel() / n, groups = row_bytes / Q8_BLOCK;
-  auto out = at::empty({n / 4, groups, PACKED8}, blocks.options());
-  const uint8_t* from = blocks.data_ptr<uint8_t>();
-  uint8_t* to = out.data_ptr<uint8_t>();
-  for (int64_t t = 0; t < n / 4; ++t)
-    for (int64_t g = 0; g < groups; ++g) {
-      uint8_t* block = to + (t * groups + g) * PACKED8;
-      for (int j = 0; j < 4; ++j) {
-        const uint8_t* source = from + (4 * t + j) * row_bytes + g * Q8_BLOCK;
-        const int64_t line = 64 * (j / 2) + 16 * (j % 2);   // row j's columns 0..15; 32 bytes on, its 16..31
-        std::memcpy(block + line, source + 4, 16);
-        std::memcpy(block + line + 32, source + 20, 16);
-        std::memcpy(block + 128 + 4 * j, source, 4);
-      }
-    }
-  return out;
+  return regrouped(blocks, n, Q8_BLOCK, PACKED8, "q8_packed", [](uint8_t* to, int j, const uint8_t* from) {
+    const int64_t line = 64 * (j / 2) + 16 * (j % 2);   // row j's columns 0..15; 32 bytes on, its 16..31
+    std::memcpy(to + line, from + 4, 16);
+    std::memcpy(to + line + 32, from + 20, 16);
+    std::memcpy(to + 128 + 4 * j, from, 4);
+  });
 }
 
 // x [..., k] float32 times a packed matrix [n, k], transposed, with 8-bit inputs: [..., n]. The packing says which:

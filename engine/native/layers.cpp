@@ -269,7 +269,8 @@ std::vector<at::Tensor> fp32_layers(at::Tensor x, const std::vector<at::Tensor>&
 
 // EagleHead.step with the head's copies' products: fc over [emb, feats] (weights[0], with fc_bias), the layer
 // (weights[1..4]), then the output norm; each multiplied as kinds[...] says (BLOCKED: oneDNN's blocked copy, bf16
-// or fp32; CODED: Q8_0 blocks of rows[...] outputs, DraftCodes; INTEGER: those blocks packed, with 8-bit inputs). emb and feats [1, q, d]; norms: in, post, out.
+// or fp32; CODED: Q8_0 blocks of rows[...] outputs, DraftCodes; INTEGER: those blocks packed, with 8-bit
+// inputs). emb and feats [1, q, d]; norms: in, post, out.
 at::Tensor eagle_step(const at::Tensor& emb, const at::Tensor& feats, const std::vector<at::Tensor>& weights,
                       const std::vector<int64_t>& kinds, const std::vector<int64_t>& rows,
                       const std::optional<at::Tensor>& fc_bias, bool bf16, const std::vector<at::Tensor>& norms,
