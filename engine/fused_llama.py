@@ -284,11 +284,10 @@ class Int4Weights:
     rounded to 8-bit codes per block of 32 with a float16 step, the codes' products summed as integers and scaled
     by the two steps (on SmolLM2's AVX2 EPYC 0.8 against 1.7-1.9 ms a row in fp32 from the same codes, where reading
     them takes 0.6-0.9 ms). Otherwise the head keeps fp32 precision, as a bf16 copy in oneDNN's blocked layout,
-    summing in fp32, its output rounded to
-    bf16 (on SmolLM2 a logit moves by 0.017 on average, a fifth of what the 4-bit layers move it: 0.078 against
-    fp32), whose steps of 1/8 at a logit of 16 would tie the top two tokens often, so each row's 64 highest
-    logits are computed again in fp32 from the head's own rows: what greedy picks and top-p keeps is decided at
-    fp32 precision. Where that head would give a row another result among more rows, or where the CPU has no bf16
+    summing in fp32, its output rounded to bf16 (on SmolLM2 a logit moves by 0.017 on average, a fifth of what the
+    4-bit layers move it: 0.078 against fp32), whose steps of 1/8 at a logit of 16 would tie the top two tokens
+    often, so each row's 64 highest logits are computed again in fp32 from the head's own rows: what greedy picks
+    and top-p keeps is decided at fp32 precision. Where that head would give a row another result among more rows, or where the CPU has no bf16
     products (AVX2 only), it is an fp32 blocked copy (`head_format` "fp32"). As with `Int8Weights`, attention
     runs row by row, and a row's product is the same alone or among K + 1 rows (tested), so speculative decoding
     on this target emits what target-only decoding on it emits. CPU only; about 5x less to read per token.
@@ -321,7 +320,8 @@ class Int4Weights:
             self.largest_error = max(self.largest_error, float((back - m).abs().max() / m.abs().max().clamp(min=1e-30)))
             self._int4[id(matrix)] = self._packed_blocks(m, codes, scale, low) if self._module else self._pack(m)
         self.head, self.head_format, self._head, self._head_codes = None, "fp32", head, None
-        head_blocks = q8_blocks(head) if self._module is not None and head is not None else None
+        head_blocks = q8_blocks(head) if self._module is not None and head is not None and head.shape[0] % 4 == 0 \
+            else None   # (q8_packed groups the head's rows four together)
         if head_blocks is not None:   # the head's own codes, multiplied as llama.cpp does
             self._head_codes, self.head_format = self._module.q8_packed(head_blocks, head.shape[0]), "Q8_0"
         elif head is not None and BlockedWeights.unsupported([head]) is None:

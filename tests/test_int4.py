@@ -121,6 +121,9 @@ def test_the_integer_head_is_llamacpps_q8_0_arithmetic_and_a_row_is_the_same_alo
     logits = int4.linear(x, head)
     assert all(torch.equal(int4.linear(x[i:i + 1], head)[0], logits[i]) for i in range(5))
     assert (logits - x @ head.T).norm() / (x @ head.T).norm() < 0.01   # 8-bit inputs: well under 1%
+    odd = head[:62].clone()                               # rows that do not group by four: an fp32 head instead
+    other = Int4Weights([q4_1_matrix(32, cols)[0]], head=odd, integer=True)
+    assert other.head_format != "Q8_0" and torch.allclose(other.linear(x, odd), x @ odd.T, atol=1e-4)
 
 
 def test_without_bf16_products_the_head_stays_fp32_and_multiplies_as_before(monkeypatch):
