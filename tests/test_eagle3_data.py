@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +51,22 @@ def tiny_plan(**overrides) -> Eagle3DataPlan:
     base = dict(magpie_prompts=6, prompt_batch=8, prompt_max_tokens=24, answer_batch=2, max_new_tokens=8, top_k=5,
                 written_prompts=2)
     return Eagle3DataPlan(**{**base, **overrides}).for_model(30)
+
+
+@pytest.fixture(scope="module")
+def sampled(smol, tmp_path_factory) -> Path:
+    """The prompts a tiny plan's folder samples (the slow part of its first phase), sampled once for the module.
+    The answer length is not part of what is sampled, so every tiny plan's folder may begin with them: one seeded
+    with them (`seeded`) goes on from them as a rerun in that folder would. The stopped-run test samples its own."""
+    root = tmp_path_factory.mktemp("sampled")
+    with DataFolder(root, tiny_plan(), smol.name) as folder:
+        data.build_prompts(folder, smol.fused, smol.tokenizer, 2, lambda line: None, None)
+    return root / "prompts"
+
+
+def seeded(root: Path, sampled: Path) -> Path:
+    shutil.copytree(sampled, root / "prompts")
+    return root
 
 
 @pytest.mark.parametrize("layers", [(), (2, 15, 30)], ids=["default-layers", "post-norm-top"])
@@ -217,11 +235,11 @@ def test_a_replayed_sequence_gives_the_generated_features_and_soft_labels(smol):
             assert (a.top_logp[:, 0].float() - b.top_logp[:, 0].float()).abs().max() < 2e-2
 
 
-def test_a_bf16_replay_rounds_but_keeps_the_labels_and_says_so(smol, tmp_path):
+def test_a_bf16_replay_rounds_but_keeps_the_labels_and_says_so(smol, sampled, tmp_path):
     """The bfloat16 rebuild (Bf16Weights) differs from fp32 by rounding only: features close, the top-1 label
     kept at nearly every position (measured on the real packs: 98.5%), and its shards are marked."""
     plan, logs, pack = tiny_plan(max_new_tokens=24), [], tmp_path / "pack"
-    with DataFolder(tmp_path / "a", plan, smol.name) as folder:
+    with DataFolder(seeded(tmp_path / "a", sampled), plan, smol.name) as folder:
         data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)
         keep = lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)  # noqa: E731
         data.build_answers(folder, smol.fused, smol.tokenizer, 2, 150, logs.append, None, keep)
@@ -243,9 +261,9 @@ def test_a_bf16_replay_rounds_but_keeps_the_labels_and_says_so(smol, tmp_path):
     assert same >= 0.9 * total
 
 
-def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(smol, tmp_path):
+def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(smol, sampled, tmp_path):
     plan, logs, pack = tiny_plan(), [], tmp_path / "pack"
-    with DataFolder(tmp_path / "a", plan, smol.name) as folder:
+    with DataFolder(seeded(tmp_path / "a", sampled), plan, smol.name) as folder:
         data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)
         keep = lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)  # noqa: E731
         made = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 200, logs.append, None, keep)
@@ -274,12 +292,12 @@ def test_a_fresh_folder_is_rebuilt_from_the_pack_and_a_damaged_entry_is_refused(
     assert "under another plan" in logs[-1]
 
 
-def test_answering_on_from_a_pack_without_rebuilding_it(smol, tmp_path):
+def test_answering_on_from_a_pack_without_rebuilding_it(smol, sampled, tmp_path):
     """--answers-only: a fresh folder answers only the chunks the pack lacks, counting the packed ones as held,
     and a later run rebuilds those; together they hold what one run in one folder makes."""
     plan, logs, pack = tiny_plan(), [], tmp_path / "pack"
     keep = lambda path, examples, meta: data_pack.save_entry(pack, path, examples, meta)  # noqa: E731
-    with DataFolder(tmp_path / "a", plan, smol.name) as folder:
+    with DataFolder(seeded(tmp_path / "a", sampled), plan, smol.name) as folder:
         data.build_prompts(folder, smol.fused, smol.tokenizer, 2, logs.append, None)
         first = data.build_answers(folder, smol.fused, smol.tokenizer, 2, 150, logs.append, None, keep)
         data_pack.save_pack(folder, pack, logs.append)
