@@ -57,6 +57,18 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     respect to this *processed* target distribution: the output is distributed as
     logits_to_probs(target_logits, params), not as the raw softmax of the target logits.
     """
+    if _nucleus_applies(logits, params):
+        module = _nucleus_module()
+        if module is not None:   # top-p alone in one compiled pass a row; the rows it leaves take the path below
+            probs, found = module.nucleus_rows(logits, params.temperature, params.top_p)
+            if not bool(found.all()):
+                probs[~found] = _processed(logits[~found], params)
+            return probs
+    return _processed(logits, params)
+
+
+def _processed(logits: Tensor, params: SamplingParams) -> Tensor:
+    """logits_to_probs in ATen calls, with its checks: every case, and the definition the compiled top-p follows."""
     row_max = _check_logits(logits)
     if params.greedy:
         return one_hot_rows(row_max.indices, logits.shape[1])
@@ -64,6 +76,21 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     keep = _top_k_top_p_mask(scaled, params)
     probs = torch.softmax(scaled.masked_fill(~keep, -math.inf), dim=-1)
     return probs
+
+
+def _nucleus_applies(logits: Tensor, params: SamplingParams) -> bool:
+    """Whether engine.native's `nucleus_rows` computes these rows: top-p alone at T > 0, float32 [N, V] on the CPU."""
+    return (not params.greedy and params.top_p < 1.0 and not 0 < params.top_k < logits.shape[-1]
+            and logits.dim() == 2 and logits.shape[1] > 0 and logits.dtype == torch.float32
+            and logits.device.type == "cpu")
+
+
+def _nucleus_module():
+    """engine.native's module where this CPU runs `nucleus_rows` (AVX2 and FMA; SPECPLAY_NATIVE=0 turns it off), else
+    None. The module is built on first use, once per machine, as a model's first load builds it."""
+    from engine import native
+    module = native.layers()
+    return module if module is not None and module.coded_supported() else None
 
 
 def _check_logits(logits: Tensor) -> torch.return_types.max:

@@ -38,32 +38,34 @@ PROMPT = [5, 17, 230, 9, 17, 230, 9]   # a repeat, so that prompt lookup finds s
 COPY_PROMPT = [5, 10, 496, 2558, 9, 10]
 
 
-def next_probs(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
+def next_probs(target: LoadedModel, tokens: list[int], sampling: SamplingParams = SAMPLING) -> torch.Tensor:
     runner = ModelRunner(target, len(tokens) + 1)
     cache = runner.new_sequence()
     logits = runner.forward(cache, tokens, last_only=True)
     cache.free()
-    return logits_to_probs(logits, SAMPLING)[0]
+    return logits_to_probs(logits, sampling)[0]
 
 
-def exact_joint(target: LoadedModel, prompt: list[int]) -> dict[tuple[int, int, int], float]:
+def exact_joint(target: LoadedModel, prompt: list[int],
+                sampling: SamplingParams = SAMPLING) -> dict[tuple[int, int, int], float]:
     """P(x1, x2, x3) under the target's processed distribution, by enumeration."""
     out = {}
-    p1 = next_probs(target, prompt)
+    p1 = next_probs(target, prompt, sampling)
     for a in p1.nonzero().flatten().tolist():
-        p2 = next_probs(target, prompt + [a])
+        p2 = next_probs(target, prompt + [a], sampling)
         for b in p2.nonzero().flatten().tolist():
-            p3 = next_probs(target, prompt + [a, b])
+            p3 = next_probs(target, prompt + [a, b], sampling)
             for c in p3.nonzero().flatten().tolist():
                 out[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
     return out
 
 
-def run_counts(pair: ModelPair, runs: int, prompt: list[int] = PROMPT, **config) -> dict[tuple[int, int, int], int]:
+def run_counts(pair: ModelPair, runs: int, prompt: list[int] = PROMPT, sampling: SamplingParams = SAMPLING,
+               **config) -> dict[tuple[int, int, int], int]:
     """How often each first three tokens came out over `runs` seeds of the engine with `config`."""
     counts: dict[tuple[int, int, int], int] = {}
     for seed in range(runs):
-        engine = SpeculativeEngine(pair, prompt, SpecConfig(sampling=SAMPLING, seed=seed, max_new_tokens=3,
+        engine = SpeculativeEngine(pair, prompt, SpecConfig(sampling=sampling, seed=seed, max_new_tokens=3,
                                                             stop_at_eos=False, record=False, **config))
         engine.run()
         engine.close()
@@ -111,6 +113,32 @@ def test_sampled_output_follows_the_target(tiny, chain_counts, drafter):
     counts = chain_counts[drafter]
     assert abs(sum(exact.values()) - 1.0) < 1e-6
     assert set(counts) <= set(exact)                     # never a sequence the target cannot produce
+    assert chi_square(exact, counts) >= LEVEL
+
+
+TOP_P_ALONE = SamplingParams(temperature=0.9, top_p=0.8)    # the compiled nucleus's case (engine/native/nucleus.cpp)
+NUCLEUS_SHARPEN = 36.0   # the target's logits scaled up so that each nucleus is a few tokens: 15 sequences in all
+
+
+@pytest.mark.parametrize("drafter", [DrafterKind.MODEL, DrafterKind.EAGLE_HYBRID])
+def test_top_p_alone_follows_the_target(tiny, builtin_tokenizer, drafter, monkeypatch):
+    """Top-p without top-k, where logits_to_probs takes the compiled nucleus: the engine's output still follows
+    the target's processed distribution, computed by the same function and enumerated."""
+    from engine import sampling
+
+    pair, _ = tiny
+    target = tiny_model(builtin_tokenizer, layers=2, seed=11)
+    with torch.no_grad():
+        target.model.model.norm.weight.mul_(NUCLEUS_SHARPEN)
+    exact = exact_joint(target, PROMPT, TOP_P_ALONE)
+    assert 8 <= len(exact) <= 40 and abs(sum(exact.values()) - 1.0) < 1e-6
+    module, calls = sampling._nucleus_module(), []
+    if module is not None:
+        monkeypatch.setattr(sampling, "_nucleus_module", lambda: calls.append(1) or module)
+    counts = run_counts(ModelPair(target, pair.draft, random_head(target, 3000, seed=4)), RUNS, PROMPT, TOP_P_ALONE,
+                        drafter=drafter, k=2, ngram_min=1)
+    assert module is None or len(calls) >= 2 * RUNS        # the target's rows and the draft's went through it
+    assert set(counts) <= set(exact)
     assert chi_square(exact, counts) >= LEVEL
 
 

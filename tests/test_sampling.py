@@ -288,3 +288,55 @@ def test_the_nucleus_total_is_logsumexps_in_float64_within_float32_rounding():
     want = scaled.double().logsumexp(-1, keepdim=True)
     assert total.dtype == torch.float64 and total.shape == (4, 1)
     assert (total - want).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.2, 0, 0.9), SamplingParams(1.0, 0, 0.95), SamplingParams(1.5, 0, 0.5),
+                                    SamplingParams(0.7, 10**6, 0.99)], ids=["t0.2", "t1", "t1.5-p0.5", "k-past-v"])
+def test_the_compiled_nucleus_keeps_the_definitions_set_and_masses(params):
+    """engine/native/nucleus.cpp against the rule in float64 (a stable sort, a token kept when the mass before it is
+    below top_p), on peaked, flat, tied and padded rows up to SmolLM2's vocabulary: the same kept set but for tokens
+    whose mass-before lies within 1e-6 of top_p, and each kept token's mass renormalised over the set. (The ATen
+    path's float32 sums part from this rule by more on flat rows of many thousand tokens.)"""
+    from engine import sampling
+
+    if sampling._nucleus_module() is None:
+        pytest.skip("the compiled nucleus needs the C++ module on an x86-64 CPU with AVX2")
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        v = int(torch.randint(2, 49153, (1,), generator=gen))
+        logits = torch.randn(3, v, generator=gen) * float(torch.rand(1, generator=gen) * 12)
+        if trial % 4 == 0:
+            logits = logits.round()                      # ties, kept in id order
+        if trial % 5 == 0:
+            logits[1, : v // 2] = -math.inf              # a padded vocabulary
+        probs = logits_to_probs(logits, params)
+        scaled = (logits / params.temperature).double()
+        order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
+        mass = torch.softmax(scaled.gather(1, order), -1)
+        before = torch.zeros_like(mass).scatter(1, order, torch.cumsum(mass, -1) - mass)   # per token, in float64
+        kept = probs > 0
+        differ = kept != (before < params.top_p)
+        assert bool(((before[differ] - params.top_p).abs() < 1e-6).all()), (trial, v)     # only at the edge
+        want = torch.softmax(scaled.masked_fill(~kept, -math.inf), -1)
+        assert (probs.double() - want).abs().max() < 1e-6, (trial, v)
+
+
+def test_a_row_the_compiled_nucleus_cannot_decide_takes_the_full_path():
+    """A nucleus reaching below the candidates (a long flat tail more than 16 below the largest logit holds 0.3% of
+    the mass, top-p 0.999): that row is left to the ATen path, the others are not; a NaN row still raises."""
+    from engine import sampling
+
+    module = sampling._nucleus_module()
+    if module is None:
+        pytest.skip("the compiled nucleus needs the C++ module on an x86-64 CPU with AVX2")
+    params = SamplingParams(1.0, 0, 0.999)
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(2))
+    logits[1] = -17.0
+    logits[1, 7] = 0.0
+    _, found = module.nucleus_rows(logits, params.temperature, params.top_p)
+    assert found.tolist() == [True, False, True]
+    probs = logits_to_probs(logits, params)
+    assert torch.equal(probs[1], sampling._processed(logits[1:2], params)[0]) and int((probs[1] > 0).sum()) > 1
+    logits[2, 5] = math.nan
+    with pytest.raises(ValueError, match="NaN"):
+        logits_to_probs(logits, params)

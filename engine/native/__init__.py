@@ -36,7 +36,8 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("layers.cpp", "coded.cpp", "attention.cpp", "pointwise.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("layers.cpp", "coded.cpp", "attention.cpp", "pointwise.cpp", "nucleus.cpp")]
 NAME = "specplay_layers"
 STALE_LOCK_S = 600     # a build lock older than this was left by a build that died
 _lock = threading.Lock()

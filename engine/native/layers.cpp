@@ -13,6 +13,7 @@
 
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 // coded.cpp: products from a GGUF file's Q4_1 / Q8_0 codes
@@ -32,6 +33,8 @@ at::Tensor rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor gated_rows(const at::Tensor& gate_up, int64_t inter);
 at::Tensor rotated(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                    int64_t kv_heads, int64_t head_dim);
+// nucleus.cpp: top-p's processed distribution, a row at a time
+std::tuple<at::Tensor, at::Tensor> nucleus_rows(const at::Tensor& logits, double t, double top_p);
 
 namespace {
 
@@ -314,6 +317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_packed", &q8_packed, "a matrix's Q8_0 blocks repacked four output rows together", release());
   m.def("integer_product", &integer_product,
         "x rounded to 8 bits times a packed Q4_1 or Q8_0 matrix, as llama.cpp does", release());
+  m.def("nucleus_rows", &nucleus_rows, "top-p's distribution over float32 logits at temperature t, and which rows it "
+        "decided", release());
   m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with its copies' products",
         release());
 }
