@@ -7,6 +7,7 @@ device's rather than the launch's.
 """
 from __future__ import annotations
 
+import gc
 import platform
 import queue
 import threading
@@ -21,6 +22,22 @@ import torch
 
 Now = Callable[[], float]   # seconds, monotonic
 T = TypeVar("T")
+
+
+def settle_heap() -> int:
+    """Collect once, then move every object still alive into the collector's permanent generation (`gc.freeze`):
+    models, tokenizers and the app's own object graph are never scanned again by a full collection. Returns how
+    many objects are frozen.
+
+    Python runs a full collection when enough objects have piled up since the last one, and each scans every
+    tracked object. With SmolLM2, its EAGLE head and the app loaded that is some 600,000 objects, and one such
+    collection took 319 ms on the AVX2 EPYC; landing inside a timed round it cut a run's measured speed-up from
+    1.30× to 1.04×, on whichever prompt of a sequence the allocations happened to bring it. Frozen objects that
+    later become garbage are still freed by their reference counts; only cycles among them would stay, so call this
+    after loading, never in a loop."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class PhaseClock:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 
+from engine.clock import settle_heap
 from engine.compared import ComparedRun
 from engine.config import DrafterKind, SpecConfig
 from engine.pick import PickStopped
@@ -89,6 +90,9 @@ def _warm(ctx: Context, stop: threading.Event) -> None:
     except Exception as exc:  # the first Reset will say the same to the visitor
         log.warning("could not load the default pair at start-up: %s", exc)
         return
+    # The app and its default pair live as long as the server: kept out of every later full collection, which
+    # would otherwise scan them inside some visitor's timed round (custom models are not: they may be evicted)
+    ctx.registry.gate.run(settle_heap)
     ctx.registry.calibration(pair.target)
     preset = ctx.registry.presets[0]
     if ctx.settings.pick_default:

@@ -42,7 +42,7 @@ import torch
 from gradio.blocks import BlockFunction, Blocks
 from gradio.state_holder import SessionState
 
-from engine.clock import ComputeGate, machine_name
+from engine.clock import ComputeGate, machine_name, settle_heap
 from playground.sessions import Session, SessionPool
 
 TABS = ("detail", "kv", "charts")
@@ -181,6 +181,7 @@ def speedup_main(count: int, tokens: int, threads: int | None = None) -> None:
     print(f"{ctx.registry.gate.run(machine_name)} · python {platform.python_version()} · torch {torch.__version__}",
           flush=True)
     start, target = time.perf_counter(), ctx.registry.pair("default").target
+    ctx.registry.gate.run(settle_heap)     # as a server's warm-up does (playground.serve._warm)
     while (curve := ctx.registry.calibration(target)) is None:   # as on a server up for a minute (serve._warm)
         time.sleep(0.2)
     print(f"r(n) of {target.name} measured in {time.perf_counter() - start:.1f} s: r(3) {curve.at(3):.2f}, "

@@ -2,16 +2,18 @@
 OpenMP team is the only one in a server (playground.settings.one_team gives every other thread one thread)."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 
-from engine.clock import ComputeGate, in_turn
+from engine.clock import ComputeGate, in_turn, settle_heap
 from playground.settings import one_team
 
 
@@ -90,3 +92,27 @@ def test_a_compute_thread_that_ended_is_replaced_rather_than_waited_for():
     ended.join()
     gate._thread = ended                     # as if the compute thread had ended
     assert gate.run(lambda: 2) == 2 and gate._thread is not ended and gate._thread.is_alive()
+
+
+def test_a_settled_heap_keeps_what_was_alive_out_of_full_collections():
+    """settle_heap: what is alive at the call no longer sits in any generation a full collection scans; a frozen
+    object whose last reference goes is still freed, and a cycle made afterwards is still collected."""
+    class Thing:
+        pass
+
+    kept, dropped = Thing(), Thing()
+    dropped_ref = weakref.ref(dropped)
+    try:
+        assert settle_heap() >= 2
+        assert all(o is not kept for o in gc.get_objects())
+        del dropped
+        assert dropped_ref() is None
+        cycle = Thing()
+        cycle.me = cycle
+        cycle_ref = weakref.ref(cycle)
+        assert any(o is cycle for o in gc.get_objects())
+        del cycle
+        gc.collect()
+        assert cycle_ref() is None
+    finally:
+        gc.unfreeze()

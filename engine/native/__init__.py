@@ -19,6 +19,9 @@ agree bit for bit:
 - `pointwise.cpp`: the norm, the MLP's gate and the rotary turn of float32 rows, one pass a row (even from C++,
   torch's CPU norm was six calls; at one row these steps took SmolLM2's int4 layers from 7.3 to 4.8 ms).
 
+One more serves sampling, not the layers: `nucleus.cpp`, top-p's processed distribution of float32 logits
+(`engine.sampling.logits_to_probs` at T > 0 with top-p alone), in place of some fifteen ATen calls a row.
+
 It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
 about a minute on two cores) into the cache folder, the first time a model that uses it loads (`python -m
 engine.native` builds it ahead). Without a compiler, or with SPECPLAY_NATIVE=0, the Python loop runs and
