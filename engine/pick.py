@@ -30,7 +30,9 @@ from engine.pair import ModelPair
 from engine.sampling import SamplingParams
 from engine.sources import cache_root
 
-PICK_FORMAT = 5     # 5: the layers' norms and gates in one pass (engine/native/pointwise.cpp), a step a quarter
+PICK_FORMAT = 6     # 6: top-p in one compiled pass a row (engine/native/nucleus.cpp) and no full collection inside
+                    # a run (engine.clock.settle_heap): a round at T > 0 spends less outside its forwards; 5: the
+                    # layers' norms and gates in one pass (engine/native/pointwise.cpp), a step a quarter
                     # shorter, so a verify's rows cost more steps; 4: 8 prompts a candidate; 3: fp32 products from
                     # a GGUF's codes (CodedWeights); 2: layers and the head's step in C++ (engine.native); 1 weighed
                     # c and r otherwise
