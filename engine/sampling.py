@@ -234,6 +234,13 @@ def sample_many(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:
         raise ValueError(f"probs must be 2-D [N, V], got shape {tuple(probs.shape)}")
     if u.dim() != 2 or u.shape[0] != probs.shape[0]:
         raise ValueError(f"u must have shape [{probs.shape[0]}, T], got {tuple(u.shape)}")
+    if probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64) and probs.shape[1] > 0:
+        module = _nucleus_module()
+        if module is not None:   # the same sums, over the positive tokens only (engine/native/nucleus.cpp)
+            ids, positive = module.sampled_rows(probs, u.to(device="cpu", dtype=torch.float64))
+            if check_mass and not bool(positive.all()):
+                raise ValueError("a probability row has no positive mass; nothing can be sampled")
+            return ids
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
     total = cdf[:, -1:]
     if check_mass and not bool((total > 0).all()):

@@ -127,3 +127,65 @@ std::tuple<at::Tensor, at::Tensor> nucleus_rows(const at::Tensor& logits, double
 #endif
   return {probs, found};
 }
+
+// Inverse-CDF sampling (engine.sampling.sample_many) over rows of probabilities [n, v] (float32 or float64, any
+// positive total) with uniforms [n, t] float64: per uniform, the first token whose running sum exceeds u times
+// the row's total, or the row's last positive token where none does. The running sums are torch.cumsum's in
+// float64, added in id order one token at a time; adding a zero changes no sum, so only the positive tokens are
+// visited: a top-p row of a few kept tokens costs one pass to find them, not 49,152 dependent additions. Returns
+// (ids [n, t] int64, the rows whose total is positive [n] bool).
+namespace {
+
+template <typename T>
+void sampled_row(const T* p, int64_t v, const double* u, int64_t t, int64_t* out, bool* positive,
+                 std::vector<int64_t>& kept) {
+  kept.clear();
+  for (int64_t i = 0; i < v; ++i)
+    if (p[i] != 0) kept.push_back(i);
+  double total = 0.0;
+  for (const int64_t i : kept) total += static_cast<double>(p[i]);
+  *positive = total > 0;
+  int64_t last = v - 1;                            // the last positive token (v - 1 when there is none)
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it)
+    if (p[*it] > 0) {
+      last = *it;
+      break;
+    }
+  for (int64_t j = 0; j < t; ++j) {
+    const double target = u[j] * total;
+    double sum = 0.0;
+    int64_t id = v;                                  // searchsorted(right=True): the first running sum above target
+    for (const int64_t i : kept) {
+      sum += static_cast<double>(p[i]);
+      if (sum > target) {
+        id = i;
+        break;
+      }
+    }
+    out[j] = std::min(id, last);
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> sampled_rows(const at::Tensor& probs, const at::Tensor& uniforms) {
+  TORCH_CHECK(probs.dim() == 2 && (probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble),
+              "sampled_rows takes float32 or float64 rows [n, v]");
+  TORCH_CHECK(uniforms.dim() == 2 && uniforms.scalar_type() == at::kDouble && uniforms.size(0) == probs.size(0),
+              "sampled_rows takes float64 uniforms [n, t]");
+  const auto rows = probs.contiguous();
+  const auto us = uniforms.contiguous();
+  const int64_t n = rows.size(0), v = rows.size(1), t = us.size(1);
+  auto ids = at::empty({n, t}, rows.options().dtype(at::kLong));
+  auto positive = at::empty({n}, rows.options().dtype(at::kBool));
+  std::vector<int64_t> kept;
+  for (int64_t r = 0; r < n; ++r) {
+    if (rows.scalar_type() == at::kFloat)
+      sampled_row(rows.data_ptr<float>() + r * v, v, us.data_ptr<double>() + r * t, t, ids.data_ptr<int64_t>() + r * t,
+                  positive.data_ptr<bool>() + r, kept);
+    else
+      sampled_row(rows.data_ptr<double>() + r * v, v, us.data_ptr<double>() + r * t, t,
+                  ids.data_ptr<int64_t>() + r * t, positive.data_ptr<bool>() + r, kept);
+  }
+  return {ids, positive};
+}
