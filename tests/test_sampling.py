@@ -219,20 +219,23 @@ def test_draw_uniform_rejects_negative_n():
         draw_uniform(-1, None, "cpu")
 
 
+def _mass_before(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N, V] float64: each token's mass-before in the stable order (larger first, ties to the lower id), over the
+    top-k-renormalised distribution: top-p keeps a token when this is below top_p."""
+    scaled = scaled.double()
+    order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
+    logits = scaled.gather(1, order)
+    if 0 < params.top_k < logits.shape[1]:
+        logits[:, params.top_k:] = -math.inf
+    mass = torch.softmax(logits, -1)
+    return torch.zeros_like(mass).scatter(1, order, torch.cumsum(mass, -1) - mass)
+
+
 def _boundary_only(fast: torch.Tensor, full: torch.Tensor, scaled: torch.Tensor, params: SamplingParams) -> bool:
     """Where the two masks differ, the token's mass-before (float64, in the stable order) is within float32
     rounding of top_p: the only place the partial sort may decide otherwise."""
-    for row in (fast != full).any(1).nonzero()[:, 0]:
-        order = torch.sort(scaled[row], descending=True, stable=True).indices
-        logits = scaled[row].double()[order]
-        if 0 < params.top_k < logits.numel():
-            logits[params.top_k:] = -math.inf
-        probs = torch.softmax(logits, -1)
-        before = (torch.cumsum(probs, 0) - probs)[torch.argsort(order)]
-        for tok in (fast[row] != full[row]).nonzero()[:, 0]:
-            if abs(float(before[tok]) - params.top_p) > 1e-5:
-                return False
-    return True
+    differ = fast != full
+    return bool(((_mass_before(scaled, params)[differ] - params.top_p).abs() <= 1e-5).all())
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0, 0, 0.9), SamplingParams(0.7, 0, 0.95), SamplingParams(1.0, 5, 1.0),
@@ -311,9 +314,7 @@ def test_the_compiled_nucleus_keeps_the_definitions_set_and_masses(params):
             logits[1, : v // 2] = -math.inf              # a padded vocabulary
         probs = logits_to_probs(logits, params)
         scaled = (logits / params.temperature).double()
-        order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
-        mass = torch.softmax(scaled.gather(1, order), -1)
-        before = torch.zeros_like(mass).scatter(1, order, torch.cumsum(mass, -1) - mass)   # per token, in float64
+        before = _mass_before(scaled, params)
         kept = probs > 0
         differ = kept != (before < params.top_p)
         assert bool(((before[differ] - params.top_p).abs() < 1e-6).all()), (trial, v)     # only at the edge
