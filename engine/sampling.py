@@ -58,7 +58,7 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     logits_to_probs(target_logits, params), not as the raw softmax of the target logits.
     """
     if _nucleus_applies(logits, params):
-        module = _compiled()
+        module = compiled_module()
         if module is not None:   # top-p alone in one compiled pass a row; the rows it leaves take the path below
             probs, found = module.nucleus_rows(logits, params.temperature, params.top_p)
             if not bool(found.all()):
@@ -85,9 +85,9 @@ def _nucleus_applies(logits: Tensor, params: SamplingParams) -> bool:
             and logits.device.type == "cpu")
 
 
-def _compiled():
-    """engine.native's module where this CPU runs `nucleus_rows` and `sampled_rows` (AVX2 and FMA; SPECPLAY_NATIVE=0
-    turns it off), else None. The module is built on first use, once per machine, as a model's first load builds it."""
+def compiled_module():
+    """engine.native's module where this CPU runs `nucleus_rows`, `sampled_rows` and engine.verify's `chain_verdict`
+    (AVX2 and FMA; SPECPLAY_NATIVE=0 turns it off), else None. The module is built on first use, once per machine, as a model's first load builds it."""
     from engine import native
     module = native.layers()
     return module if module is not None and module.coded_supported() else None
@@ -238,7 +238,7 @@ def sample_many(probs: Tensor, u: Tensor, *, check_mass: bool = True) -> Tensor:
     if u.dim() != 2 or u.shape[0] != probs.shape[0]:
         raise ValueError(f"u must have shape [{probs.shape[0]}, T], got {tuple(u.shape)}")
     if probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64) and probs.shape[1] > 0:
-        module = _compiled()
+        module = compiled_module()
         if module is not None:   # the same sums, over the positive tokens only (engine/native/nucleus.cpp)
             ids, positive = module.sampled_rows(probs, u.to(device="cpu", dtype=torch.float64))
             if check_mass and not bool(positive.all()):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine import sampling
 from engine.records import Outcome
 from engine.sampling import draw_uniform, sample_from
 
@@ -101,6 +102,10 @@ def verify(
         _validate(q_draft, p_target, tokens)
     k = q_draft.shape[0]
     u_accept, u_final = _draw_round_uniforms(k, generator, p_target.device)
+    module = _native(q_draft, p_target)
+    if module is not None:   # the same arithmetic in one call (engine/native/nucleus.cpp)
+        scalars, final_dist = module.chain_verdict(q_draft, p_target, tokens, torch.cat([u_accept, u_final]))
+        return _build_result(scalars.tolist(), final_dist, k)
     p_tok, q_tok = _token_probs(q_draft, p_target, tokens)
     alpha = acceptance_probability(p_tok, q_tok)
     accepted = u_accept < alpha  # strict: alpha = 0 never accepts, alpha = 1 always does (u < 1)
@@ -216,6 +221,14 @@ def _make_result(
         final_u=u_final,
         residual=(dist / mass).to("cpu", torch.float32) if rejected else None,
     )
+
+
+def _native(q_draft: Tensor, p_target: Tensor):
+    """engine.native's module where it computes this round's verdict (float32 rows on a CPU with AVX2 and FMA), else
+    None: the ATen path."""
+    on_cpu = q_draft.device.type == "cpu" and p_target.device.type == "cpu"
+    rows = q_draft.dtype == torch.float32 and p_target.dtype == torch.float32
+    return sampling.compiled_module() if on_cpu and rows else None
 
 
 def acceptance_probability(p_tok: Tensor, q_tok: Tensor) -> Tensor:

@@ -146,10 +146,10 @@ def test_top_p_alone_follows_the_target(tiny, builtin_tokenizer, drafter, monkey
         target.model.model.norm.weight.mul_(NUCLEUS_SHARPEN)
     exact = exact_joint(target, PROMPT, TOP_P_ALONE)
     assert 8 <= len(exact) <= 40 and abs(sum(exact.values()) - 1.0) < 1e-6
-    module = sampling._compiled()
+    module = sampling.compiled_module()
     counting = NucleusCalls(module)
     if module is not None:
-        monkeypatch.setattr(sampling, "_compiled", lambda: counting)
+        monkeypatch.setattr(sampling, "compiled_module", lambda: counting)
     counts = run_counts(ModelPair(target, pair.draft, random_head(target, 3000, seed=4)), RUNS, PROMPT, TOP_P_ALONE,
                         drafter=drafter, k=2, ngram_min=1)
     assert module is None or counting.calls >= 2 * RUNS    # the target's rows and the draft's went through it

@@ -302,7 +302,7 @@ def test_the_compiled_nucleus_keeps_the_definitions_set_and_masses(params):
     path's float32 sums part from this rule by more on flat rows of many thousand tokens.)"""
     from engine import sampling
 
-    if sampling._compiled() is None:
+    if sampling.compiled_module() is None:
         pytest.skip("the compiled nucleus needs the C++ module on an x86-64 CPU with AVX2")
     gen = torch.Generator().manual_seed(11)
     for trial in range(40):
@@ -327,7 +327,7 @@ def test_a_row_the_compiled_nucleus_cannot_decide_takes_the_full_path():
     the mass, top-p 0.999): that row is left to the ATen path, the others are not; a NaN row still raises."""
     from engine import sampling
 
-    module = sampling._compiled()
+    module = sampling.compiled_module()
     if module is None:
         pytest.skip("the compiled nucleus needs the C++ module on an x86-64 CPU with AVX2")
     params = SamplingParams(1.0, 0, 0.999)
@@ -349,7 +349,7 @@ def test_the_compiled_sampler_draws_what_the_aten_path_draws(monkeypatch):
     uniforms landing exactly on a running sum included; an empty row still raises."""
     from engine import sampling
 
-    module = sampling._compiled()
+    module = sampling.compiled_module()
     if module is None:
         pytest.skip("the compiled sampler needs the C++ module on an x86-64 CPU with AVX2")
     gen = torch.Generator().manual_seed(0)
@@ -368,7 +368,7 @@ def test_the_compiled_sampler_draws_what_the_aten_path_draws(monkeypatch):
             u = (at / cdf[:, -1:].clamp_min(1e-300)).clamp(max=0.999999)
         cases.append((probs, u))
     compiled = [sampling.sample_many(p, u, check_mass=False) for p, u in cases]
-    monkeypatch.setattr(sampling, "_compiled", lambda: None)
+    monkeypatch.setattr(sampling, "compiled_module", lambda: None)
     assert all(torch.equal(c, sampling.sample_many(p, u, check_mass=False)) for c, (p, u) in zip(compiled, cases))
     monkeypatch.undo()
     with pytest.raises(ValueError, match="no positive mass"):

@@ -217,6 +217,31 @@ def test_vectorised_matches_reference(seed):
         assert torch.equal(g_vec.get_state(), g_ref.get_state())
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.2, top_p=0.9), SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=40)], ids=["top-p", "full", "top-k"])
+def test_the_compiled_verdict_is_the_aten_paths(params, monkeypatch):
+    """engine/native's chain_verdict against verify's ATen path on rows of SmolLM2's width, bit for bit: the tests'
+    scalars, the accepted count, the final draw and the residual."""
+    from engine import sampling
+
+    if sampling.compiled_module() is None:
+        pytest.skip("no compiled module on this machine")
+    g, v, outcomes = gen(7), 49_152, set()
+    for trial in range(40):
+        k = 1 + trial % 5
+        logits = torch.randn(k + 1, v, generator=g) * 4
+        p = logits_to_probs(logits, params)
+        q = logits_to_probs(logits[:k] + torch.randn(k, v, generator=g) * (0.2 + trial % 3), params)
+        tokens = sample_from(q, draw_uniform(k, g, "cpu"))
+        compiled = verify(q, p, tokens, gen(trial), validate=False)
+        with monkeypatch.context() as m:
+            m.setattr(sampling, "compiled_module", lambda: None)
+            aten = verify(q, p, tokens, gen(trial), validate=False)
+        assert_same_result(compiled, aten)
+        outcomes.add((compiled.rejected, compiled.accepted_count > 0))
+    assert outcomes == {(True, True), (True, False), (False, True)}
+
+
 def test_outcomes_cover_accept_reject_and_bonus_across_seeds():
     # Guard that the equivalence test above exercises every path.
     results = [verify(*random_round(s), gen(1000 * s)) for s in range(60)]

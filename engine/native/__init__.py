@@ -19,9 +19,10 @@ agree bit for bit:
 - `pointwise.cpp`: the norm, the MLP's gate and the rotary turn of float32 rows, one pass a row (even from C++,
   torch's CPU norm was six calls; at one row these steps took SmolLM2's int4 layers from 7.3 to 4.8 ms).
 
-One more serves sampling, not the layers: `nucleus.cpp`, top-p's processed distribution of float32 logits
-(`engine.sampling.logits_to_probs` at T > 0 with top-p alone), in place of some fifteen ATen calls a row, and
-inverse-CDF sampling (`sample_many`), the same float64 running sums as torch's cumsum over the positive tokens only.
+One more serves sampling and verification, not the layers: `nucleus.cpp`, top-p's processed distribution of float32
+logits (`engine.sampling.logits_to_probs` at T > 0 with top-p alone), in place of some fifteen ATen calls a row;
+inverse-CDF sampling (`sample_many`), the same float64 running sums as torch's cumsum over the positive tokens only;
+and a chain's verdict (`engine.verify.verify`: the accept tests, the residual and its draw), in place of some twenty.
 
 It is compiled once per machine and torch version with torch's extension builder (a C++ compiler and ninja;
 about a minute on two cores) into the cache folder, the first time a model that uses it loads (`python -m

@@ -33,9 +33,11 @@ at::Tensor rms_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor gated_rows(const at::Tensor& gate_up, int64_t inter);
 at::Tensor rotated(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                    int64_t kv_heads, int64_t head_dim);
-// nucleus.cpp: top-p's processed distribution, and inverse-CDF samples, a row at a time
+// nucleus.cpp: top-p's processed distribution, and inverse-CDF samples, a row at a time; a chain's verdict
 std::tuple<at::Tensor, at::Tensor> nucleus_rows(const at::Tensor& logits, double t, double top_p);
 std::tuple<at::Tensor, at::Tensor> sampled_rows(const at::Tensor& probs, const at::Tensor& uniforms);
+std::tuple<at::Tensor, at::Tensor> chain_verdict(const at::Tensor& q, const at::Tensor& p, const at::Tensor& ids,
+                                                 const at::Tensor& uniforms);
 
 namespace {
 
@@ -321,6 +323,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nucleus_rows", &nucleus_rows, "top-p's distribution over float32 logits at temperature t, and which rows it "
         "decided", release());
   m.def("sampled_rows", &sampled_rows, "inverse-CDF samples of probability rows, as engine.sampling.sample_many",
+        release());
+  m.def("chain_verdict", &chain_verdict, "one round's accept tests and final row on a chain, as engine.verify.verify",
         release());
   m.def("eagle_step", &eagle_step, "an EAGLE head's draft step over one sequence's rows, with its copies' products",
         release());

@@ -10,6 +10,9 @@
 // decide the set when they reach top_p, which holds unless nearly all of a row's mass lies more than CUT below its
 // largest logit. A row where they do not reach it, or that holds a NaN, +inf or only -inf, is left to the caller
 // (`found` false), which takes sampling.py's own path: its sort, and its errors.
+//
+// Two more serve the rows that come out: inverse-CDF sampling (`sampled_rows`), and a chain's verdict
+// (`chain_verdict`, engine.verify's accept tests and final draw), each computing as the ATen path does.
 #include <ATen/ATen.h>   // not torch/extension.h: a third of the compile time
 
 #include <algorithm>
@@ -136,12 +139,16 @@ std::tuple<at::Tensor, at::Tensor> nucleus_rows(const at::Tensor& logits, double
 // (ids [n, t] int64, the rows whose total is positive [n] bool).
 namespace {
 
+// The ids of a row's tokens that are not zero (a NaN counts), in order, into kept: eight floats or four doubles
+// compared at a time, since a processed row is nearly all zeros.
+void nonzero_ids(const float* p, int64_t v, std::vector<int64_t>& kept);
+void nonzero_ids(const double* p, int64_t v, std::vector<int64_t>& kept);
+
 template <typename T>
 void sampled_row(const T* p, int64_t v, const double* u, int64_t t, int64_t* out, bool* positive,
                  std::vector<int64_t>& kept) {
   kept.clear();
-  for (int64_t i = 0; i < v; ++i)
-    if (p[i] != 0) kept.push_back(i);
+  nonzero_ids(p, v, kept);
   double total = 0.0;
   for (const int64_t i : kept) total += static_cast<double>(p[i]);
   *positive = total > 0;
@@ -166,6 +173,36 @@ void sampled_row(const T* p, int64_t v, const double* u, int64_t t, int64_t* out
   }
 }
 
+#ifdef SPECPLAY_NUCLEUS
+AVX2 void nonzero_ids(const float* p, int64_t v, std::vector<int64_t>& kept) {
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8)
+    for (int set = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), zero, _CMP_NEQ_UQ)); set; set &= set - 1)
+      kept.push_back(i + __builtin_ctz(set));
+  for (; i < v; ++i)
+    if (p[i] != 0) kept.push_back(i);
+}
+
+AVX2 void nonzero_ids(const double* p, int64_t v, std::vector<int64_t>& kept) {
+  const __m256d zero = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 4 <= v; i += 4)
+    for (int set = _mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(p + i), zero, _CMP_NEQ_UQ)); set; set &= set - 1)
+      kept.push_back(i + __builtin_ctz(set));
+  for (; i < v; ++i)
+    if (p[i] != 0) kept.push_back(i);
+}
+#else
+template <typename T>
+void nonzero_scan(const T* p, int64_t v, std::vector<int64_t>& kept) {
+  for (int64_t i = 0; i < v; ++i)
+    if (p[i] != 0) kept.push_back(i);
+}
+void nonzero_ids(const float* p, int64_t v, std::vector<int64_t>& kept) { nonzero_scan(p, v, kept); }
+void nonzero_ids(const double* p, int64_t v, std::vector<int64_t>& kept) { nonzero_scan(p, v, kept); }
+#endif
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> sampled_rows(const at::Tensor& probs, const at::Tensor& uniforms) {
@@ -188,4 +225,67 @@ std::tuple<at::Tensor, at::Tensor> sampled_rows(const at::Tensor& probs, const a
                   ids.data_ptr<int64_t>() + r * t, positive.data_ptr<bool>() + r, kept);
   }
   return {ids, positive};
+}
+
+// One round's verdict on a chain (engine.verify.verify): q [k, v] the drafts' float32 rows, p [k + 1, v] the target's,
+// the k drafted ids, and k + 1 float64 uniforms (the k tests', then the final draw's). In float64, as verify.py
+// computes it: each draft's alpha = min(1, p / q) (where q = 0: 1 if p > 0, else 0), accepted while u < alpha; then
+// the final row, max(0, p - q) at the first rejection or the target's row k after k acceptances, drawn from as
+// sampled_rows draws, and its mass (ATen's sum, verify.py's). Returns (the scalars as verify.py lays them out:
+// ids, p, q, alpha and u (k each), the final u, the accepted count, the final id, the mass; the final row [v]).
+// ATen's way was some twenty calls, four of them over a whole float64 row.
+std::tuple<at::Tensor, at::Tensor> chain_verdict(const at::Tensor& q, const at::Tensor& p, const at::Tensor& ids,
+                                                 const at::Tensor& uniforms) {
+  TORCH_CHECK(q.dim() == 2 && p.dim() == 2 && q.scalar_type() == at::kFloat && p.scalar_type() == at::kFloat &&
+                  p.size(0) == q.size(0) + 1 && p.size(1) == q.size(1) && q.size(0) >= 1,
+              "chain_verdict takes float32 rows q [k, v] and p [k + 1, v]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.size(0) == q.size(0) &&
+                  uniforms.dim() == 1 && uniforms.scalar_type() == at::kDouble && uniforms.size(0) == q.size(0) + 1,
+              "chain_verdict takes k int64 ids and k + 1 float64 uniforms");
+  const auto qs = q.contiguous(), ps = p.contiguous(), us = uniforms.contiguous(), tokens = ids.contiguous();
+  const int64_t k = qs.size(0), v = qs.size(1);
+  const float *qd = qs.data_ptr<float>(), *pd = ps.data_ptr<float>();
+  const double* u = us.data_ptr<double>();
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  auto scalars = at::empty({5 * k + 4}, us.options());
+  double* out = scalars.data_ptr<double>();
+  int64_t accepted = 0;
+  bool rejected = false;
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(t[i] >= 0 && t[i] < v, "chain_verdict: draft id ", t[i], " is outside the vocabulary of ", v);
+    const double pt = pd[i * v + t[i]], qt = qd[i * v + t[i]];
+    const double ratio = qt > 0 ? pt / qt : (pt > 0 ? 1.0 : 0.0);
+    const double alpha = ratio > 1.0 ? 1.0 : ratio;   // as clamp(max=1): a NaN stays NaN
+    out[i] = static_cast<double>(t[i]);
+    out[k + i] = pt;
+    out[2 * k + i] = qt;
+    out[3 * k + i] = alpha;
+    out[4 * k + i] = u[i];
+    if (!rejected && u[i] < alpha) ++accepted;
+    else rejected = true;
+  }
+  auto row = at::empty({v}, us.options());
+  double* d = row.data_ptr<double>();
+  const float* pr = pd + accepted * v;
+  if (accepted < k) {
+    const float* qr = qd + accepted * v;
+    for (int64_t j = 0; j < v; ++j) {
+      const double x = static_cast<double>(pr[j]) - static_cast<double>(qr[j]);
+      d[j] = x < 0.0 ? 0.0 : x;
+    }
+  } else {
+    for (int64_t j = 0; j < v; ++j) {
+      const double x = pr[j];
+      d[j] = x < 0.0 ? 0.0 : x;
+    }
+  }
+  int64_t final_id = 0;
+  bool positive = false;
+  std::vector<int64_t> kept;
+  sampled_row(d, v, u + k, 1, &final_id, &positive, kept);
+  out[5 * k] = u[k];
+  out[5 * k + 1] = static_cast<double>(accepted);
+  out[5 * k + 2] = static_cast<double>(final_id);
+  out[5 * k + 3] = row.sum().item<double>();
+  return {scalars, row};
 }
