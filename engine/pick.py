@@ -30,12 +30,13 @@ from engine.pair import ModelPair
 from engine.sampling import SamplingParams
 from engine.sources import cache_root
 
-PICK_FORMAT = 6     # 6: top-p in one compiled pass a row (engine/native/nucleus.cpp) and no full collection inside
-                    # a run (engine.clock.settle_heap): a round at T > 0 spends less outside its forwards; 5: the
-                    # layers' norms and gates in one pass (engine/native/pointwise.cpp), a step a quarter
-                    # shorter, so a verify's rows cost more steps; 4: 8 prompts a candidate; 3: fp32 products from
-                    # a GGUF's codes (CodedWeights); 2: layers and the head's step in C++ (engine.native); 1 weighed
-                    # c and r otherwise
+PICK_FORMAT = 7     # 7: a chain's verdict in one compiled call (engine/native/nucleus.cpp), about 0.5 ms less a
+                    # speculative round at T > 0; 6: top-p in one compiled pass a row (nucleus.cpp) and no full
+                    # collection inside a run (engine.clock.settle_heap): a round at T > 0 spends less outside its
+                    # forwards; 5: the layers' norms and gates in one pass (engine/native/pointwise.cpp), a step a
+                    # quarter shorter, so a verify's rows cost more steps; 4: 8 prompts a candidate; 3: fp32
+                    # products from a GGUF's codes (CodedWeights); 2: layers and the head's step in C++
+                    # (engine.native); 1 weighed c and r otherwise
 NEW_TOKENS = 48
 TIE = 0.10          # a candidate this close to the fastest is as fast, as far as a pick of a few prompts can tell
 SLIM = 1.2          # a winner below this speed-up is explained too: α, c and r say why it is not more
