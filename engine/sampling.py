@@ -87,7 +87,8 @@ def _nucleus_applies(logits: Tensor, params: SamplingParams) -> bool:
 
 def compiled_module():
     """engine.native's module where this CPU runs `nucleus_rows`, `sampled_rows` and engine.verify's `chain_verdict`
-    (AVX2 and FMA; SPECPLAY_NATIVE=0 turns it off), else None. The module is built on first use, once per machine, as a model's first load builds it."""
+    (AVX2 and FMA; SPECPLAY_NATIVE=0 turns it off), else None. The module is built on first use, once per machine,
+    as a model's first load builds it."""
     from engine import native
     module = native.layers()
     return module if module is not None and module.coded_supported() else None
