@@ -34,7 +34,12 @@ namespace {
 
 #ifdef SPECPLAY_NUCLEUS
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_OR_PLAIN AVX2
+#else
+#define AVX2_OR_PLAIN
+#endif
 
+#ifdef SPECPLAY_NUCLEUS
 constexpr float CUT = 16.0f;   // candidates: scaled logits within 16 of the largest (e^-16: 1.1e-7 of its mass)
 using Candidate = std::pair<float, int64_t>;
 
@@ -139,10 +144,29 @@ std::tuple<at::Tensor, at::Tensor> nucleus_rows(const at::Tensor& logits, double
 // (ids [n, t] int64, the rows whose total is positive [n] bool).
 namespace {
 
+#ifdef SPECPLAY_NUCLEUS
+AVX2 inline int nonzero_lanes(const float* p) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+}
+
+AVX2 inline int nonzero_lanes(const double* p) {
+  return _mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(p), _mm256_setzero_pd(), _CMP_NEQ_UQ));
+}
+#endif
+
 // The ids of a row's tokens that are not zero (a NaN counts), in order, into kept: eight floats or four doubles
 // compared at a time, since a processed row is nearly all zeros.
-void nonzero_ids(const float* p, int64_t v, std::vector<int64_t>& kept);
-void nonzero_ids(const double* p, int64_t v, std::vector<int64_t>& kept);
+template <typename T>
+AVX2_OR_PLAIN void nonzero_ids(const T* p, int64_t v, std::vector<int64_t>& kept) {
+  int64_t i = 0;
+#ifdef SPECPLAY_NUCLEUS
+  constexpr int64_t lanes = 32 / sizeof(T);
+  for (; i + lanes <= v; i += lanes)
+    for (int set = nonzero_lanes(p + i); set; set &= set - 1) kept.push_back(i + __builtin_ctz(set));
+#endif
+  for (; i < v; ++i)
+    if (p[i] != 0) kept.push_back(i);
+}
 
 template <typename T>
 void sampled_row(const T* p, int64_t v, const double* u, int64_t t, int64_t* out, bool* positive,
@@ -172,36 +196,6 @@ void sampled_row(const T* p, int64_t v, const double* u, int64_t t, int64_t* out
     out[j] = std::min(id, last);
   }
 }
-
-#ifdef SPECPLAY_NUCLEUS
-AVX2 void nonzero_ids(const float* p, int64_t v, std::vector<int64_t>& kept) {
-  const __m256 zero = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= v; i += 8)
-    for (int set = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), zero, _CMP_NEQ_UQ)); set; set &= set - 1)
-      kept.push_back(i + __builtin_ctz(set));
-  for (; i < v; ++i)
-    if (p[i] != 0) kept.push_back(i);
-}
-
-AVX2 void nonzero_ids(const double* p, int64_t v, std::vector<int64_t>& kept) {
-  const __m256d zero = _mm256_setzero_pd();
-  int64_t i = 0;
-  for (; i + 4 <= v; i += 4)
-    for (int set = _mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(p + i), zero, _CMP_NEQ_UQ)); set; set &= set - 1)
-      kept.push_back(i + __builtin_ctz(set));
-  for (; i < v; ++i)
-    if (p[i] != 0) kept.push_back(i);
-}
-#else
-template <typename T>
-void nonzero_scan(const T* p, int64_t v, std::vector<int64_t>& kept) {
-  for (int64_t i = 0; i < v; ++i)
-    if (p[i] != 0) kept.push_back(i);
-}
-void nonzero_ids(const float* p, int64_t v, std::vector<int64_t>& kept) { nonzero_scan(p, v, kept); }
-void nonzero_ids(const double* p, int64_t v, std::vector<int64_t>& kept) { nonzero_scan(p, v, kept); }
-#endif
 
 }  // namespace
 
