@@ -261,17 +261,10 @@ std::tuple<at::Tensor, at::Tensor> chain_verdict(const at::Tensor& q, const at::
   auto row = at::empty({v}, us.options());
   double* d = row.data_ptr<double>();
   const float* pr = pd + accepted * v;
-  if (accepted < k) {
-    const float* qr = qd + accepted * v;
-    for (int64_t j = 0; j < v; ++j) {
-      const double x = static_cast<double>(pr[j]) - static_cast<double>(qr[j]);
-      d[j] = x < 0.0 ? 0.0 : x;
-    }
-  } else {
-    for (int64_t j = 0; j < v; ++j) {
-      const double x = pr[j];
-      d[j] = x < 0.0 ? 0.0 : x;
-    }
+  const float* qr = accepted < k ? qd + accepted * v : nullptr;   // none after k acceptances: the bonus row
+  for (int64_t j = 0; j < v; ++j) {
+    const double x = static_cast<double>(pr[j]) - (qr ? static_cast<double>(qr[j]) : 0.0);
+    d[j] = x < 0.0 ? 0.0 : x;
   }
   int64_t final_id = 0;
   bool positive = false;
