@@ -339,6 +339,23 @@ def measured_speedup(rounds: Rounds, baseline: Rounds) -> float | None:
     return None if spec is None or base is None or base <= 0 else spec / base
 
 
+def decode_tokens_per_s(rounds: Rounds) -> float | None:
+    """Tokens after the prefill round over the time after it: decoding alone, which speculation changes and
+    the prediction speaks of (both runs' prefill is one forward over the same prompt). None before a decode round."""
+    if len(rounds) < 2 or not rounds[0].is_prefill:
+        return None
+    first, last = rounds[0], rounds[-1]
+    tokens, seconds = last.tokens_total - first.tokens_total, last.elapsed_s - first.elapsed_s
+    return tokens / seconds if tokens > 0 and seconds > 0 else None
+
+
+def decode_speedup(rounds: Rounds, baseline: Rounds) -> float | None:
+    """`measured_speedup` after each run's prefill round: what Leviathan's formula predicts, as the bench's
+    decode speed-up (the prefill, which no drafter changes, is the tokens/s figures')."""
+    spec, base = decode_tokens_per_s(rounds), decode_tokens_per_s(baseline)
+    return None if spec is None or base is None else spec / base
+
+
 def finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
@@ -396,12 +413,12 @@ def gap_factors(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draf
 
 
 def prediction_gap(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | None) -> PredictionGap | None:
-    """A run's measured / predicted speed-up (`measured_speedup` over Leviathan's, from the run's α, c and the
+    """A run's measured / predicted speed-up (`decode_speedup` over Leviathan's, from the run's α, c and the
     calibrated r(n)) taken apart as PredictionGap: whether the rounds yielded fewer tokens than E(α, K) expects,
     whether their verify forwards cost more than the calibration said, or whether the time went outside the
-    forwards (sampling over the vocabulary, the drafters' bookkeeping, the prefill). None until all is measured."""
+    forwards (sampling over the vocabulary, the drafters' bookkeeping). None until all is measured."""
     tally = Tally.of(rounds, baseline)
-    predicted, measured = tally.speedup_iid(r_of_n), measured_speedup(rounds, baseline)
+    predicted, measured = tally.speedup_iid(r_of_n), decode_speedup(rounds, baseline)
     step, a, c = target_step_ms(baseline), tally.alpha(), tally.cost_ratio()
     decode = decode_rounds(rounds)
     if not predicted or not measured or not step or a is None or c is None or not decode:

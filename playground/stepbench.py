@@ -130,6 +130,7 @@ class Speedups:
     app_s: float
     app_base_tokens: int
     app_base_s: float
+    app_decode: float | None       # the page's speed-up after the prefill, which the prediction speaks of
     predicted: float | None
     bench_tokens: int
     bench_s: float
@@ -137,14 +138,17 @@ class Speedups:
     bench_base_s: float
 
 
-def pooled(rows: list[Speedups]) -> tuple[float, float, float | None]:
-    """(app speed-up, bench speed-up, the predictions' mean) over `rows`, each tokens over seconds summed."""
+def pooled(rows: list[Speedups]) -> tuple[float, float, float | None, float | None]:
+    """(app speed-up, bench speed-up, the predictions' mean, the app's speed-ups after the prefill, their mean) over
+    `rows`, the first two tokens over seconds summed."""
     def rate(tokens: str, seconds: str) -> float:
         return sum(getattr(r, tokens) for r in rows) / sum(getattr(r, seconds) for r in rows)
     app = rate("app_tokens", "app_s") / rate("app_base_tokens", "app_base_s")
     bench = rate("bench_tokens", "bench_s") / rate("bench_base_tokens", "bench_base_s")
-    predictions = [r.predicted for r in rows if r.predicted is not None]
-    return app, bench, (statistics.fmean(predictions) if predictions else None)
+    def mean(xs: list[float | None]) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return statistics.fmean(xs) if xs else None
+    return app, bench, mean([r.predicted for r in rows]), mean([r.app_decode for r in rows])
 
 
 async def speedups(demo: Blocks, pool: SessionPool, state: SessionState, gate: ComputeGate, prompt: str, seed: int,
@@ -152,6 +156,7 @@ async def speedups(demo: Blocks, pool: SessionPool, state: SessionState, gate: C
     """Reset and Run to end on `prompt` through the app (one visitor's `state`), then the sampled bench on the
     same run's settings, holding the app's `gate` as the app's rounds do."""
     from engine.bench.sampled import measure as bench_measure
+    from engine import metrics
     from engine.metrics import NotMeasured
     from engine.prompts import encode_chat
 
@@ -165,6 +170,7 @@ async def speedups(demo: Blocks, pool: SessionPool, state: SessionState, gate: C
     ids = encode_chat(run.pair.target.tokenizer, run.chat)
     bench = gate.run(lambda: bench_measure(run.pair, [ids], run.config))   # on the app's compute thread
     return Speedups(spec.tokens, spec.elapsed_s, base.tokens, base.elapsed_s,
+                    metrics.decode_speedup(view.rounds, view.baseline),
                     None if isinstance(prediction, NotMeasured) else prediction.speedup_iid,
                     bench.tokens, bench.tokens / bench.tokens_per_s,
                     bench.tokens, bench.tokens / bench.baseline_tokens_per_s)
@@ -191,13 +197,15 @@ def speedup_main(count: int, tokens: int, threads: int | None = None) -> None:
         for i, prompt in enumerate(chat_prompts("heldout")[:count]):
             row = asyncio.run(speedups(demo, ctx.pool, state, ctx.registry.gate, prompt, i, tokens))
             rows.append(row)
-            app, bench, predicted = pooled([row])
-            print(f"prompt {i + 1}/{count}: app {app:.2f}× (predicted {_x(predicted)}), bench {bench:.2f}×, "
+            app, bench, predicted, decode = pooled([row])
+            print(f"prompt {i + 1}/{count}: app {app:.2f}× (after the prefill {_x(decode)}, predicted "
+                  f"{_x(predicted)}), bench {bench:.2f}×, "
                   f"app / bench {app / bench:.2f}; target-only {row.app_base_tokens / row.app_base_s:.1f} tok/s in "
                   f"the app, {row.bench_base_tokens / row.bench_base_s:.1f} in the bench", flush=True)
-        app, bench, predicted = pooled(rows)
-        print(f"pooled over {len(rows)} prompts: app {app:.2f}×, predicted {_x(predicted)} (measured / predicted "
-              f"{_ratio(app, predicted)}), bench {bench:.2f}×, app / bench {app / bench:.2f}", flush=True)
+        app, bench, predicted, decode = pooled(rows)
+        print(f"pooled over {len(rows)} prompts: app {app:.2f}×, after the prefill {_x(decode)} against predicted "
+              f"{_x(predicted)} (measured / predicted {_ratio(decode, predicted)}), bench {bench:.2f}×, app / bench "
+              f"{app / bench:.2f}", flush=True)
     finally:
         ctx.pool.shutdown()
         ctx.registry.close()
@@ -332,24 +340,24 @@ def run_figures(sessions: list[Session]) -> str | None:
         time.sleep(0.1)
     view = runs[0].view()
     curve = view.calibration.at if view.calibration else None
-    measured = metrics.measured_speedup(view.rounds, view.baseline)
+    measured = metrics.decode_speedup(view.rounds, view.baseline)
     predicted = metrics.Tally.of(view.rounds, view.baseline).speedup_iid(curve)
     gap = metrics.prediction_gap(view.rounds, view.baseline, curve)
     if measured is None or predicted is None or gap is None:
         return None
     verify = statistics.median(r.timings.target_forward_ms for r in metrics.decode_rounds(view.rounds) if r.k)
-    return (f"the run in the page: {len(view.rounds)} rounds, measured {measured:.2f}× · predicted {predicted:.2f}× · "
-            f"measured / predicted {measured / predicted:.2f} = {gap.tokens:.2f} tokens × {gap.verify:.2f} verify × "
-            f"{gap.rest:.2f} the rest · target step {metrics.target_step_ms(view.baseline):.1f} ms, verify forward "
-            f"{verify:.1f} ms (medians)")
+    return (f"the run in the page: {len(view.rounds)} rounds, measured after the prefill {measured:.2f}× · "
+            f"predicted {predicted:.2f}× · measured / predicted {measured / predicted:.2f} = {gap.tokens:.2f} tokens × "
+            f"{gap.verify:.2f} verify × {gap.rest:.2f} the rest · target step "
+            f"{metrics.target_step_ms(view.baseline):.1f} ms, verify forward {verify:.1f} ms (medians)")
 
 
 def _x(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}×"
 
 
-def _ratio(a: float, b: float | None) -> str:
-    return "—" if b is None else f"{a / b:.2f}"
+def _ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b is None else f"{a / b:.2f}"
 
 
 def main(argv: list[str]) -> None:

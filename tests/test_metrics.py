@@ -325,9 +325,24 @@ def test_measured_over_predicted_is_taken_apart_into_tokens_verify_and_the_rest(
     e = expected_tokens_per_round(2 / 3, 4)
     assert gap.tokens == pytest.approx(3 / e)
     assert gap.verify == pytest.approx((0.1 * 4 + 1.4) / (0.1 * 4 + verify_ms / step))
-    measured = metrics.measured_speedup(rounds, baseline)
+    measured = metrics.decode_speedup(rounds, baseline)
     predicted = metrics.predict(rounds, baseline, r_of_n).speedup_iid
     assert gap.tokens * gap.verify * gap.rest == pytest.approx(measured / predicted)
     assert gap.rest != pytest.approx(1.0)          # these rounds' wall time is not their forwards'
     assert metrics.prediction_gap(rounds, baseline, None) is None and metrics.prediction_gap(rounds[:1], baseline,
                                                                                            r_of_n) is None
+
+
+def test_the_decode_speedup_leaves_out_each_runs_prefill_round():
+    """Target-only: a 30 ms prefill, then a token every 10 ms. Speculative: a 130 ms prefill (a slow first forward),
+    then 3 tokens every 20 ms. After the prefill that is 150 against 100 tokens/s, whatever either prefill cost;
+    the speed-up with the prefill counts the slow one. A run that has only prefilled has no decode speed-up."""
+    baseline = [make_round(i, "", mode=Mode.TARGET, elapsed_s=0.03 + 0.01 * i, tokens_total=i + 1) for i in range(13)]
+    rounds = [make_round(0, "", elapsed_s=0.13, tokens_total=1)] + [
+        make_round(i, "aaru", elapsed_s=0.13 + 0.02 * i, tokens_total=1 + 3 * i) for i in range(1, 5)]
+    assert metrics.decode_tokens_per_s(rounds) == pytest.approx(150.0)
+    assert metrics.decode_tokens_per_s(baseline) == pytest.approx(100.0)
+    assert metrics.decode_speedup(rounds, baseline) == pytest.approx(1.5)
+    assert metrics.measured_speedup(rounds, baseline) == pytest.approx((13 / 0.21) / (13 / 0.15))   # 0.71×
+    assert metrics.decode_speedup(rounds[:1], baseline[:1]) is None
+    assert metrics.decode_speedup(rounds[1:], baseline) is None        # no prefill round to start after

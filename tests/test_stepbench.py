@@ -49,9 +49,9 @@ def test_the_page_run_is_read_once_its_target_only_rounds_have_caught_up(builtin
         line = run_figures(ctx.pool.sessions())
         assert not s.run.behind
         view = s.view()
-        measured = metrics.measured_speedup(view.rounds, view.baseline)
+        measured = metrics.decode_speedup(view.rounds, view.baseline)
         predicted = metrics.Tally.of(view.rounds, view.baseline).speedup_iid(view.calibration.at)
-        assert f"measured {measured:.2f}×" in line and f"predicted {predicted:.2f}×" in line
+        assert f"measured after the prefill {measured:.2f}×" in line and f"predicted {predicted:.2f}×" in line
         assert f"measured / predicted {measured / predicted:.2f} = " in line and f"{len(view.rounds)} rounds" in line
     finally:
         ctx.pool.shutdown()

@@ -95,7 +95,8 @@ def tokens_time_figure(view: RunView) -> go.Figure:
 
 
 def speedup_figure(view: RunView) -> go.Figure:
-    """Measured speed-up after each round, beside Leviathan's prediction from the measured α and c."""
+    """Measured speed-up after each round, decoding after the prefill as the formula counts it, beside Leviathan's
+    prediction from the measured α and c."""
     if not view.rounds or not view.baseline:
         return empty_figure("Needs a target-only baseline (not recorded in target-only mode).")
     xs, measured, predicted, band = speedup_series(view)
@@ -111,7 +112,7 @@ def speedup_figure(view: RunView) -> go.Figure:
                          go.Scatter(x=xs, y=predicted, name=f"predicted: {metrics.formula_text(v1)}, all measured",
                                     mode="lines", line=dict(color=PREDICTED_COLOUR, dash="dot")),
                          *interval],
-                        "Speed-up over target-only", "round", "× target-only", shapes=[parity],
+                        "Speed-up over target-only, after the prefill", "round", "× target-only", shapes=[parity],
                         xaxis_dtick=1 if len(xs) <= 12 else None)        # rounds are whole: no round 1.5
 
 
@@ -148,13 +149,15 @@ def summary_html(view: RunView | None) -> str:
         ("tokens per drafted round (τ)", _fmt(metrics.tokens_per_round(view.rounds))),
         ("c, measured from this run", _cost_text(view)),
         ("r(K+1), calibrated", "—" if isinstance(pred, NotMeasured) else f"{pred.r:.2f} at mean K = {pred.k}"),
-        ("speed-up: measured / predicted", f"{_fmt(metrics.measured_speedup(view.rounds, view.baseline), suffix='×')} / "
-                                           + ("—" if isinstance(pred, NotMeasured) else f"{pred.speedup_iid:.2f}×")),
+        ("speed-up after the prefill: measured / predicted",
+         f"{_fmt(metrics.decode_speedup(view.rounds, view.baseline), suffix='×')} / "
+         + ("—" if isinstance(pred, NotMeasured) else f"{pred.speedup_iid:.2f}×")),
         ("measured / predicted, taken apart", _gap_text(view)),
         ("on this machine, for this drafter and sampling", "—" if isinstance(pred, NotMeasured) else
                                                            verdict(pred, view.calibration.at)),
-        ("tokens/s: speculative / target-only", f"{_fmt(metrics.tokens_per_s(view.rounds), '.1f')} / "
-                                                f"{_fmt(metrics.tokens_per_s(view.baseline), '.1f')}"),
+        ("tokens/s, the prefill included: speculative / target-only",
+         f"{_fmt(metrics.tokens_per_s(view.rounds), '.1f')} / {_fmt(metrics.tokens_per_s(view.baseline), '.1f')} "
+         f"({_fmt(metrics.measured_speedup(view.rounds, view.baseline), suffix='×')})"),
         ("target forwards: speculative / target-only", f"{sum(r.target_forwards for r in view.rounds)} / "
                                                        f"{sum(b.target_forwards for b in view.baseline)}"),
     ]
@@ -185,7 +188,7 @@ def _gap_text(view: RunView) -> str:
         return "—"
     return (f"{gap.tokens * gap.verify * gap.rest:.2f} = {gap.tokens:.2f} tokens (yielded / E(α, K) expects) × "
             f"{gap.verify:.2f} verify (calibrated r / the rounds' own) × {gap.rest:.2f} the rest (time outside the "
-            f"forwards: sampling, drafting's bookkeeping, the prefill)")
+            f"forwards: sampling, verification, drafting's bookkeeping)")
 
 
 def _cost_text(view: RunView) -> str:
@@ -213,7 +216,7 @@ def speedup_series(view: RunView) -> tuple[list[int], list[float | None], list[f
             tally.add_baseline(b)
         counted = by
         xs.append(n)
-        measured.append(metrics.measured_speedup(view.rounds[:n], view.baseline[:by]))
+        measured.append(metrics.decode_speedup(view.rounds[:n], view.baseline[:by]))
         predicted.append(tally.speedup_iid(curve))
         band.append(tally.speedup_iid_interval(curve))
     return xs, measured, predicted, band

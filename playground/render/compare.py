@@ -31,14 +31,15 @@ def _row(view: RunView) -> list[str]:
             _fmt(metrics.tokens_per_round(view.rounds), ".2f"),
             _fmt(metrics.cost_ratio(view.rounds, view.baseline)),
             _fmt(None if isinstance(pred, NotMeasured) else pred.r, ".2f"),
-            _fmt(metrics.measured_speedup(view.rounds, view.baseline), ".2f"),
+            _fmt(metrics.decode_speedup(view.rounds, view.baseline), ".2f"),
             _fmt(None if isinstance(pred, NotMeasured) else pred.speedup_iid, ".2f"),
             str(sum(r.target_forwards for r in view.rounds))]
 
 
 ROW_NAMES = ("trace", "settings", "target", "draft model / EAGLE head", "devices", "machine", "rounds", "tokens",
              "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per drafted round (τ)",
-             "c (measured)", "r(K+1) (calibrated)", "speed-up measured ×", "speed-up predicted ×", "target forwards")
+             "c (measured)", "r(K+1) (calibrated)", "speed-up after the prefill, measured ×", "speed-up predicted ×",
+             "target forwards")
 
 
 def compare_table_html(a: RunView, b: RunView) -> str:

@@ -99,9 +99,10 @@ def theory_figure(view: RunView | None, k_max: int = K_BOUND) -> go.Figure:
                              text=[f"{p.rounds} rounds that drafted {p.k}" for p in points]), row=1, col=1)
     fig.add_trace(go.Scatter(x=ks, y=list(curves.speedup), mode="lines+markers", name=metrics.formula_text(pred.commit),
                              line=dict(color=PREDICTED_COLOUR, dash="dot")), row=1, col=2)
-    measured = metrics.measured_speedup(view.rounds, view.baseline)
+    measured = metrics.decode_speedup(view.rounds, view.baseline)
     if measured is not None:
-        fig.add_trace(go.Scatter(x=[pred.k], y=[measured], mode="markers", name="measured speed-up (mean K)",
+        fig.add_trace(go.Scatter(x=[pred.k], y=[measured], mode="markers",
+                                 name="measured speed-up after the prefill (mean K)",
                                  marker=dict(color=SPEC_COLOUR, size=12, symbol="star")), row=1, col=2)
     fig.add_hline(y=1.0, line=dict(color=GREY, width=1), row=1, col=2)
     for col in (1, 2):
@@ -175,7 +176,7 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
         return f'<p class="theory-note"><em>{html.escape(got.reason)}</em></p>'
     pred, curve = got
     curves = theory_curves(pred, curve, k_max)
-    measured = metrics.measured_speedup(view.rounds, view.baseline)
+    measured = metrics.decode_speedup(view.rounds, view.baseline)
     rows = [("recommended K", f"{curves.best_k} (the maximum of {metrics.formula_text(pred.commit)} over K = "
                               f"1..{k_max}{V1_NOTE if pred.commit else ''})"),
             ("verdict", verdict(pred, curve.at, k_max)),
@@ -185,7 +186,7 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
             (f"r(K+1) at the run's mean K = {pred.k} (calibrated)", f"{pred.r:.2f}"),
             ("tokens per round: measured / E(α, K) / from per-position rates",
              f"{pred.tokens_measured:.2f} / {pred.tokens_iid:.2f} / {pred.tokens_rates:.2f}"),
-            ("speed-up: measured / predicted", ("—" if measured is None else f"{measured:.2f}×")
+            ("speed-up after the prefill: measured / predicted", ("—" if measured is None else f"{measured:.2f}×")
              + f" / {pred.speedup_iid:.2f}×")]
     rows += tree_rows(view, pred)
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
