@@ -28,6 +28,11 @@ Rounds = Sequence[RoundRecord]
 # c = 0 the curve creeps up by ~1e-16 per K once alpha^K underflows the sum, and drafting 16 tokens
 # for a gain nobody can measure is not a recommendation.
 TIE_RTOL = 1e-9
+# verify forwards of n rows a run needs before its prediction reads r(n) from them rather than from the calibration:
+# the app's quick calibration, a minute before on the same machine, read r(3) 1.03-1.22 in four runs where the
+# rounds' own verify forwards gave 1.25-1.3 (SmolLM2, AVX2 EPYC); a run's own forwards are timed beside its
+# target-only steps, under the same load
+OWN_R_LEAST = 3
 
 
 def median(xs: Sequence[float], default: float = math.nan) -> float:
@@ -413,23 +418,20 @@ def gap_factors(tokens_at: Callable[[int], float], rounds_k: Sequence[int], draf
 
 
 def prediction_gap(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | None) -> PredictionGap | None:
-    """A run's measured / predicted speed-up (`decode_speedup` over Leviathan's, from the run's α, c and the
-    calibrated r(n)) taken apart as PredictionGap: whether the rounds yielded fewer tokens than E(α, K) expects,
-    whether their verify forwards cost more than the calibration said, or whether the time went outside the
+    """A run's measured / predicted speed-up (`decode_speedup` over Leviathan's, from the run's α, c and r(n) as
+    `Tally.r_used` reads it, `r_of_n` being the calibration) taken apart as PredictionGap: whether the rounds yielded
+    fewer tokens than E(α, K) expects, whether their verify forwards cost more than the r the prediction read
+    (the calibration's, where the run has too few forwards of its own), or whether the time went outside the
     forwards (sampling over the vocabulary, the drafters' bookkeeping). None until all is measured."""
     tally = Tally.of(rounds, baseline)
     predicted, measured = tally.speedup_iid(r_of_n), decode_speedup(rounds, baseline)
-    step, a, c = target_step_ms(baseline), tally.alpha(), tally.cost_ratio()
+    step, a, c, used = target_step_ms(baseline), tally.alpha(), tally.cost_ratio(), tally.r_used(r_of_n)
     decode = decode_rounds(rounds)
-    if not predicted or not measured or not step or a is None or c is None or not decode:
+    if not predicted or not measured or not step or a is None or c is None or used is None or not decode:
         return None
-    verify_ms: dict[int, list[float]] = {}
-    for r in decode:
-        if r.k:
-            verify_ms.setdefault(r.k + 1, []).append(r.timings.target_forward_ms)
-    r_run = {n: median(ms) / step for n, ms in verify_ms.items()}
+    r_run = {n: median(ms) / step for n, ms in tally.verify_ms.items()}
     tokens, verify = gap_factors(lambda k: expected_tokens_per_round(a, k), [r.k for r in decode],
-                                 [r.draft_forwards for r in decode], c, r_of_n, lambda n: r_run.get(n, r_of_n(n)),
+                                 [r.draft_forwards for r in decode], c, used, lambda n: r_run.get(n, used(n)),
                                  [r.depth for r in decode], sum(len(r.emitted) for r in decode), tally.commit)
     return PredictionGap(tokens, verify, measured / predicted / (tokens * verify))
 
@@ -470,6 +472,8 @@ class Tally:
     draft_forwards: int = 0  # draft-model forwards the decode rounds ran
     draft_ms: list[float] = field(default_factory=list)  # the decode rounds' draft forwards, ms, ascending
     step_ms: list[float] = field(default_factory=list)   # the baseline's decode steps, ms, ascending
+    verify_ms: dict[int, list[float]] = field(default_factory=dict)   # the drafted decode rounds' verify forwards,
+                                                                      # by rows verified (K + 1), ms, ascending
     drafted: bool = False           # some round, the prefill's included, drafted
     draft_model_ran: bool = False   # some round ran a draft-model forward
     commit: bool = False            # the rounds are v1's: each also runs a commit forward (`commit_rows`)
@@ -497,6 +501,7 @@ class Tally:
         if r.k > 0:
             self.accepted += r.accepted
             self.verified += r.verified
+            insort(self.verify_ms.setdefault(r.k + 1, []), r.timings.target_forward_ms)
 
     def add_baseline(self, b: RoundRecord) -> None:
         """Count the baseline's next round."""
@@ -519,6 +524,20 @@ class Tally:
             return None if self.draft_model_ran else 0.0
         return draft / step
 
+    def own_r(self, n: int) -> float | None:
+        """r(n) as this run measured it: its median verify forward of n rows over its median target-only step;
+        None with fewer than OWN_R_LEAST such forwards or no step yet."""
+        step, ms = self.target_step_ms(), self.verify_ms.get(n, ())
+        return median(ms) / step if step and len(ms) >= OWN_R_LEAST else None
+
+    def r_used(self, calibrated: Callable[[int], float] | None) -> Callable[[int], float] | None:
+        """The r(n) a prediction for these rounds reads: the run's own (`own_r`) at the n it has verified often
+        enough, the calibration's elsewhere; None without a calibration."""
+        if calibrated is None:
+            return None
+        own = {n: r for n in self.verify_ms if (r := self.own_r(n)) is not None}
+        return lambda n: own[n] if n in own else calibrated(n)
+
     def alpha(self) -> float | None:
         """Accepted / verified positions over the drafted decode rounds; None before one."""
         return alpha_rate(self.accepted, self.verified) if self.verified else None
@@ -527,24 +546,25 @@ class Tally:
         """predicted_over_rounds over the decode rounds counted."""
         return _over_mix(tokens_at, self.rounds_by, self.draft_forwards, c, r_of_n, self.commit)
 
-    def speedup_iid(self, r_of_n: Callable[[int], float] | None, alpha: float | None = None) -> float | None:
-        """Leviathan's speed-up for the rounds so far, E(alpha, k_i) per round; None until alpha, c and
-        r(n) are all measured (`predict` says which is missing). `alpha`: another α in place of the run's."""
-        a, c = self.alpha() if alpha is None else alpha, self.cost_ratio()
+    def speedup_iid(self, calibrated: Callable[[int], float] | None, alpha: float | None = None) -> float | None:
+        """Leviathan's speed-up for the rounds so far, E(alpha, k_i) per round, r(n) as `r_used` reads it; None
+        until alpha, c and a calibration are all measured (`predict` says which is missing). `alpha`: another α in
+        place of the run's."""
+        a, c, r_of_n = self.alpha() if alpha is None else alpha, self.cost_ratio(), self.r_used(calibrated)
         if a is None or c is None or r_of_n is None:
             return None
         return self.predicted_speedup(lambda k: expected_tokens_per_round(a, k), c, r_of_n)
 
-    def speedup_iid_interval(self, r_of_n: Callable[[int], float] | None,
+    def speedup_iid_interval(self, calibrated: Callable[[int], float] | None,
                              z: float = 1.96) -> tuple[float, float] | None:
         """`speedup_iid` at the two ends of α's Wilson score interval over the verified positions (z = 1.96:
         95%), the rest as measured: how far the prediction could move on this many positions alone. It is
         narrower than the truth, since positions of one round are not independent draws, and c and r(n) are
         taken as exact."""
-        if self.speedup_iid(r_of_n) is None:
+        if self.speedup_iid(calibrated) is None:
             return None
         lo, hi = wilson_interval(self.accepted, self.verified, z)
-        return self.speedup_iid(r_of_n, lo), self.speedup_iid(r_of_n, hi)
+        return self.speedup_iid(calibrated, lo), self.speedup_iid(calibrated, hi)
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,7 +576,8 @@ class Prediction:
     rates: list[float]             # per-position acceptance
     c: float                       # median draft forward / median target-only step, this run
     k: int                         # the drafted rounds' mean K
-    r: float                       # r(k + 1) from the calibration
+    r: float                       # r(k + 1) as the figures below read it (Tally.r_used): the run's own, or the
+                                   # calibration's (`r_forwards`)
     tokens_iid: float              # predicted tokens per drafted round, E(alpha, k_i) averaged
     tokens_rates: float            # the same from the per-position rates (no i.i.d. assumption)
     tokens_measured: float         # tokens per drafted round, counted
@@ -565,6 +586,8 @@ class Prediction:
     best_k: int                    # the argmax of E(alpha, K) / (cK + r(K + 1)) over K
     best_speedup: float
     commit: bool = False           # v1 rounds: each cost a commit forward too, counted in every figure above
+    r_calibrated: float = math.nan   # the calibration's r(k + 1), which the best K reads
+    r_forwards: int = 0              # the run's verify forwards of k + 1 rows that `r` is read from; 0: calibrated
 
 
 @dataclass(frozen=True, slots=True)
@@ -577,7 +600,9 @@ class NotMeasured:
 def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | None,
             k_max: int = 16) -> Prediction | NotMeasured:
     """The prediction for the rounds so far, or why there is none yet. `r_of_n` is the calibrated
-    curve (`RCurve.at`); without it there is no prediction, since r is measured, never assumed."""
+    curve (`RCurve.at`); without it there is no prediction, since r is measured, never assumed. The run's own
+    figures read r(n) as `Tally.r_used` does (its own verify forwards where it has enough); the best K reads the
+    calibration alone, as one curve over every K."""
     drafted = [r for r in decode_rounds(rounds) if r.k > 0]
     if not drafted:
         return NotMeasured("Not measured yet: no round has drafted anything (target-only, or no n-gram match).")
@@ -591,13 +616,15 @@ def predict(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], float] | N
     a, rates = tally.alpha(), position_rates(drafted)
     iid = lambda k: expected_tokens_per_round(a, k)  # noqa: E731
     by_rates = lambda k: expected_tokens_from_rates(rates, k)  # noqa: E731
-    best = best_k(a, c, r_of_n, k_max, tally.commit)
+    best, used, mean = best_k(a, c, r_of_n, k_max, tally.commit), tally.r_used(r_of_n), mean_k(drafted)
+    own = tally.own_r(mean + 1) is not None
     return Prediction(
-        draft_acceptance=draft_acceptance(drafted), alpha=a, rates=rates, c=c, k=mean_k(drafted),
-        r=r_of_n(mean_k(drafted) + 1), tokens_iid=sum(iid(r.depth) for r in drafted) / len(drafted),
+        draft_acceptance=draft_acceptance(drafted), alpha=a, rates=rates, c=c, k=mean, r=used(mean + 1),
+        r_calibrated=r_of_n(mean + 1), r_forwards=len(tally.verify_ms[mean + 1]) if own else 0,
+        tokens_iid=sum(iid(r.depth) for r in drafted) / len(drafted),
         tokens_rates=sum(by_rates(r.depth) for r in drafted) / len(drafted),
         tokens_measured=tokens_per_round(drafted),
-        speedup_iid=tally.speedup_iid(r_of_n), speedup_rates=tally.predicted_speedup(by_rates, c, r_of_n),
+        speedup_iid=tally.speedup_iid(r_of_n), speedup_rates=tally.predicted_speedup(by_rates, c, used),
         best_k=best, best_speedup=predicted_speedup(a, best, c, r_of_n(best + 1),
                                                      commit_cost(a, best, r_of_n, tally.commit)),
         commit=tally.commit)

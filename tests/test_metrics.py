@@ -163,7 +163,9 @@ def test_a_growing_verify_cost_pulls_the_best_k_down():
 
 def test_predict_on_hand_built_rounds():
     baseline = [make_round(i, "", target_ms=10.0, mode=Mode.TARGET) for i in range(5)]
-    rounds = [make_round(0, "", target_ms=50.0)] + [make_round(i, "aaru", draft_ms=1.0) for i in range(1, 4)]
+    # verify forwards of 14 ms: the run's own r(5) is the calibration's 1.4 (`test_a_run_reads_r_from_its_own_...`)
+    rounds = [make_round(0, "", target_ms=50.0)] + [make_round(i, "aaru", draft_ms=1.0, target_ms=14.0)
+                                                     for i in range(1, 4)]
     r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
     pred = metrics.predict(rounds, baseline, r_of_n)
     assert pred.alpha == pytest.approx(2 / 3) and pred.draft_acceptance == pytest.approx(0.5)
@@ -182,7 +184,8 @@ def test_v1_rounds_pay_their_commit_forward_in_every_prediction():
     prediction would be v2's (on the built-in pair 2.15x against a measured 1.23x)."""
     r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
     baseline = [make_round(i, "", target_ms=10.0, mode=Mode.TARGET) for i in range(5)]
-    v2 = [make_round(0, "", target_ms=50.0)] + [make_round(i, "aaru", draft_ms=1.0) for i in range(1, 4)]
+    v2 = [make_round(0, "", target_ms=50.0)] + [make_round(i, "aaru", draft_ms=1.0, target_ms=14.0)
+                                                 for i in range(1, 4)]
     v1 = [replace(r, mode=Mode.V1) for r in v2]
     e = expected_tokens_per_round(2 / 3, 4)
     commit = r_of_n(metrics.commit_rows(e))
@@ -313,7 +316,8 @@ def test_pairing_tells_a_small_steady_gain_from_chance_where_two_separate_interv
 def test_measured_over_predicted_is_taken_apart_into_tokens_verify_and_the_rest():
     """Hand-built rounds whose verify forwards cost 1.5 target steps where the calibration says 1.4, which yield
     3 tokens a round where E(2/3, 4) expects 2.11, and whose wall time is given: the three factors are those
-    ratios, and their product is what the summary prints as measured / predicted."""
+    ratios, and their product is what the summary prints as measured / predicted. Once the run has verified
+    OWN_R_LEAST times at K + 1 rows, the prediction reads its own r and the verify factor is 1."""
     step, verify_ms, draft_ms = 10.0, 15.0, 1.0
     baseline = [make_round(i, "", target_ms=step, mode=Mode.TARGET, elapsed_s=0.01 * (i + 1), tokens_total=i + 1)
                 for i in range(13)]
@@ -321,16 +325,40 @@ def test_measured_over_predicted_is_taken_apart_into_tokens_verify_and_the_rest(
         make_round(i, "aaru", draft_ms=draft_ms, target_ms=verify_ms, elapsed_s=0.05 + 0.025 * i,
                    tokens_total=1 + 3 * i) for i in range(1, 5)]
     r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
-    gap = metrics.prediction_gap(rounds, baseline, r_of_n)
     e = expected_tokens_per_round(2 / 3, 4)
-    assert gap.tokens == pytest.approx(3 / e)
-    assert gap.verify == pytest.approx((0.1 * 4 + 1.4) / (0.1 * 4 + verify_ms / step))
-    measured = metrics.decode_speedup(rounds, baseline)
-    predicted = metrics.predict(rounds, baseline, r_of_n).speedup_iid
-    assert gap.tokens * gap.verify * gap.rest == pytest.approx(measured / predicted)
-    assert gap.rest != pytest.approx(1.0)          # these rounds' wall time is not their forwards'
+    assert metrics.OWN_R_LEAST == 3
+    for upto, verify in ((3, (0.1 * 4 + 1.4) / (0.1 * 4 + verify_ms / step)), (5, 1.0)):
+        gap = metrics.prediction_gap(rounds[:upto], baseline, r_of_n)
+        assert gap.tokens == pytest.approx(3 / e)
+        assert gap.verify == pytest.approx(verify)
+        measured = metrics.decode_speedup(rounds[:upto], baseline)
+        predicted = metrics.predict(rounds[:upto], baseline, r_of_n).speedup_iid
+        assert gap.tokens * gap.verify * gap.rest == pytest.approx(measured / predicted)
+        assert gap.rest != pytest.approx(1.0)          # these rounds' wall time is not their forwards'
     assert metrics.prediction_gap(rounds, baseline, None) is None and metrics.prediction_gap(rounds[:1], baseline,
                                                                                            r_of_n) is None
+
+
+def test_a_run_reads_r_from_its_own_verify_forwards_once_it_has_enough_and_the_best_k_from_the_calibration():
+    """Verify forwards of 5 rows at 15 ms against 10 ms target-only steps: r(5) is 1.5 in this run, where the
+    calibration says 1.4. Two such rounds: the prediction reads the calibration; three: its own 1.5, in the
+    speed-up and in r, while the best K is the calibration's curve's alone (one source over every K)."""
+    baseline = [make_round(i, "", target_ms=10.0, mode=Mode.TARGET) for i in range(5)]
+    rounds = [make_round(0, "", target_ms=50.0)] + [make_round(i, "aaru", draft_ms=1.0, target_ms=15.0)
+                                                     for i in range(1, 4)]
+    r_of_n = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    e = expected_tokens_per_round(2 / 3, 4)
+    early, later = metrics.predict(rounds[:3], baseline, r_of_n), metrics.predict(rounds, baseline, r_of_n)
+    assert early.r == pytest.approx(1.4) and early.r_forwards == 0 and early.r_calibrated == pytest.approx(1.4)
+    assert early.speedup_iid == pytest.approx(e / (0.1 * 4 + 1.4))
+    assert later.r == pytest.approx(1.5) and later.r_forwards == 3 and later.r_calibrated == pytest.approx(1.4)
+    assert later.speedup_iid == pytest.approx(e / (0.1 * 4 + 1.5))
+    assert later.speedup_rates == pytest.approx(3.0 / (0.1 * 4 + 1.5))
+    assert later.best_k == best_k(2 / 3, 0.1, r_of_n, 16)
+    tally = metrics.Tally.of(rounds, baseline)
+    assert tally.own_r(5) == pytest.approx(1.5) and tally.own_r(3) is None and tally.r_used(None) is None
+    assert tally.r_used(r_of_n)(3) == pytest.approx(1.2)          # no forward of 3 rows: the calibration's
+    assert metrics.Tally.of(rounds).own_r(5) is None              # no target-only step to compare with
 
 
 def test_the_decode_speedup_leaves_out_each_runs_prefill_round():

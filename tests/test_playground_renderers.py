@@ -308,6 +308,16 @@ def test_time_and_speedup_charts_use_both_measured_streams(sampled):
     assert speed.data[0].y[-1] == pytest.approx(after_prefill(view.rounds) / after_prefill(view.baseline))
 
 
+def r_by_hand(rounds, baseline, curve):
+    """r(n) as a prediction reads it, written out: a run's median verify forward of n rows over its median
+    target-only step where it has three or more, else the calibration's."""
+    step = statistics.median(b.timings.target_forward_ms for b in baseline[1:])
+    def r(n):
+        ms = [x.timings.target_forward_ms for x in rounds[1:] if x.k and x.k + 1 == n]
+        return statistics.median(ms) / step if len(ms) >= 3 else curve.at(n)
+    return r
+
+
 def test_cost_ratio_and_prediction_come_from_the_runs_own_timings_and_the_calibration(sampled):
     from dataclasses import replace
 
@@ -321,10 +331,12 @@ def test_cost_ratio_and_prediction_come_from_the_runs_own_timings_and_the_calibr
     curve = RCurve("t", "cpu", "float32", 64, [1, 5, 9], [2.0, 3.0, 4.0], [1.0, 1.5, 2.0], 2.0, 1)
     pred = replace(view, calibration=curve).prediction()
     alpha = metrics.alpha(view.rounds)
-    assert pred.alpha == pytest.approx(alpha) and pred.r == pytest.approx(1.5)
+    r = r_by_hand(view.rounds, view.baseline, curve)
+    assert pred.alpha == pytest.approx(alpha) and pred.r == pytest.approx(r(pred.k + 1))
+    assert pred.r_calibrated == pytest.approx(curve.at(pred.k + 1)) and pred.r_forwards >= 3   # the run's own
     steps = view.rounds[1:]   # the prefill round is no decode step
     e = lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) if k else 1.0  # noqa: E731
-    cost = sum(c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0) for r in steps)
+    cost = sum(c * x.draft_forwards + (r(x.k + 1) if x.k else 1.0) for x in steps)
     assert pred.speedup_iid == pytest.approx(sum(e(r.k) for r in steps) / cost)
     assert {r.k for r in steps if r.k} <= {1, 2, 3, 4}
 
@@ -395,9 +407,11 @@ def test_the_speedup_series_in_one_pass_equals_reading_every_prefix(fixture, req
             e = lambda k: sum(pred.alpha**i for i in range(k + 1)) if k else 1.0  # noqa: E731
             e_at = lambda a, k: sum(a**i for i in range(k + 1)) if k else 1.0  # noqa: E731
 
+            used = r_by_hand(sub.rounds, sub.baseline, curve)
+
             def cost(a: float) -> float:   # v1 commits each round's E tokens in a second forward (commit_rows)
-                return sum(pred.c * r.draft_forwards + (curve.at(r.k + 1) if r.k else 1.0)
-                           + (curve.at(max(1, round(e_at(a, r.k)))) if r.mode is Mode.V1 else 0.0) for r in steps)
+                return sum(pred.c * r.draft_forwards + (used(r.k + 1) if r.k else 1.0)
+                           + (used(max(1, round(e_at(a, r.k)))) if r.mode is Mode.V1 else 0.0) for r in steps)
 
             assert predicted[n - 1] == pytest.approx(sum(e(r.k) for r in steps) / cost(pred.alpha))
             lo, hi = band[n - 1]          # the same formula at the ends of α's Wilson interval

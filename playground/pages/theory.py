@@ -40,8 +40,9 @@ def build() -> TheoryPage:
     gr.Markdown("Leviathan et al.'s model: each verified draft is accepted with probability α, so a round with K "
                 "drafts emits E(α, K) = (1 − α^(K+1)) / (1 − α) tokens; it costs K draft forwards (c each) and one "
                 "verify forward over K + 1 tokens, r(K+1) times a one-token step. α, c and r(n) are all measured "
-                "(α = accepted / verified positions; r(n) by a calibration of the target when the pair loads), "
-                "never assumed.")
+                "(α = accepted / verified positions; r(n) by a calibration of the target when the pair loads, "
+                "and at the K a run verifies, once it has three such forwards, by its own verify forwards over its "
+                "target-only steps), never assumed. The curves over K read the calibration.")
     figure = gr.Plot(show_label=False, elem_id="theory-plot")
     r_curve = gr.Plot(show_label=False, elem_id="theory-r")
     recommendation = gr.HTML(elem_id="theory-recommendation")

@@ -148,7 +148,8 @@ def summary_html(view: RunView | None) -> str:
         ("α: accepted / verified positions", _fmt(metrics.alpha(view.rounds), ".3f")),
         ("tokens per drafted round (τ)", _fmt(metrics.tokens_per_round(view.rounds))),
         ("c, measured from this run", _cost_text(view)),
-        ("r(K+1), calibrated", "—" if isinstance(pred, NotMeasured) else f"{pred.r:.2f} at mean K = {pred.k}"),
+        ("r(K+1): a verify forward of K + 1 rows / a target step", "—" if isinstance(pred, NotMeasured)
+                                                                  else f"at mean K = {pred.k}: {r_text(pred)}"),
         ("speed-up after the prefill: measured / predicted",
          f"{_fmt(metrics.decode_speedup(view.rounds, view.baseline), suffix='×')} / "
          + ("—" if isinstance(pred, NotMeasured) else f"{pred.speedup_iid:.2f}×")),
@@ -163,6 +164,14 @@ def summary_html(view: RunView | None) -> str:
     ]
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv-table">{body}</table>'
+
+
+def r_text(pred: Prediction) -> str:
+    """The r(K+1) a prediction read and where from: the run's own verify forwards, or the calibration's."""
+    if pred.r_forwards:
+        return (f"{pred.r:.2f} from this run's {pred.r_forwards} verify forwards over its target-only steps "
+                f"(calibrated: {pred.r_calibrated:.2f})")
+    return f"{pred.r:.2f} calibrated (the run's own once it has verified {metrics.OWN_R_LEAST} times at this K)"
 
 
 def verdict(pred: Prediction, r_of_n: Callable[[int], float], k_max: int = K_BOUND) -> str:
@@ -187,7 +196,7 @@ def _gap_text(view: RunView) -> str:
     if gap is None:
         return "—"
     return (f"{gap.tokens * gap.verify * gap.rest:.2f} = {gap.tokens:.2f} tokens (yielded / E(α, K) expects) × "
-            f"{gap.verify:.2f} verify (calibrated r / the rounds' own) × {gap.rest:.2f} the rest (time outside the "
+            f"{gap.verify:.2f} verify (the r read / the rounds' own) × {gap.rest:.2f} the rest (time outside the "
             f"forwards: sampling, verification, drafting's bookkeeping)")
 
 

@@ -38,8 +38,8 @@ def _row(view: RunView) -> list[str]:
 
 ROW_NAMES = ("trace", "settings", "target", "draft model / EAGLE head", "devices", "machine", "rounds", "tokens",
              "draft acceptance (accepted / drafted)", "α (accepted / verified)", "tokens per drafted round (τ)",
-             "c (measured)", "r(K+1) (calibrated)", "speed-up after the prefill, measured ×", "speed-up predicted ×",
-             "target forwards")
+             "c (measured)", "r(K+1) (the run's own, else calibrated)", "speed-up after the prefill, measured ×",
+             "speed-up predicted ×", "target forwards")
 
 
 def compare_table_html(a: RunView, b: RunView) -> str:

@@ -16,7 +16,7 @@ from engine.bench.formats import PEER_FORMATS, FormatCurves, curve_of, draft_sha
 from engine.calibration import RCurve
 from engine.config import K_BOUND
 from engine.metrics import NotMeasured, Prediction
-from playground.render.charts import empty_figure, verdict
+from playground.render.charts import empty_figure, r_text, verdict
 from playground.render.palette import BASELINE_COLOUR, GREY, PREDICTED_COLOUR, SPEC_COLOUR, styled_figure
 from playground.view import RunView
 
@@ -183,7 +183,7 @@ def recommendation_html(view: RunView | None, k_max: int = K_BOUND) -> str:
             ("α: accepted / verified positions (the formula's input)", f"{pred.alpha:.3f}"),
             ("draft acceptance rate: accepted / drafted (for comparison)", f"{pred.draft_acceptance:.3f}"),
             ("c (measured: draft forward / target-only step)", f"{pred.c:.3f}"),
-            (f"r(K+1) at the run's mean K = {pred.k} (calibrated)", f"{pred.r:.2f}"),
+            (f"r(K+1) at the run's mean K = {pred.k}", r_text(pred)),
             ("tokens per round: measured / E(α, K) / from per-position rates",
              f"{pred.tokens_measured:.2f} / {pred.tokens_iid:.2f} / {pred.tokens_rates:.2f}"),
             ("speed-up after the prefill: measured / predicted", ("—" if measured is None else f"{measured:.2f}×")
