@@ -30,8 +30,8 @@ Rounds = Sequence[RoundRecord]
 TIE_RTOL = 1e-9
 # verify forwards of n rows a run needs before its prediction reads r(n) from them rather than from the calibration:
 # the app's quick calibration, a minute before on the same machine, read r(3) 1.03-1.22 in four runs where the
-# rounds' own verify forwards gave 1.25-1.3 (SmolLM2, AVX2 EPYC); a run's own forwards are timed beside its
-# target-only steps, under the same load
+# rounds' own verify forwards gave 1.26-1.40 (SmolLM2, AVX2 EPYC; docs/performance.md); a run's own forwards are
+# timed beside its target-only steps, under the same load
 OWN_R_LEAST = 3
 
 

@@ -155,8 +155,8 @@ async def speedups(demo: Blocks, pool: SessionPool, state: SessionState, gate: C
                    tokens: int) -> Speedups:
     """Reset and Run to end on `prompt` through the app (one visitor's `state`), then the sampled bench on the
     same run's settings, holding the app's `gate` as the app's rounds do."""
-    from engine.bench.sampled import measure as bench_measure
     from engine import metrics
+    from engine.bench.sampled import measure as bench_measure
     from engine.metrics import NotMeasured
     from engine.prompts import encode_chat
 
