@@ -347,8 +347,8 @@ def run_figures(sessions: list[Session]) -> str | None:
         return None
     verify = statistics.median(r.timings.target_forward_ms for r in metrics.decode_rounds(view.rounds) if r.k)
     return (f"the run in the page: {len(view.rounds)} rounds, measured after the prefill {measured:.2f}× · "
-            f"predicted {predicted:.2f}× · measured / predicted {measured / predicted:.2f} = {gap.tokens:.2f} tokens × "
-            f"{gap.verify:.2f} verify × {gap.rest:.2f} the rest · target step "
+            f"predicted {predicted:.2f}× · measured / predicted {measured / predicted:.2f} = {gap.tokens:.2f} "
+            f"tokens × {gap.verify:.2f} verify × {gap.rest:.2f} the rest · target step "
             f"{metrics.target_step_ms(view.baseline):.1f} ms, verify forward {verify:.1f} ms (medians)")
 
 

@@ -29,8 +29,8 @@ def build() -> ChartsPage:
                 "outside the clocks, and the background measurement of r(n) waits for a round to end rather than "
                 "run beside it. c (draft forward / target step) is measured from this run. The speed-up chart "
                 "counts decoding after each run's prefill, as the formula and the bench's decode speed-up do; the "
-                "prefill, one forward over the prompt in both runs, is in the tokens-against-time chart. A browser on the same "
-                "machine shares its cores: a Step's round runs while the page handles the click (a page served on "
-                "loopback shows no progress timer for a Step, which it would redraw on every frame), and the "
-                "target-only steps that catch up with it run once the page has drawn the round.")
+                "prefill, one forward over the prompt in both runs, is in the tokens-against-time chart. A browser "
+                "on the same machine shares its cores: a Step's round runs while the page handles the click (a page "
+                "served on loopback shows no progress timer for a Step, which it would redraw on every frame), and "
+                "the target-only steps that catch up with it run once the page has drawn the round.")
     return ChartsPage(acceptance, per_position, lengths, tokens_time, speedup)
