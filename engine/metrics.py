@@ -425,11 +425,11 @@ def prediction_gap(rounds: Rounds, baseline: Rounds, r_of_n: Callable[[int], flo
     forwards (sampling over the vocabulary, the drafters' bookkeeping). None until all is measured."""
     tally = Tally.of(rounds, baseline)
     predicted, measured = tally.speedup_iid(r_of_n), decode_speedup(rounds, baseline)
-    step, a, c, used = target_step_ms(baseline), tally.alpha(), tally.cost_ratio(), tally.r_used(r_of_n)
+    step, a, c, used = tally.target_step_ms(), tally.alpha(), tally.cost_ratio(), tally.r_used(r_of_n)
     decode = decode_rounds(rounds)
     if not predicted or not measured or not step or a is None or c is None or used is None or not decode:
         return None
-    r_run = {n: median(ms) / step for n, ms in tally.verify_ms.items()}
+    r_run = {n: tally.own_r(n, least=1) for n in tally.verify_ms}
     tokens, verify = gap_factors(lambda k: expected_tokens_per_round(a, k), [r.k for r in decode],
                                  [r.draft_forwards for r in decode], c, used, lambda n: r_run.get(n, used(n)),
                                  [r.depth for r in decode], sum(len(r.emitted) for r in decode), tally.commit)
@@ -524,11 +524,11 @@ class Tally:
             return None if self.draft_model_ran else 0.0
         return draft / step
 
-    def own_r(self, n: int) -> float | None:
+    def own_r(self, n: int, least: int = OWN_R_LEAST) -> float | None:
         """r(n) as this run measured it: its median verify forward of n rows over its median target-only step;
-        None with fewer than OWN_R_LEAST such forwards or no step yet."""
+        None with fewer than `least` such forwards or no step yet."""
         step, ms = self.target_step_ms(), self.verify_ms.get(n, ())
-        return median(ms) / step if step and len(ms) >= OWN_R_LEAST else None
+        return median(ms) / step if step and ms and len(ms) >= least else None
 
     def r_used(self, calibrated: Callable[[int], float] | None) -> Callable[[int], float] | None:
         """The r(n) a prediction for these rounds reads: the run's own (`own_r`) at the n it has verified often
