@@ -22,6 +22,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -230,6 +231,11 @@ def free_memory(device: torch.device) -> int:
 # r(n) of each loaded module, measured once per process: registries that share a loaded model (tests, or a
 # registry rebuilt after close) reuse it; `calibration(again=True)` measures afresh.
 _MEASURED: "weakref.WeakKeyDictionary[torch.nn.Module, RCurve]" = weakref.WeakKeyDictionary()
+# The calibration under way of each loaded module, whichever registry started it: a second registry asking for the
+# same weights meanwhile waits for that one instead of measuring beside it (a suite's registries, built test after
+# test over one model, measured the built-in target four times over in one test file, each beside the next test).
+_UNDER_WAY: "weakref.WeakKeyDictionary[torch.nn.Module, Future[RCurve]]" = weakref.WeakKeyDictionary()
+_SHARED = threading.Lock()   # guards the two dictionaries above
 
 
 def weight_bytes(source: str, role: str, device: torch.device) -> int:
@@ -339,6 +345,7 @@ class ModelRegistry:
         # calibration in the background never runs beside a round being timed (engine.clock.ComputeGate)
         self.gate = ComputeGate(compute_threads)
         self._measuring: list[threading.Thread] = []
+        self._following: list[Future] = []             # calibrations another registry measures for this one
         _OPEN.add(self)
         self.allow_custom, self.allow_local_paths = allow_custom, allow_local_paths
         self._loader, self._free, self._inspect = loader, free, inspect
@@ -494,15 +501,27 @@ class ModelRegistry:
     def calibration(self, target: LoadedModel, again: bool = False) -> RCurve | None:
         """The target's measured r(n), or None while it is being measured: the first request (and every
         request with `again`) starts the calibration on a background thread, so no visitor waits for it."""
+        follow = None
         with self._lock:
             future = self._curves.get(id(target))
             start = future is None or (again and future.done())
             if start:
                 future = self._curves[id(target)] = Future()
-                known = _MEASURED.get(target.model) if self._calibrate is None and not again else None
+                shared = self._calibrate is None
+                with _SHARED:
+                    known = _MEASURED.get(target.model) if shared and not again else None
+                    follow = _UNDER_WAY.get(target.model) if shared and not again and known is None else None
+                    if follow is not None and follow.done():
+                        follow = None
+                    if known is None and follow is None and shared:
+                        _UNDER_WAY[target.model] = future
                 if known is not None:    # measured already in this process (another registry, same weights)
                     future.set_result(known)
-                    start = False
+                start = known is None and follow is None
+        if follow is not None:   # another registry is measuring these weights: its result is this one's
+            with self._lock:
+                self._following = [f for f in self._following if not f.done()] + [future]
+            follow.add_done_callback(lambda done: self._follow(target, future, done))
         if start:
             thread = threading.Thread(target=self._measure, args=(target, future), daemon=True,
                                       name=f"calibrate {target.name}")
@@ -513,12 +532,24 @@ class ModelRegistry:
             return future.result()
         return None
 
+    def _follow(self, target: LoadedModel, future: Future, leader: Future) -> None:
+        """`leader` (another registry's calibration of the same weights) ended: its curve is this registry's too.
+        Stopped or failed there (its registry closed), it is forgotten here, so the next request measures afresh."""
+        if leader.exception() is None:
+            future.set_result(leader.result())
+            return
+        with self._lock:
+            if self._curves.get(id(target)) is future:
+                del self._curves[id(target)]
+        future.set_exception(leader.exception())
+
     def _measure(self, target: LoadedModel, future: Future) -> None:
         try:
             measure = self._calibrate or (lambda t: app_calibration(t, stop=self._stop, gate=self.gate))
             curve = measure(target)
             if self._calibrate is None:
-                _MEASURED[target.model] = curve
+                with _SHARED:
+                    _MEASURED[target.model] = curve
             future.set_result(curve)
         except Exception as exc:  # a failed calibration leaves predictions "not measured", never assumed
             future.set_exception(exc)
@@ -529,10 +560,11 @@ class ModelRegistry:
         forwards (on SmolLM2 a Step's time outside the engine's clocks read a median 79 ms then, 20 ms after)."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            threads = list(self._measuring)
+            threads, following = list(self._measuring), list(self._following)
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in threads)
+        wait_futures(following, max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads) and all(f.done() for f in following)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the background calibrations and wait for them (each stops before its next forward); every

@@ -223,6 +223,41 @@ def test_settle_waits_for_the_calibration_under_way_and_only_for_it(builtin_pair
     registry.close()
 
 
+def test_registries_over_the_same_weights_share_the_calibration_under_way(builtin_tokenizer, monkeypatch):
+    """A second registry asking for r(n) of weights a first one is measuring waits for that calibration rather
+    than starting its own beside it; where the first registry closes and stops it, the next request measures
+    afresh."""
+    from engine.calibration import CalibrationStopped
+    from tests.conftest import tiny_model
+
+    target = tiny_model(builtin_tokenizer, layers=1, seed=41)     # weights no calibration in this process measured
+    release, started, calls = threading.Event(), threading.Semaphore(0), []
+    curve = object()
+
+    def measured(t, stop=None, gate=None):
+        calls.append(t)
+        started.release()
+        while not release.wait(0.01):
+            if stop.is_set():
+                raise CalibrationStopped("stopped")
+        return curve
+
+    monkeypatch.setattr(registry, "app_calibration", measured)
+    first, second, third = (ModelRegistry(loader=lambda source, role, device: target) for _ in range(3))
+    assert first.calibration(target) is None and started.acquire(timeout=WAIT)
+    assert second.calibration(target) is None and second.calibration(target) is None
+    assert len(calls) == 1 and not second.settle(timeout=0.05)           # following the first one's, still under way
+    first.close()                                                        # stops it: the follower is left unmeasured
+    assert second.settle(timeout=WAIT) and second.calibration(target) is None and started.acquire(timeout=WAIT)
+    assert len(calls) == 2                                               # so its next request measured afresh
+    assert third.calibration(target) is None and len(calls) == 2         # and the third follows that one
+    release.set()
+    assert second.settle(timeout=WAIT) and third.settle(timeout=WAIT)
+    assert second.calibration(target) is curve and third.calibration(target) is curve and len(calls) == 2
+    for r in (second, third):
+        r.close()
+
+
 def test_custom_paths_get_one_sentence_whether_or_not_they_exist(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
