@@ -500,7 +500,8 @@ class ModelRegistry:
 
     def calibration(self, target: LoadedModel, again: bool = False) -> RCurve | None:
         """The target's measured r(n), or None while it is being measured: the first request (and every
-        request with `again`) starts the calibration on a background thread, so no visitor waits for it."""
+        request with `again`) starts the calibration on a background thread, so no visitor waits for it. Where
+        another registry in this process is measuring the same weights, the first request waits for that one."""
         follow = None
         with self._lock:
             future = self._curves.get(id(target))
