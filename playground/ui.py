@@ -8,6 +8,7 @@ sweeping, shutdown) is playground.serve's job.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -481,8 +482,11 @@ LOADING_NOTICE = ("The models are still loading: on a new machine the first minu
                   "the C++ layer loop. This Step runs as soon as they are in.")
 
 # resolves once the page has painted what the Step returned (the frame after next has begun)
-# (or after a second, in a tab in the background, where animation frames wait until it is shown)
-AFTER_PAINT_JS = ("(...inputs) => new Promise(done => { requestAnimationFrame(() => requestAnimationFrame("
+# (or after a second, in a tab in the background, where animation frames wait until it is shown); first it closes
+# the loading notice, which stays until a Step has waited for the models (it would go on saying they are loading)
+AFTER_PAINT_JS = ("(...inputs) => new Promise(done => { document.querySelectorAll('.toast-body').forEach(t => { "
+                  f"if (t.innerText.includes({json.dumps(LOADING_NOTICE.split(':')[0])})) "
+                  "t.querySelector('.toast-close')?.click(); }); requestAnimationFrame(() => requestAnimationFrame("
                   "() => done(inputs))); setTimeout(() => done(inputs), 1000); })")
 
 

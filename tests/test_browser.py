@@ -140,6 +140,41 @@ def test_an_empty_prompt_keeps_the_previous_run_visible_and_step_refuses_it(page
     click_step(page, 1)
 
 
+def test_the_loading_notice_stays_while_its_step_waits_and_closes_once_the_step_has_run(browser, builtin_pair,
+                                                                                          tmp_path):
+    """A Step that first waits for the default pair to load says so in a notice at once; the notice stays while
+    the Step waits, and the Step's reply closes it (left open, it went on saying the models were loading beside
+    their rounds)."""
+    import threading
+
+    from playground.registry import ModelRegistry
+    from playground.ui import LOADING_NOTICE
+
+    draft, target = builtin_pair
+    loaded = threading.Event()
+
+    def loader(source, role, device):
+        assert loaded.wait(120), "the test never let the models load"
+        return draft if role == "draft" else target
+    registry = ModelRegistry(loader=loader)
+    with launched_app(builtin_pair, tmp_path, max_sessions=2, max_new_tokens=32, registry=registry) as (url, _):
+        page = open_page(browser, url, 1440, 1000)
+        notice = page.locator(".toast-body", has_text=LOADING_NOTICE.split(":")[0])
+        try:
+            page.click("#step-btn")
+            notice.wait_for(state="visible")
+            assert notice.count() == 1 and "Round 1 of" not in page.locator("#status").inner_text()
+            loaded.set()
+            page.wait_for_function("document.querySelector('#status').innerText.includes('Round 1 of')")
+            notice.wait_for(state="hidden")
+            click_step(page, 2)                        # the pair is loaded now: no notice again
+            assert notice.count() == 0
+        finally:
+            loaded.set()
+            page.close()
+    registry.close()
+
+
 def test_play_steps_on_its_own_until_paused(page):
     rounds = page.locator("#token-stream .round-sep").count()
     page.click("#play-btn")
