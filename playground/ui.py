@@ -464,7 +464,7 @@ def _wire(pages: Pages, handlers: Handlers, state: gr.State, demo: gr.Blocks,
     c.play.click(handlers.on_play, [playing, c.speed], [timer, c.play, playing], api_name=False)
     c.speed.change(handlers.on_speed, [c.speed, playing], [timer], api_name=False)
     timer.tick(handlers.on_tick, [state, playing, *decode], [*out, timer, c.play, playing], api_name=False,
-               **stepping)
+               **stepping).then(None, js="() => { " + CLOSE_LOADING_NOTICE_JS + " }", api_name=False)
     for tab, panel in shows:  # a tab's views are rendered when it is shown, not on every event before
         tab.select(handlers.on_show(panel), [state], out,
                    api_name=False if panel is Panel.OTHER else f"show_{panel.value}")
@@ -481,13 +481,16 @@ def _baseline_part(frame: tuple, keep: bool) -> tuple:
 LOADING_NOTICE = ("The models are still loading: on a new machine the first minute converts them and compiles "
                   "the C++ layer loop. This Step runs as soon as they are in.")
 
+# closes the loading notice, which stays open until a Step or Play tick has waited for the models (left open, it
+# went on saying they were loading beside their rounds): run once that Step's or tick's reply has come
+CLOSE_LOADING_NOTICE_JS = ("document.querySelectorAll('.toast-body').forEach(t => { if (t.innerText.includes("
+                           + json.dumps(LOADING_NOTICE.split(":")[0])
+                           + ")) t.querySelector('.toast-close')?.click(); });")
+
 # resolves once the page has painted what the Step returned (the frame after next has begun)
-# (or after a second, in a tab in the background, where animation frames wait until it is shown); first it closes
-# the loading notice, which stays until a Step has waited for the models (it would go on saying they are loading)
-AFTER_PAINT_JS = ("(...inputs) => new Promise(done => { document.querySelectorAll('.toast-body').forEach(t => { "
-                  f"if (t.innerText.includes({json.dumps(LOADING_NOTICE.split(':')[0])})) "
-                  "t.querySelector('.toast-close')?.click(); }); requestAnimationFrame(() => requestAnimationFrame("
-                  "() => done(inputs))); setTimeout(() => done(inputs), 1000); })")
+# (or after a second, in a tab in the background, where animation frames wait until it is shown)
+AFTER_PAINT_JS = ("(...inputs) => new Promise(done => { " + CLOSE_LOADING_NOTICE_JS + " requestAnimationFrame("
+                  "() => requestAnimationFrame(() => done(inputs))); setTimeout(() => done(inputs), 1000); })")
 
 
 def make_context(settings: AppSettings) -> Context:

@@ -140,11 +140,12 @@ def test_an_empty_prompt_keeps_the_previous_run_visible_and_step_refuses_it(page
     click_step(page, 1)
 
 
+@pytest.mark.parametrize("button", ["#step-btn", "#play-btn"])
 def test_the_loading_notice_stays_while_its_step_waits_and_closes_once_the_step_has_run(browser, builtin_pair,
-                                                                                          tmp_path):
-    """A Step that first waits for the default pair to load says so in a notice at once; the notice stays while
-    the Step waits, and the Step's reply closes it (left open, it went on saying the models were loading beside
-    their rounds)."""
+                                                                                          tmp_path, button):
+    """A Step (or Play's first tick) that first waits for the default pair to load says so in a notice at once;
+    the notice stays while it waits, and its reply closes it (left open, it went on saying the models were
+    loading beside their rounds)."""
     import threading
 
     from playground.registry import ModelRegistry
@@ -161,13 +162,17 @@ def test_the_loading_notice_stays_while_its_step_waits_and_closes_once_the_step_
         page = open_page(browser, url, 1440, 1000)
         notice = page.locator(".toast-body", has_text=LOADING_NOTICE.split(":")[0])
         try:
-            page.click("#step-btn")
+            page.click(button)
             notice.wait_for(state="visible")
             assert notice.count() == 1 and "Round 1 of" not in page.locator("#status").inner_text()
             loaded.set()
             page.wait_for_function("document.querySelector('#status').innerText.includes('Round 1 of')")
             notice.wait_for(state="hidden")
-            click_step(page, 2)                        # the pair is loaded now: no notice again
+            if button == "#play-btn":
+                page.click("#play-btn")                 # pause
+                page.wait_for_function("document.querySelector('#play-btn').innerText.includes('Play')")
+            else:
+                click_step(page, 2)                    # the pair is loaded now: no notice again
             assert notice.count() == 0
         finally:
             loaded.set()
