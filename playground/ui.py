@@ -480,12 +480,12 @@ def _baseline_part(frame: tuple, keep: bool) -> tuple:
 
 LOADING_NOTICE = ("The models are still loading: on a new machine the first minute converts them and compiles "
                   "the C++ layer loop. This Step runs as soon as they are in.")
+LOADING_NOTICE_OPENS = LOADING_NOTICE.split(":")[0]   # what the page finds the notice by, to close it
 
 # closes the loading notice, which stays open until a Step or Play tick has waited for the models (left open, it
 # went on saying they were loading beside their rounds): run once that Step's or tick's reply has come
 CLOSE_LOADING_NOTICE_JS = ("document.querySelectorAll('.toast-body').forEach(t => { if (t.innerText.includes("
-                           + json.dumps(LOADING_NOTICE.split(":")[0])
-                           + ")) t.querySelector('.toast-close')?.click(); });")
+                           + json.dumps(LOADING_NOTICE_OPENS) + ")) t.querySelector('.toast-close')?.click(); });")
 
 # resolves once the page has painted what the Step returned (the frame after next has begun)
 # (or after a second, in a tab in the background, where animation frames wait until it is shown)

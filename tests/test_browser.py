@@ -149,7 +149,7 @@ def test_the_loading_notice_stays_while_its_step_waits_and_closes_once_the_step_
     import threading
 
     from playground.registry import ModelRegistry
-    from playground.ui import LOADING_NOTICE
+    from playground.ui import LOADING_NOTICE_OPENS
 
     draft, target = builtin_pair
     loaded = threading.Event()
@@ -160,7 +160,7 @@ def test_the_loading_notice_stays_while_its_step_waits_and_closes_once_the_step_
     registry = ModelRegistry(loader=loader)
     with launched_app(builtin_pair, tmp_path, max_sessions=2, max_new_tokens=32, registry=registry) as (url, _):
         page = open_page(browser, url, 1440, 1000)
-        notice = page.locator(".toast-body", has_text=LOADING_NOTICE.split(":")[0])
+        notice = page.locator(".toast-body", has_text=LOADING_NOTICE_OPENS)
         try:
             page.click(button)
             notice.wait_for(state="visible")
